@@ -1,0 +1,38 @@
+"""The ``mars-hf`` console command.
+
+Each subcommand lives in ``mars_hf/commands/<name>.py`` and exposes ``HELP``, ``add_arguments(parser)``
+and ``run(args) -> int``; heavy imports happen inside ``run`` so ``mars-hf --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = ["quickstart", "train", "generate", "bench", "eval", "push"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mars-hf", description="Train and serve MARS multi-token models.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"mars_hf.commands.{name}")
+        except ModuleNotFoundError as error:  # a subcommand whose module is not written yet
+            if error.name != f"mars_hf.commands.{name}":
+                raise
+            continue
+        sub = subparsers.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

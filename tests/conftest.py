@@ -1,0 +1,22 @@
+import pytest
+import torch
+
+from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
+
+# Two cores are shared by the whole suite; more threads only add contention on tiny models.
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture
+def model(arch):
+    return tiny_model(arch)
