@@ -1,0 +1,91 @@
+"""`MARSConfig`: `trl.SFTConfig` plus the few knobs of MARS training (MARS_SPEC §1)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trl import SFTConfig
+
+CLEAN_LOSSES = ("ce", "kl_to_base")
+
+
+@dataclass
+class MARSConfig(SFTConfig):
+    r"""
+    Configuration class for the [`MARSTrainer`].
+
+    Everything of [`~trl.SFTConfig`] applies (dataset formats, `completion_only_loss`, `assistant_only_loss`,
+    `max_length`, PEFT, gradient checkpointing, bf16, ...); the parameters below are specific to MARS.
+
+    Parameters:
+        block_size (`int`, *optional*, defaults to `4`):
+            Block size `B`: the noisy stream learns to predict up to `B + 1` tokens ahead of the visible clean
+            prefix. The paper uses 4, 8 or 16. Saved in the checkpoint's `config.mars`.
+        ar_weight (`float`, *optional*, defaults to `1.0`):
+            Weight of the clean-stream (plain next-token) term in
+            `loss = (Σ noisy CE + ar_weight · Σ clean term) / N`. `0` drops it (the paper's ablation, which
+            degrades badly at large blocks).
+        mask_token (`str`, *optional*, defaults to `"<|mask|>"`):
+            Mask token added to the tokenizer when it has none (a tokenizer's own mask token is reused).
+        pad_to_block_with_eos (`bool`, *optional*, defaults to `True`):
+            Right-pad each example that really ends with EOS to a multiple of `block_size` with supervised EOS
+            tokens (done by the data collator, §1.5). Examples cut at `max_length` are never padded.
+        drop_target_free_blocks (`bool`, *optional*, defaults to `True`):
+            Leave noisy blocks that hold no target out of the forward pass. Exact (same loss and gradients);
+            it saves most of the noisy half's cost on data with long prompts.
+        clean_loss (`str`, *optional*, defaults to `"ce"`):
+            Clean-stream term: `"ce"` is next-token cross-entropy (the paper's "SFT loss"); `"kl_to_base"` is
+            KL(base ‖ model) at each target position, where the base is the frozen starting model (the same
+            model with its adapter disabled under PEFT, otherwise a frozen copy made at init). It keeps one-token
+            decoding close to the starting model while the masks learn.
+    """
+
+    block_size: int = field(
+        default=4,
+        metadata={"help": "Block size B: the noisy stream predicts offsets 2..B+1 beyond the clean prefix."},
+    )
+    ar_weight: float = field(
+        default=1.0,
+        metadata={"help": "Weight of the clean-stream (next-token) term of the loss; 0 disables it."},
+    )
+    mask_token: str = field(
+        default="<|mask|>",
+        metadata={"help": "Mask token added to the tokenizer if it has none (an existing one is reused)."},
+    )
+    pad_to_block_with_eos: bool = field(
+        default=True,
+        metadata={
+            "help": "Right-pad examples that end with EOS to a multiple of block_size with supervised EOS "
+            "tokens (truncated examples are never padded)."
+        },
+    )
+    drop_target_free_blocks: bool = field(
+        default=True,
+        metadata={"help": "Drop noisy blocks without targets from the forward pass (exact optimisation)."},
+    )
+    clean_loss: str = field(
+        default="ce",
+        metadata={
+            "help": "Clean-stream term: 'ce' (next-token cross-entropy) or 'kl_to_base' (KL from the frozen "
+            "starting model, keeps one-token decoding close to it).",
+            "choices": list(CLEAN_LOSSES),
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(
+                f"block_size must be an integer >= 1 (the paper uses 4, 8, 16), got {self.block_size!r}."
+            )
+        if not math.isfinite(float(self.ar_weight)) or self.ar_weight < 0:
+            raise ValueError(f"ar_weight must be a finite number >= 0 (default 1.0), got {self.ar_weight!r}.")
+        if self.clean_loss not in CLEAN_LOSSES:
+            raise ValueError(f"clean_loss must be one of {CLEAN_LOSSES}, got {self.clean_loss!r}.")
+        if self.packing or self.padding_free:
+            raise ValueError(
+                "MARS training does not support packing or padding-free batches: blocks are counted from each "
+                "example's first token and the two-stream mask is per example. Set `packing=False` and "
+                "`padding_free=False`."
+            )

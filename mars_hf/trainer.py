@@ -1,0 +1,377 @@
+"""`MARSTrainer`: `trl.SFTTrainer` whose loss is MARS_SPEC §1.4, and the collator of §1.5.
+
+Everything else (dataset formats, PEFT, gradient accumulation, checkpointing, logging) is TRL's. The
+trainer only (1) makes sure the model has a mask token and ``config.mars``, (2) wraps the collator so
+examples that really end with EOS are padded to a multiple of the block size, and (3) replaces the loss
+with the two-stream one.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import is_peft_model
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from trl import SFTTrainer
+
+from .attention_mask import build_mars_inputs, check_attn_implementation, mars_attention_mask
+from .config import MARSConfig
+from .mask_token import add_mask_token, set_mars_config
+
+logger = logging.getLogger(__name__)
+
+# Largest chat-template tail (e.g. "\n" after "<|im_end|>") still treated as part of a real end.
+_MAX_TEMPLATE_TAIL = 4
+
+
+def _chat_template_eos_tail(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Token ids a chat template puts after the assistant turn's EOS (SmolLM2/ChatML: the newline)."""
+    if not getattr(tokenizer, "chat_template", None) or tokenizer.eos_token_id is None:
+        return ()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+    except Exception:  # a template that needs more than two plain messages: no tail known
+        return ()
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    if tokenizer.eos_token_id not in ids:
+        return ()
+    last = len(ids) - 1 - ids[::-1].index(tokenizer.eos_token_id)
+    tail = tuple(ids[last + 1 :])
+    return tail if len(tail) <= _MAX_TEMPLATE_TAIL else ()
+
+
+@dataclass
+class MARSDataCollator:
+    """Wrap a collator: pad each example that really ends with EOS to a multiple of ``block_size``.
+
+    The padding tokens are EOS and *supervised* (MARS_SPEC §1.5: the masks learn to predict EOS past
+    the end). "Really ends" means the last token is EOS, optionally followed by the chat template's tail
+    (``eos_tail_ids``, e.g. the newline after ``<|im_end|>``); an example cut at ``max_length`` does
+    not, so it never learns a false end. Padding is added before ``collator`` pads the batch, so it is
+    real (attention mask 1) and distinct from batch padding even when pad id == EOS id.
+    """
+
+    collator: Any
+    block_size: int
+    eos_token_id: int
+    eos_tail_ids: tuple[int, ...] = ()
+    pad_to_block_with_eos: bool = True
+
+    def ends_with_eos(self, input_ids: list[int]) -> bool:
+        if input_ids and input_ids[-1] == self.eos_token_id:
+            return True
+        tail = list(self.eos_tail_ids)
+        n = len(tail)
+        return (
+            bool(n)
+            and len(input_ids) > n
+            and input_ids[-n:] == tail
+            and input_ids[-n - 1] == self.eos_token_id
+        )
+
+    def pad_example(self, example: dict[str, Any]) -> dict[str, Any]:
+        input_ids = list(example["input_ids"])
+        extra = -len(input_ids) % self.block_size
+        if not extra or not self.ends_with_eos(input_ids):
+            return example
+        labels = list(example.get("labels", input_ids))
+        example = dict(example)
+        example["input_ids"] = input_ids + [self.eos_token_id] * extra
+        example["labels"] = labels + [self.eos_token_id] * extra
+        if "seq_lengths" in example:  # pragma: no cover - packing is refused by MARSConfig
+            raise ValueError("MARSDataCollator cannot pad packed examples.")
+        return example
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.pad_to_block_with_eos:
+            examples = [self.pad_example(example) for example in examples]
+        return self.collator(examples)
+
+
+def _has_supervised_target(dataset, limit: int | None = None) -> bool:
+    """True if some example has a supervised label at position >= 1 (a MARS target)."""
+    for index, example in enumerate(dataset):
+        if limit is not None and index >= limit:
+            return True  # an iterable dataset: cannot look at everything, trust the rest
+        labels = example.get("labels", example.get("input_ids"))
+        if labels is not None and any(label != -100 for label in list(labels)[1:]):
+            return True
+    return False
+
+
+class MARSTrainer(SFTTrainer):
+    """[`~trl.SFTTrainer`] for MARS (Mask AutoRegreSsion) multi-token training.
+
+    Use it exactly like `SFTTrainer`, with a [`MARSConfig`]:
+
+    ```python
+    trainer = MARSTrainer(model=model, args=MARSConfig(block_size=4), train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=LoraConfig(...))
+    trainer.train()
+    ```
+
+    The model gets a mask token (reused or added) and `config.mars`; with a LoRA `peft_config` the mask
+    token's embedding row is trained through PEFT's `trainable_token_indices`. `compute_loss` takes a
+    collated batch (`input_ids`, `attention_mask`, `labels` aligned with `input_ids`, -100 = unsupervised)
+    and returns MARS_SPEC §1.4's loss; it logs `mars/noisy_loss` and `mars/clean_loss` (per target).
+    """
+
+    _tag_names = ["trl", "sft", "mars"]
+    _name = "MARS"
+
+    def __init__(
+        self,
+        model,
+        args: MARSConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        peft_config=None,
+        **kwargs,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path or "model"
+            args = MARSConfig(f"{str(name).rstrip('/').split('/')[-1]}-MARS")
+        elif not isinstance(args, MARSConfig):
+            raise TypeError(
+                f"MARSTrainer needs a `MARSConfig` (it carries block_size, ar_weight, ...), got "
+                f"{type(args).__name__}. Build one with `MARSConfig(output_dir=..., block_size=4, ...)`."
+            )
+        if isinstance(model, str):
+            from trl.trainer.utils import create_model_from_path
+
+            init_kwargs = dict(args.model_init_kwargs or {})
+            init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            init_kwargs.setdefault("attn_implementation", "sdpa")
+            if processing_class is None:
+                processing_class = AutoTokenizer.from_pretrained(
+                    model, revision=init_kwargs.get("revision"), trust_remote_code=args.trust_remote_code
+                )
+            model = create_model_from_path(model, **init_kwargs)
+            args.model_init_kwargs = None  # consumed here
+        if processing_class is None:
+            raise ValueError(
+                "Pass `processing_class=tokenizer`: MARS needs it to add or find the mask token."
+            )
+        if is_peft_model(model) and peft_config is None:
+            base = model.get_base_model()
+        else:
+            base = model
+        check_attn_implementation(base)
+
+        # Mask token and config.mars (before PEFT so that a resized embedding is the adapter's base).
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if is_peft_model(model) and peft_config is None:
+            if tokenizer.mask_token_id is None:
+                raise ValueError(
+                    "The PEFT model's tokenizer has no mask token. Pass the base model and a `peft_config` "
+                    "instead, so MARSTrainer can add the token before the adapter is created."
+                )
+            mask_token_id = int(tokenizer.mask_token_id)
+        else:
+            mask_token_id = add_mask_token(base, tokenizer, args.mask_token)
+        previous = getattr(base.config, "mars", None) or {}
+        if previous.get("block_size") not in (None, args.block_size):
+            logger.warning(
+                "The model was MARS-trained with block_size=%s; training now with block_size=%d.",
+                previous["block_size"],
+                args.block_size,
+            )
+        set_mars_config(base, block_size=args.block_size, mask_token_id=mask_token_id)
+        self.mask_token_id = mask_token_id
+
+        if peft_config is not None and hasattr(peft_config, "trainable_token_indices"):
+            indices = peft_config.trainable_token_indices
+            if indices is None:
+                peft_config.trainable_token_indices = [mask_token_id]
+            elif isinstance(indices, dict):
+                name = next(iter(indices)) if len(indices) == 1 else "embed_tokens"
+                if mask_token_id not in indices.setdefault(name, []):
+                    indices[name].append(mask_token_id)
+            elif mask_token_id not in indices:
+                peft_config.trainable_token_indices = [*indices, mask_token_id]
+        elif peft_config is not None:
+            logger.warning(
+                "%s has no `trainable_token_indices`: the mask token's embedding row stays frozen. Use a "
+                "LoraConfig (or add the embedding to `modules_to_save`) so the mask token can learn.",
+                type(peft_config).__name__,
+            )
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            peft_config=peft_config,
+            **kwargs,
+        )
+
+        if self.args.pad_to_block_with_eos:
+            if self._tokenizer.eos_token_id is None:
+                raise ValueError(
+                    "pad_to_block_with_eos=True needs a tokenizer with an EOS token; set one or disable it."
+                )
+            self.data_collator = MARSDataCollator(
+                collator=self.data_collator,
+                block_size=self.args.block_size,
+                eos_token_id=int(self._tokenizer.eos_token_id),
+                eos_tail_ids=_chat_template_eos_tail(self._tokenizer),
+            )
+
+        datasets = {"train": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            datasets.update(self.eval_dataset)
+        elif self.eval_dataset is not None:
+            datasets["eval"] = self.eval_dataset
+        for split, dataset in datasets.items():
+            limit = None if hasattr(dataset, "__len__") else 1000
+            if not _has_supervised_target(dataset, limit):
+                raise ValueError(
+                    f"The {split} dataset has no supervised token past the first position, so MARS has "
+                    "nothing to learn. Check `completion_only_loss` / `assistant_only_loss` (an assistant-only "
+                    "loss needs a chat template with {% generation %} markers), that `max_length` does not cut "
+                    "every response away, and that a provided 'labels' column is not all -100."
+                )
+
+        self._base_model = None
+        if self.args.clean_loss == "kl_to_base" and not is_peft_model(self.model):
+            # Full fine-tuning: a frozen copy of the starting model gives the base distribution.
+            self._base_model = (
+                copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval().requires_grad_(False)
+            )
+
+    # ----------------------------------------------------------------------------------------------
+    def _base_clean_logits(self, model, clean_ids, clean_valid, keep):
+        """Logits of the frozen starting model on the clean stream (plain causal LM, no MARS mask)."""
+        kwargs = dict(
+            input_ids=clean_ids,
+            attention_mask=clean_valid.long(),
+            position_ids=torch.arange(clean_ids.shape[1], device=clean_ids.device).expand_as(clean_ids),
+            logits_to_keep=keep,
+            use_cache=False,
+        )
+        with torch.no_grad():
+            if self._base_model is not None:
+                return self._base_model(**kwargs).logits
+            unwrapped = self.accelerator.unwrap_model(model)
+            with unwrapped.disable_adapter():
+                return unwrapped(**kwargs).logits
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """MARS_SPEC §1.4: ``(Σ noisy CE + ar_weight · Σ clean term) / N`` on an already-collated batch."""
+        mode = "train" if self.model.training else "eval"
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        attn_implementation = check_attn_implementation(unwrapped)
+        input_ids = inputs["input_ids"]
+        mars = build_mars_inputs(
+            input_ids,
+            inputs.get("attention_mask"),
+            inputs.get("labels"),
+            block_size=self.args.block_size,
+            mask_token_id=self.mask_token_id,
+            drop_target_free_blocks=self.args.drop_target_free_blocks,
+        )
+        dtype = unwrapped.get_input_embeddings().weight.dtype
+        attention_mask = mars_attention_mask(mars, attn_implementation, dtype=dtype)
+        # Only columns holding a target in some row go through the LM head.
+        has_target = mars.shift_labels != -100
+        keep = has_target.any(0).nonzero().flatten()
+        if keep.numel() == 0:  # no targets: keep one column so the zero loss still has a graph
+            keep = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+        outputs = model(
+            input_ids=mars.input_ids,
+            attention_mask=attention_mask,
+            position_ids=mars.position_ids,
+            logits_to_keep=keep,
+            use_cache=False,
+        )
+        logits = outputs.logits
+        compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logits = logits.to(compute_dtype)
+        targets = mars.shift_labels[:, keep]
+        noisy = mars.is_noisy[:, keep]
+        is_target = targets != -100
+        ce = F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none"
+        ).view_as(targets)
+        noisy_sum = ce[noisy].sum()
+        clean_ce_sum = ce[~noisy].sum()
+        clean_term = clean_ce_sum
+        kl_sum = None
+        if self.args.clean_loss == "kl_to_base":
+            length = mars.clean_length
+            clean_cols = keep < length
+            clean_keep = keep[clean_cols]
+            if clean_keep.numel():
+                base_logits = self._base_clean_logits(
+                    model, mars.input_ids[:, :length], mars.valid[:, :length], clean_keep
+                ).to(compute_dtype)
+                base_logp = base_logits.log_softmax(-1)
+                model_logp = logits[:, clean_cols].log_softmax(-1)
+                kl = (base_logp.exp() * (base_logp - model_logp)).sum(-1)
+                kl_sum = kl[is_target[:, clean_cols]].sum()
+            else:
+                kl_sum = logits.sum() * 0.0
+            clean_term = kl_sum
+
+        num_targets = mars.num_targets
+        denominator = num_items_in_batch if num_items_in_batch is not None else num_targets
+        denominator = torch.as_tensor(denominator, device=logits.device).clamp(min=1)
+        loss = (noisy_sum + self.args.ar_weight * clean_term) / denominator
+        # Like SFTTrainer: num_items_in_batch counts every rank's tokens and DDP averages the gradients.
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+
+        self._log_mars_metrics(
+            mode, inputs, logits, targets, noisy, is_target, noisy_sum, clean_ce_sum, kl_sum
+        )
+        if return_outputs:
+            return loss, outputs
+        return loss
+
+    @torch.no_grad()
+    def _log_mars_metrics(
+        self, mode, inputs, logits, targets, noisy, is_target, noisy_sum, clean_sum, kl_sum
+    ):
+        correct = (logits.argmax(-1) == targets) & is_target
+        stats = torch.stack(
+            [
+                noisy_sum.detach().to(torch.float64),
+                clean_sum.detach().to(torch.float64),
+                (is_target & ~noisy).sum().to(torch.float64),
+                (correct & noisy).sum().to(torch.float64),
+                (correct & ~noisy).sum().to(torch.float64),
+                (kl_sum.detach() if kl_sum is not None else clean_sum.new_zeros(())).to(torch.float64),
+            ]
+        )
+        stats = self.accelerator.gather_for_metrics(stats[None]).sum(0)
+        count = max(stats[2].item(), 1.0)
+        metrics = self._metrics[mode]
+        metrics["mars/noisy_loss"].append(stats[0].item() / count)
+        metrics["mars/clean_loss"].append(stats[1].item() / count)
+        metrics["mars/noisy_accuracy"].append(stats[3].item() / count)
+        metrics["mean_token_accuracy"].append(stats[4].item() / count)
+        if kl_sum is not None:
+            metrics["mars/clean_kl"].append(stats[5].item() / count)
+        if mode == "train" and "attention_mask" in inputs:
+            tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+            self._total_train_tokens += tokens // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation returns the MARS loss only (the two-stream logits are not comparable to labels)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
