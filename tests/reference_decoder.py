@@ -1,0 +1,64 @@
+"""A slow, obviously-correct MARS decoder (MARS_SPEC §2), independent of ``mars_hf.generation``.
+
+One prompt at a time, no cache, no padding: every step runs the model on the whole accepted
+sequence followed by W mask tokens. Logits are read in float32, like stock ``generate``, so that
+ties and confidences are computed the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def confidence(probs: torch.Tensor, token: int, acceptance: str) -> float:
+    if acceptance == "probability":
+        return float(probs[token])
+    if acceptance == "entropy":
+        return float(torch.special.entr(probs).sum())
+    top = torch.topk(probs, 2).values
+    return float(top[0] - top[1])
+
+
+def passes(value: float, tau: float, acceptance: str) -> bool:
+    if acceptance == "entropy":
+        return value <= tau
+    if tau >= 1.0:  # τ = 1 means exactly one token, even where a float32 softmax rounds to 1.0
+        return False
+    return value >= tau
+
+
+@torch.no_grad()
+def reference_generate(
+    model,
+    prompt: list[int],
+    *,
+    tau: float,
+    window: int,
+    mask_token_id: int,
+    max_new_tokens: int,
+    eos_token_ids: list[int] = (),
+    acceptance: str = "probability",
+    stop_token_ids: list[int] = (),
+) -> tuple[list[int], list[int]]:
+    """Greedy MARS decoding of one prompt. Returns (generated tokens, tokens accepted per step)."""
+    sequence = list(prompt)
+    generated: list[int] = []
+    per_step: list[int] = []
+    while len(generated) < max_new_tokens:
+        inputs = torch.tensor([sequence + [mask_token_id] * window])
+        logits = model(input_ids=inputs).logits[0].float()
+        last = len(sequence) - 1
+        accepted = 0
+        for j in range(window + 1):
+            probs = torch.softmax(logits[last + j], dim=-1)
+            token = int(torch.argmax(logits[last + j]))
+            if j > 0 and not passes(confidence(probs, token, acceptance), tau, acceptance):
+                break
+            generated.append(token)
+            accepted += 1
+            if token in eos_token_ids or token in stop_token_ids or len(generated) == max_new_tokens:
+                per_step.append(accepted)
+                return generated, per_step
+        per_step.append(accepted)
+        sequence = list(prompt) + generated
+    return generated, per_step
