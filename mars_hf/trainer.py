@@ -247,9 +247,11 @@ class MARSTrainer(SFTTrainer):
         self._base_model = None
         if self.args.clean_loss == "kl_to_base" and not is_peft_model(self.model):
             # Full fine-tuning: a frozen copy of the starting model gives the base distribution.
-            self._base_model = (
-                copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval().requires_grad_(False)
-            )
+            base_model = copy.deepcopy(self.accelerator.unwrap_model(self.model))
+            # SFTTrainer patches `forward` on the instance with a closure over the *original* model's forward;
+            # a deep copy would keep calling the trained model. Fall back to the class's own forward.
+            base_model.__dict__.pop("forward", None)
+            self._base_model = base_model.eval().requires_grad_(False)
 
     # ----------------------------------------------------------------------------------------------
     def _base_clean_logits(self, model, clean_ids, clean_valid, keep):
