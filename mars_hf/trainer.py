@@ -357,7 +357,8 @@ class MARSTrainer(SFTTrainer):
                 (kl_sum.detach() if kl_sum is not None else clean_sum.new_zeros(())).to(torch.float64),
             ]
         )
-        stats = self.accelerator.gather_for_metrics(stats[None]).sum(0)
+        # A plain all-reduce: gather_for_metrics would trim "duplicate" rows at the end of an epoch.
+        stats = self.accelerator.reduce(stats, reduction="sum")
         count = max(stats[2].item(), 1.0)
         metrics = self._metrics[mode]
         metrics["mars/noisy_loss"].append(stats[0].item() / count)
@@ -367,7 +368,7 @@ class MARSTrainer(SFTTrainer):
         if kl_sum is not None:
             metrics["mars/clean_kl"].append(stats[5].item() / count)
         if mode == "train" and "attention_mask" in inputs:
-            tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+            tokens = self.accelerator.reduce(inputs["attention_mask"].sum(), reduction="sum").item()
             self._total_train_tokens += tokens // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]
 
