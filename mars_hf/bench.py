@@ -1,0 +1,528 @@
+"""Side-by-side benchmark of stock `generate` and MARS decoding, with the §4 cost model next to it.
+
+Why a benchmark and not a timed test: speed depends on the machine, the model and the batch, so the
+only honest number is a ratio against stock `generate` measured in the same process, on the same
+prompts, interleaved so that drift of a shared machine hits every configuration alike.
+
+What is reported, per batch size and configuration (stock, or MARS with threshold τ, window W,
+cache scheme and block C):
+
+- ``tokens_per_forward``: generated tokens ÷ (batch × model calls), prompt forward included. At
+  batch 1 this is generated tokens ÷ forwards; stock `generate` reaches 1.0 only when no row stops
+  early, so at larger batch compare with the stock row.
+- ``tokens_per_s`` and ``speedup`` = tokens/s ÷ stock tokens/s (equal to the wall-clock ratio when both
+  produce the same number of tokens, which they do whenever the outputs match).
+- ``efficiency`` = speedup ÷ (tokens_per_forward ÷ stock tokens_per_forward): the share of the saved
+  forwards that turned into saved time (at batch 1: speedup ÷ tokens per forward).
+- ``predicted``: the speedup MARS_SPEC §4's cost model predicts from the measured cost of an
+  (n + W)-token cached forward relative to a 1-token cached forward (see `measure_step_costs`).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SCHEMES = ("stock", "none", "cursor", "block")
+
+# General chat prompts that ask for answers longer than a typical ``max_new_tokens``, so most rows
+# decode until the limit and timings compare equal amounts of work.
+BUILTIN_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a bicycle works, step by step.",
+    "List the days of the week and say one thing people often do on each.",
+    "Write a Python function that checks whether a number is prime, and explain it.",
+    "Count from 1 to 40, separated by commas.",
+    "Describe the water cycle to a ten-year-old.",
+    "What are the main differences between Python and C? Give several examples.",
+    "Give five tips for staying focused while studying, with a sentence on each.",
+]
+
+
+@dataclass(frozen=True)
+class BenchConfiguration:
+    """One decoding configuration: stock `generate`, or MARS with a cache scheme."""
+
+    scheme: str
+    tau: float | None = None
+    window: int | None = None
+    cache_block: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.scheme == "stock":
+            return "stock"
+        label = f"{self.scheme} tau={self.tau:g} W={self.window}"
+        return label + (f" C={self.cache_block}" if self.cache_block is not None else "")
+
+    def generate_kwargs(self, acceptance: str) -> dict:
+        if self.scheme == "stock":
+            return {}
+        kwargs = {
+            "mars_threshold": self.tau,
+            "mars_block_size": self.window,
+            "mars_acceptance": acceptance,
+            "mars_cache": self.scheme,
+        }
+        if self.cache_block is not None:
+            kwargs["mars_cache_block"] = self.cache_block
+        return kwargs
+
+
+def one_token_mode(tau: float, acceptance: str) -> bool:
+    """τ ≥ 1 with the probability metric accepts exactly one token per step (MARS_SPEC §2)."""
+    return acceptance == "probability" and tau >= 1.0
+
+
+def build_configurations(
+    taus,
+    windows,
+    schemes=("stock", "none", "cursor", "block"),
+    cache_blocks=("W", 16, 32),
+    acceptance: str = "probability",
+    one_token_schemes=("cursor",),
+) -> list[BenchConfiguration]:
+    """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
+    (τ ≥ 1) the schemes all do the same work, so only ``one_token_schemes`` run there."""
+    unknown = set(schemes) - set(SCHEMES)
+    if unknown:
+        raise ValueError(f"Unknown scheme(s) {sorted(unknown)}; choose from {list(SCHEMES)}.")
+    configurations = [BenchConfiguration("stock")] if "stock" in schemes else []
+    for tau in taus:
+        for window in windows:
+            for scheme in schemes:
+                if scheme == "stock":
+                    continue
+                if one_token_mode(tau, acceptance) and scheme not in one_token_schemes:
+                    continue
+                if scheme != "block":
+                    configurations.append(BenchConfiguration(scheme, float(tau), int(window)))
+                    continue
+                blocks = sorted({int(window) if str(c).upper() == "W" else int(c) for c in cache_blocks})
+                for block in blocks:
+                    configurations.append(BenchConfiguration(scheme, float(tau), int(window), block))
+    return list(dict.fromkeys(configurations))
+
+
+def load_prompts(path: str | os.PathLike) -> list[str]:
+    """Prompts from a file: one per line (``.txt``) or JSON lines with a ``prompt`` field or a
+    ``messages`` list whose first user message is taken."""
+    prompts = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            if str(path).endswith((".jsonl", ".json")):
+                record = json.loads(line)
+                if "prompt" in record and isinstance(record["prompt"], str):
+                    prompts.append(record["prompt"])
+                else:
+                    messages = record.get("messages") or record.get("prompt") or []
+                    prompts.append(next(m["content"] for m in messages if m["role"] == "user"))
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise ValueError(f"No prompts found in {path}.")
+    return prompts
+
+
+def prepare_inputs(tokenizer, prompts: list[str], batch_size: int) -> dict:
+    """Chat-template ``batch_size`` prompts (cycling through the list), left-padded."""
+    chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in chosen
+    ]
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = padding_side
+    return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+
+
+def count_generated_tokens(new_tokens: torch.Tensor, eos_token_ids) -> torch.Tensor:
+    """Tokens each row really generated: up to and including its first EOS (padding after it, which
+    may use the EOS id, is not counted)."""
+    if not eos_token_ids:
+        return torch.full((new_tokens.shape[0],), new_tokens.shape[1], dtype=torch.long)
+    is_eos = torch.isin(new_tokens, torch.tensor(list(eos_token_ids), device=new_tokens.device))
+    lengths = []
+    for row in is_eos:
+        hits = row.nonzero()
+        lengths.append(int(hits[0]) + 1 if len(hits) else new_tokens.shape[1])
+    return torch.tensor(lengths, dtype=torch.long)
+
+
+def _eos_ids(generation_config) -> list[int]:
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+class ForwardCounter:
+    """Counts calls of the model's ``forward`` (every call, the prompt's included), independently of
+    what a decoding loop reports about itself."""
+
+    def __init__(self, model):
+        self.count = 0
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+    def remove(self):
+        self._handle.remove()
+
+
+@dataclass
+class RunMeasurement:
+    seconds: float
+    sequences: torch.Tensor
+    generated_per_row: list[int]
+    num_forwards: int
+    counted_forwards: int
+    accepted_per_row: list[int] | None = None
+    mean_step_input: float | None = None  # tokens fed per cursor step, before the W masks
+
+
+def run_once(model, inputs, generation_config, configuration, acceptance, counter) -> RunMeasurement:
+    """One timed generation; stock `generate` when ``configuration.scheme == "stock"``."""
+    prompt_length = inputs["input_ids"].shape[1]
+    counter.count = 0
+    start = time.perf_counter()
+    output = model.generate(
+        **inputs, generation_config=generation_config, **configuration.generate_kwargs(acceptance)
+    )
+    seconds = time.perf_counter() - start
+    sequences = output.sequences
+    generated = count_generated_tokens(sequences[:, prompt_length:], _eos_ids(generation_config))
+    if configuration.scheme == "stock":
+        # Stock `generate` makes one forward per new column (the prompt's forward makes the first).
+        num_forwards = sequences.shape[1] - prompt_length
+    else:
+        num_forwards = int(output.num_forwards)
+    measurement = RunMeasurement(
+        seconds=seconds,
+        sequences=sequences,
+        generated_per_row=generated.tolist(),
+        num_forwards=num_forwards,
+        counted_forwards=counter.count,
+    )
+    accepted_counts = getattr(output, "accepted_counts", None)
+    if accepted_counts is not None and accepted_counts.numel():
+        measurement.accepted_per_row = accepted_counts.sum(dim=0).tolist()
+        # The cursor scheme feeds, at each step, the tokens the longest row accepted at the step before.
+        fed = accepted_counts.max(dim=1).values[:-1].float()
+        measurement.mean_step_input = float(fed.mean()) if fed.numel() else 1.0
+    return measurement
+
+
+@torch.no_grad()
+def measure_step_costs(model, inputs, *, context_tokens: int, step_sizes, full_lengths=(), repeats: int = 5):
+    """Median seconds of a cached forward of ``k`` new tokens on a ``context_tokens``-long prefix, for
+    each ``k`` in ``step_sizes``, and of an uncached forward of each length in ``full_lengths``.
+
+    The prefix is the (left-padded) prompt batch extended with filler tokens, the batch the model sees
+    in the benchmark; the cache is cropped back after each timed forward so every ``k`` sees the
+    same prefix.
+    """
+    from transformers import DynamicCache
+
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+    batch = input_ids.shape[0]
+    filler = max(0, context_tokens - input_ids.shape[1])
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prefix = torch.cat([input_ids, torch.randint(0, vocab, (batch, filler), generator=generator)], dim=1)
+    prefix_mask = torch.cat([attention_mask, torch.ones(batch, filler, dtype=attention_mask.dtype)], dim=1)
+    positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prefix, attention_mask=prefix_mask, position_ids=positions, cache=cache, use_cache=True)
+    last = positions[:, -1:]
+    costs = {}
+    for k in sorted(set(int(s) for s in step_sizes)):
+        new = torch.randint(0, vocab, (batch, k), generator=generator)
+        mask = torch.cat([prefix_mask, torch.ones(batch, k, dtype=prefix_mask.dtype)], dim=1)
+        position_ids = last + torch.arange(1, k + 1)
+        times = []
+        for _ in range(repeats + 1):  # the first call is a warm-up
+            start = time.perf_counter()
+            model(input_ids=new, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+            cache.crop(-k)
+        costs[k] = statistics.median(times[1:])
+    full_costs = {}
+    for length in sorted(set(int(n) for n in full_lengths)):
+        ids = torch.randint(0, vocab, (batch, length), generator=generator)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            times.append(time.perf_counter() - start)
+        full_costs[length] = statistics.median(times[1:])
+    return costs, full_costs
+
+
+def _interpolate(costs: dict[int, float], x: float) -> float:
+    low, high = math.floor(x), math.ceil(x)
+    if low == high or high not in costs:
+        return costs[low if low in costs else high]
+    return costs[low] + (costs[high] - costs[low]) * (x - low)
+
+
+def step_input_tokens(
+    configuration: BenchConfiguration, acceptance: str, mean_step_input: float | None
+) -> float:
+    """Tokens one forward of this configuration feeds on top of its cache, by MARS_SPEC §3–4:
+    one for stock or one-token mode, n + W for the cursor scheme, C for the block scheme."""
+    if configuration.scheme == "stock" or one_token_mode(configuration.tau, acceptance):
+        return 1.0
+    if configuration.scheme == "block":
+        return float(configuration.cache_block)
+    return float(mean_step_input or 1.0) + configuration.window
+
+
+@dataclass
+class BenchArguments:
+    """What to benchmark. Lists restrict the grid so that a run fits a few minutes."""
+
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8], metadata={"help": "Batch sizes."})
+    taus: list[float] = field(default_factory=lambda: [1.0, 0.9], metadata={"help": "MARS thresholds τ."})
+    windows: list[int] = field(default_factory=lambda: [4], metadata={"help": "MARS windows W."})
+    schemes: list[str] = field(default_factory=lambda: list(SCHEMES), metadata={"help": "Configurations."})
+    cache_blocks: list = field(default_factory=lambda: ["W", 16, 32], metadata={"help": "Block sizes C."})
+    one_token_schemes: list[str] = field(
+        default_factory=lambda: ["cursor"], metadata={"help": "Schemes run at τ ≥ 1 (one-token mode)."}
+    )
+    acceptance: str = field(default="probability", metadata={"help": "MARS acceptance metric."})
+    max_new_tokens: int = field(default=64, metadata={"help": "New tokens per row (greedy)."})
+    repeats: int = field(default=3, metadata={"help": "Timed repeats per configuration (median)."})
+    warmup: int = field(default=1, metadata={"help": "Untimed runs per configuration first."})
+    cost_repeats: int = field(default=5, metadata={"help": "Repeats of each forward of the cost model."})
+
+
+def run_benchmark(
+    model, tokenizer, prompts: list[str], args: BenchArguments, *, model_name: str = "", progress=True
+):
+    """Run the grid for every batch size; returns a JSON-able dict with ``rows`` and ``costs``."""
+    from tqdm.auto import tqdm
+
+    configurations = build_configurations(
+        args.taus, args.windows, args.schemes, args.cache_blocks, args.acceptance, args.one_token_schemes
+    )
+    if "stock" not in args.schemes:
+        raise ValueError(
+            "The benchmark reports ratios against stock `generate`; keep 'stock' in the schemes."
+        )
+    generation_config = copy.deepcopy(model.generation_config)
+    generation_config.do_sample = False
+    for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
+        if hasattr(generation_config, name):
+            setattr(generation_config, name, None)
+    generation_config.max_new_tokens = args.max_new_tokens
+    generation_config.max_length = None
+    generation_config.return_dict_in_generate = True
+    if generation_config.pad_token_id is None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+    if generation_config.eos_token_id is None:
+        generation_config.eos_token_id = tokenizer.eos_token_id
+
+    result = {
+        "model": model_name,
+        "environment": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "device": str(next(model.parameters()).device),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        },
+        "arguments": asdict(args),
+        "num_prompts": len(prompts),
+        "rows": [],
+        "costs": {},
+    }
+    counter = ForwardCounter(model)
+    try:
+        for batch_size in args.batch_sizes:
+            inputs = prepare_inputs(tokenizer, prompts, batch_size)
+            inputs = {k: v.to(model.device) for k, v in inputs.items()}
+            measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in configurations}
+            total = len(configurations) * (args.warmup + args.repeats)
+            bar = tqdm(total=total, desc=f"bench batch={batch_size}", disable=not progress)
+            for repeat in range(args.warmup + args.repeats):
+                for configuration in configurations:  # interleaved: drift hits everyone alike
+                    measurement = run_once(
+                        model, inputs, generation_config, configuration, args.acceptance, counter
+                    )
+                    if repeat >= args.warmup:
+                        measurements[configuration].append(measurement)
+                    bar.update(1)
+            bar.close()
+            rows = _summarise(batch_size, inputs, measurements, args, model_name)
+            costs = _add_cost_model(model, inputs, rows, args)
+            result["rows"].extend(rows)
+            result["costs"][str(batch_size)] = costs
+    finally:
+        counter.remove()
+    return result
+
+
+def _summarise(batch_size, inputs, measurements, args, model_name) -> list[dict]:
+    stock_runs = measurements[BenchConfiguration("stock")]
+    stock_sequences = stock_runs[0].sequences
+    rows = []
+    for configuration, runs in measurements.items():
+        first = runs[0]
+        generated = sum(first.generated_per_row)
+        seconds = statistics.median(r.seconds for r in runs)
+        prompt_length = inputs["input_ids"].shape[1]
+        same_rows = [
+            first.sequences[i, prompt_length : prompt_length + n].tolist()
+            == stock_sequences[i, prompt_length : prompt_length + m].tolist()
+            for i, (n, m) in enumerate(zip(first.generated_per_row, stock_runs[0].generated_per_row))
+        ]
+        row = {
+            "model": model_name,
+            "batch": batch_size,
+            "tau": configuration.tau,
+            "window": configuration.window,
+            "scheme": configuration.scheme,
+            "cache_block": configuration.cache_block,
+            "prompt_tokens": int(inputs["input_ids"].shape[1]),
+            "generated_tokens": generated,
+            "generated_per_row": first.generated_per_row,
+            "num_forwards": first.num_forwards,
+            "counted_forwards": first.counted_forwards,
+            "tokens_per_forward": generated / (batch_size * first.num_forwards),
+            "accepted_per_row": first.accepted_per_row,
+            "mean_step_input": first.mean_step_input,
+            "seconds": seconds,
+            "seconds_all": [r.seconds for r in runs],
+            "tokens_per_s": generated / seconds,
+            "same_as_stock": sum(same_rows) / len(same_rows),
+            "deterministic": all(torch.equal(r.sequences, first.sequences) for r in runs),
+        }
+        rows.append(row)
+    stock = rows[0]
+    for row in rows:
+        row["speedup"] = row["tokens_per_s"] / stock["tokens_per_s"]
+        row["wall_clock_ratio"] = stock["seconds"] / row["seconds"]
+        relative_tpf = row["tokens_per_forward"] / stock["tokens_per_forward"]
+        row["efficiency"] = row["speedup"] / relative_tpf
+    return rows
+
+
+def _add_cost_model(model, inputs, rows, args) -> dict:
+    """Measure the forward costs the rows need and add each row's predicted speedup (§4)."""
+    stock = rows[0]
+    step_sizes = {1}
+    full_lengths = set()
+    mean_generated = stock["generated_tokens"] / stock["batch"]
+    context = stock["prompt_tokens"] + int(mean_generated // 2)
+    for row in rows:
+        configuration = BenchConfiguration(row["scheme"], row["tau"], row["window"], row["cache_block"])
+        if row["scheme"] == "none":
+            full_lengths.add(context + row["window"])
+        else:
+            n = step_input_tokens(configuration, args.acceptance, row["mean_step_input"])
+            step_sizes.update({math.floor(n), math.ceil(n)})
+    costs, full_costs = measure_step_costs(
+        model,
+        inputs,
+        context_tokens=context,
+        step_sizes=step_sizes,
+        full_lengths=full_lengths,
+        repeats=args.cost_repeats,
+    )
+    one = costs[1]
+    for row in rows:
+        configuration = BenchConfiguration(row["scheme"], row["tau"], row["window"], row["cache_block"])
+        if row["scheme"] == "none":
+            step_tokens = context + row["window"]
+            relative_cost = full_costs[step_tokens] / one
+        else:
+            step_tokens = step_input_tokens(configuration, args.acceptance, row["mean_step_input"])
+            relative_cost = _interpolate(costs, step_tokens) / one
+        relative_tpf = row["tokens_per_forward"] / stock["tokens_per_forward"]
+        row["step_tokens"] = step_tokens
+        row["step_cost"] = relative_cost
+        row["predicted_speedup"] = relative_tpf / relative_cost
+    return {
+        "context_tokens": context,
+        "one_token_seconds": one,
+        "cached_step_cost": {str(k): v / one for k, v in sorted(costs.items())},
+        "uncached_forward_cost": {str(k): v / one for k, v in sorted(full_costs.items())},
+    }
+
+
+def format_table(result: dict) -> str:
+    """A plain-text table of the rows (one block per batch size) and the measured step costs."""
+    header = (
+        f"{'batch':>5} {'tau':>5} {'W':>3} {'scheme':<7} {'C':>3} {'tok/fwd':>7} {'fwds':>5} {'tok/s':>8} "
+        f"{'speedup':>7} {'effic.':>6} {'step':>6} {'cost':>5} {'pred.':>6} {'=stock':>6}"
+    )
+    lines = [f"model: {result['model']}  ({_describe_environment(result)})", header, "-" * len(header)]
+    previous_batch = None
+    for row in result["rows"]:
+        if previous_batch is not None and row["batch"] != previous_batch:
+            lines.append("")
+        previous_batch = row["batch"]
+        lines.append(
+            f"{row['batch']:>5} {_fmt(row['tau'], '.2f'):>5} {_fmt(row['window'], 'd'):>3} {row['scheme']:<7} "
+            f"{_fmt(row['cache_block'], 'd'):>3} {row['tokens_per_forward']:>7.2f} {row['num_forwards']:>5} "
+            f"{row['tokens_per_s']:>8.1f} {row['speedup']:>6.2f}x {row['efficiency']:>6.2f} "
+            f"{row.get('step_tokens', float('nan')):>6.1f} {row.get('step_cost', float('nan')):>5.2f} "
+            f"{row.get('predicted_speedup', float('nan')):>5.2f}x {row['same_as_stock']:>6.2f}"
+        )
+    lines.append("")
+    lines.append(
+        "tok/fwd = generated tokens / (batch x forwards); speedup = tokens/s vs stock generate (same run); "
+        "effic. = speedup / (tok/fwd relative to stock); step = tokens one forward feeds on its cache "
+        "(n + W for cursor, C for block, the whole sequence for none); cost = that forward's measured time "
+        "/ a 1-token cached forward; pred. = MARS_SPEC §4 cost-model speedup = relative tok/fwd / cost; "
+        "=stock = share of rows whose output equals stock generate."
+    )
+    for batch, costs in result["costs"].items():
+        cached = ", ".join(f"{k}:{v:.2f}" for k, v in costs["cached_step_cost"].items())
+        line = f"batch {batch}: 1-token cached forward {costs['one_token_seconds'] * 1000:.1f} ms at context "
+        line += f"{costs['context_tokens']}; cached k-token forward / 1-token forward: {cached}"
+        if costs["uncached_forward_cost"]:
+            full = ", ".join(f"{k}:{v:.2f}" for k, v in costs["uncached_forward_cost"].items())
+            line += f"; uncached L-token forward / 1-token cached: {full}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def _describe_environment(result):
+    env = result["environment"]
+    args = result["arguments"]
+    return (
+        f"{env['dtype']}, {env['device']}, {env['threads']} threads, attn={env['attn_implementation']}, "
+        f"max_new_tokens={args['max_new_tokens']}, median of {args['repeats']}, acceptance={args['acceptance']}, "
+        f"torch {env['torch']}, transformers {env['transformers']}, {env['date']}"
+    )

@@ -1,0 +1,121 @@
+"""`mars-hf bench`: stock `generate` against MARS decoding, side by side, with the §4 cost model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+HELP = "Benchmark stock generate against MARS decoding (none/cursor/block caches) in one process."
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _words(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Model folder (default: the embedded SmolLM2-135M-Instruct, given an untrained mask token if it "
+        "has no config.mars); 'synthetic' is the tiny model trained on mars_hf.synthetic's counting language.",
+    )
+    parser.add_argument(
+        "--batch-sizes", type=_ints, default=[1, 4, 8], help="Comma-separated (default 1,4,8)."
+    )
+    parser.add_argument(
+        "--taus", type=_floats, default=[1.0, 0.9], help="MARS thresholds τ (default 1.0,0.9)."
+    )
+    parser.add_argument("--windows", type=_ints, default=[4], help="MARS windows W (default 4).")
+    parser.add_argument(
+        "--schemes",
+        type=_words,
+        default=["stock", "none", "cursor", "block"],
+        help="Subset of stock,none,cursor,block.",
+    )
+    parser.add_argument(
+        "--cache-blocks",
+        type=_words,
+        default=["W", "16", "32"],
+        help="Block sizes C of 'block' (W = the window).",
+    )
+    parser.add_argument(
+        "--one-token-schemes",
+        type=_words,
+        default=["cursor"],
+        help="Schemes also run at τ >= 1, where MARS decodes one token per forward (default cursor).",
+    )
+    parser.add_argument("--acceptance", choices=["probability", "entropy", "margin"], default="probability")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="Timed repeats per configuration (median).")
+    parser.add_argument("--warmup", type=int, default=1, help="Untimed runs per configuration first.")
+    parser.add_argument("--cost-repeats", type=int, default=5, help="Repeats of each cost-model forward.")
+    parser.add_argument(
+        "--prompts", default=None, help="Prompt file: one per line, or JSONL with 'prompt'/'messages'."
+    )
+    parser.add_argument("--num-prompts", type=int, default=None, help="Use only the first N prompts.")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's).")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    parser.add_argument(
+        "--block-size", type=int, default=4, help="Block size recorded for a model without config.mars."
+    )
+    parser.add_argument("--output", default=None, help="Also write the table and the JSON to this file.")
+    parser.add_argument("--no-progress", action="store_true", help="No progress bars.")
+
+
+def run(args) -> int:
+    import torch
+
+    from mars_hf.bench import BUILTIN_PROMPTS, BenchArguments, format_table, load_prompts, run_benchmark
+    from mars_hf.commands.generate import load_model_and_tokenizer
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, trained = load_model_and_tokenizer(
+        args.model, block_size=args.block_size, dtype=args.dtype
+    )
+    if args.prompts:
+        prompts = load_prompts(args.prompts)
+    elif args.model == "synthetic":
+        from mars_hf.synthetic import synthetic_prompts
+
+        prompts = synthetic_prompts()
+    else:
+        prompts = list(BUILTIN_PROMPTS)
+    if args.num_prompts:
+        prompts = prompts[: args.num_prompts]
+    bench_args = BenchArguments(
+        batch_sizes=args.batch_sizes,
+        taus=args.taus,
+        windows=args.windows,
+        schemes=args.schemes,
+        cache_blocks=args.cache_blocks,
+        one_token_schemes=args.one_token_schemes,
+        acceptance=args.acceptance,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        cost_repeats=args.cost_repeats,
+    )
+    name = args.model or "SmolLM2-135M-Instruct (embedded)"
+    if not trained:
+        name += " + untrained mask token"
+    result = run_benchmark(
+        model, tokenizer, prompts, bench_args, model_name=name, progress=not args.no_progress
+    )
+    table = format_table(result)
+    print(table)
+    print("JSON: " + json.dumps(result))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(table + "\n\n" + json.dumps(result, indent=1) + "\n")
+    return 0

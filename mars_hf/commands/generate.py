@@ -1,0 +1,258 @@
+"""`mars-hf generate`: chat with a model through MARS decoding; `--show-chunks` shows each forward."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+HELP = "Generate text with MARS decoding (prompts in, chat template applied, text out)."
+
+# Background colours that cycle over forward passes, like the paper's Figure 1.
+CHUNK_COLOURS = ["\033[48;5;153m", "\033[48;5;223m", "\033[48;5;194m", "\033[48;5;225m", "\033[48;5;230m"]
+RESET = "\033[0m"
+DEFAULT_TAU = 0.9
+DEFAULT_BLOCK_SIZE = 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="+", help="One or more user messages (decoded together as a batch).")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Model folder (default: the embedded SmolLM2-135M-Instruct); 'synthetic' is the tiny model "
+        "trained on the synthetic counting language (trained once, then cached).",
+    )
+    parser.add_argument(
+        "--tau",
+        "--mars-threshold",
+        dest="tau",
+        type=float,
+        default=None,
+        help=f"MARS threshold τ (default {DEFAULT_TAU} for a MARS-trained model; 1.0, i.e. one token per "
+        "forward, for a model without MARS training). τ = 1 equals ordinary decoding.",
+    )
+    parser.add_argument(
+        "--window", type=int, default=None, help="MARS window W (default: config.mars block_size)."
+    )
+    parser.add_argument(
+        "--acceptance",
+        choices=["probability", "entropy", "margin"],
+        default="probability",
+        help="Confidence metric compared with τ.",
+    )
+    parser.add_argument(
+        "--cache", choices=["cursor", "block", "none"], default=None, help="MARS KV-cache scheme."
+    )
+    parser.add_argument("--cache-block", type=int, default=None, help="Block C of the 'block' cache scheme.")
+    parser.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding.")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="Random seed (sampling).")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--system", default=None, help="Optional system message.")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="Block size recorded for a model that has no MARS metadata yet (its mask token is untrained).",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    parser.add_argument(
+        "--show-chunks",
+        action="store_true",
+        help="Colour the text by forward pass (tokens accepted together share a colour) and end with the "
+        "number of forwards and tokens per forward.",
+    )
+    parser.add_argument(
+        "--no-color",
+        action="store_true",
+        help="With --show-chunks, separate chunks with '|' instead of colours.",
+    )
+
+
+def load_model_and_tokenizer(
+    name_or_path: str | None = None, *, block_size: int = DEFAULT_BLOCK_SIZE, dtype="float32"
+):
+    """Load a model ready for ``generate(mars_threshold=...)``; returns ``(model, tokenizer, trained)``.
+
+    ``trained`` is False when the model had no ``config.mars``: then a mask token is added (its
+    embedding is untrained, so MARS accepts about one token per step) and a warning is logged.
+    ``"synthetic"`` loads the tiny model trained on `mars_hf.synthetic` (training it once if needed).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mars_hf.embedded_model import resolve_model_path
+    from mars_hf.generation import enable_mars
+    from mars_hf.mask_token import add_mask_token, set_mars_config
+
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if name_or_path == "synthetic":
+        from mars_hf.synthetic import load_synthetic_model
+
+        model, tokenizer = load_synthetic_model(dtype=torch_dtype)
+    else:
+        path = resolve_model_path(name_or_path)
+        if _is_mars_checkpoint(path):
+            from mars_hf.modeling import load_mars_model
+
+            model, tokenizer = load_mars_model(path, dtype=torch_dtype)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.eval()
+    trained = isinstance(getattr(model.config, "mars", None), dict)
+    if not trained:
+        logger.warning(
+            "%s has no MARS metadata (config.mars): adding a mask token with an UNTRAINED embedding and "
+            "block_size=%d. MARS will accept about one token per forward; train it with MARSTrainer first "
+            "for real speed-ups.",
+            name_or_path or "The embedded model",
+            block_size,
+        )
+        mask_token_id = add_mask_token(model, tokenizer)
+        set_mars_config(model, block_size=block_size, mask_token_id=mask_token_id)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enable_mars(model)
+    return model, tokenizer, trained
+
+
+def _is_mars_checkpoint(path: str) -> bool:
+    """A local folder with ``config.mars``, a LoRA adapter, or the paper's ``a2d-*`` model type; a Hub id
+    (not a local folder) is left to `mars_hf.modeling.load_mars_model`, which knows every format."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return True
+    if (folder / "adapter_config.json").exists() and not (folder / "config.json").exists():
+        return True
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        return False
+    config = json.loads(config_file.read_text())
+    return isinstance(config.get("mars"), dict) or str(config.get("model_type", "")).startswith("a2d-")
+
+
+def chat_inputs(tokenizer, prompts: list[str], system: str | None = None) -> dict:
+    """Chat-template each prompt and left-pad them into one batch."""
+    texts = []
+    for prompt in prompts:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = padding_side
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+
+def split_chunks(tokens: list[int], accepted: list[int]) -> list[list[int]]:
+    """Cut one row's new tokens into the groups accepted by each forward (0 counts are skipped)."""
+    chunks, start = [], 0
+    for count in accepted:
+        if count <= 0 or start >= len(tokens):
+            continue
+        chunks.append(tokens[start : start + count])
+        start += count
+    if start < len(tokens):  # pragma: no cover - accepted_counts always covers the output
+        chunks.append(tokens[start:])
+    return chunks
+
+
+def render_chunks(tokenizer, chunks: list[list[int]], colour: bool = True) -> str:
+    """Decode chunk by chunk as differences of prefix decodes (so merges across chunks stay right)."""
+    pieces, done, previous = [], [], ""
+    for chunk in chunks:
+        done = done + chunk
+        text = tokenizer.decode(done, skip_special_tokens=True)
+        piece, previous = text[len(previous) :], text
+        if not piece:
+            continue
+        if colour:
+            pieces.append(f"{CHUNK_COLOURS[len(pieces) % len(CHUNK_COLOURS)]}{piece}{RESET}")
+        else:
+            pieces.append(piece)
+    return ("" if colour else "|").join(pieces)
+
+
+def _row_tokens(new_tokens, eos_ids) -> list[int]:
+    tokens = new_tokens.tolist()
+    for position, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: position + 1]
+    return tokens
+
+
+def run(args) -> int:
+    import torch
+    from transformers import set_seed
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.window is not None and args.window < 1:
+        print(f"--window must be >= 1, got {args.window}.", file=sys.stderr)
+        return 2
+    model, tokenizer, trained = load_model_and_tokenizer(
+        args.model, block_size=args.window or args.block_size, dtype=args.dtype
+    )
+    tau = args.tau
+    if tau is None:
+        if args.acceptance != "probability":
+            print(f"--acceptance {args.acceptance} needs an explicit --tau.", file=sys.stderr)
+            return 2
+        tau = DEFAULT_TAU if trained else 1.0
+        if not trained:
+            logger.warning("Using --tau 1.0 (one token per forward) because the mask token is untrained.")
+    inputs = chat_inputs(tokenizer, args.prompt, args.system)
+    set_seed(args.seed)
+    generate_kwargs = {
+        "max_new_tokens": args.max_new_tokens,
+        "do_sample": args.do_sample,
+        "return_dict_in_generate": True,
+        "pad_token_id": tokenizer.pad_token_id,
+        "mars_threshold": tau,
+        "mars_acceptance": args.acceptance,
+    }
+    for name, value in (
+        ("temperature", args.temperature),
+        ("top_k", args.top_k),
+        ("top_p", args.top_p),
+        ("mars_block_size", args.window),
+        ("mars_cache", args.cache),
+        ("mars_cache_block", args.cache_block),
+    ):
+        if value is not None:
+            generate_kwargs[name] = value
+    with torch.no_grad():
+        output = model.generate(**inputs, **generate_kwargs)
+    prompt_length = inputs["input_ids"].shape[1]
+    eos = model.generation_config.eos_token_id
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or [])) | {tokenizer.eos_token_id}
+    rows = [_row_tokens(output.sequences[i, prompt_length:], eos_ids) for i in range(len(args.prompt))]
+    for index, tokens in enumerate(rows):
+        if len(rows) > 1:
+            print(f"### {args.prompt[index]}")
+        if args.show_chunks:
+            accepted = output.accepted_counts[:, index].tolist()
+            print(render_chunks(tokenizer, split_chunks(tokens, accepted), colour=not args.no_color))
+        else:
+            print(tokenizer.decode(tokens, skip_special_tokens=True))
+    if args.show_chunks:
+        generated = sum(len(tokens) for tokens in rows)
+        forwards = int(output.num_forwards)
+        per_forward = generated / (forwards * len(rows))
+        print(
+            f"\n[{forwards} forwards, {generated} tokens, {per_forward:.2f} tokens per forward"
+            + (f" per sequence, batch {len(rows)}" if len(rows) > 1 else "")
+            + f"; tau={tau:g}]"
+        )
+    return 0

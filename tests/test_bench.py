@@ -1,0 +1,286 @@
+"""The benchmark reports what really happened: its counts are re-derived here independently.
+
+No timing thresholds (speed is the benchmark's job, not a unit test's); only that every number the
+table claims is consistent with the outputs and with an independent count of model calls.
+"""
+
+import json
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from mars_hf.bench import (
+    BenchArguments,
+    BenchConfiguration,
+    build_configurations,
+    count_generated_tokens,
+    format_table,
+    prepare_inputs,
+    run_benchmark,
+)
+from mars_hf.synthetic import synthetic_examples, synthetic_pair, synthetic_prompts, synthetic_tokenizer
+from tests.tiny import tiny_model, tiny_tokenizer
+
+PROMPTS = ["the cat sat on the mat", "one two three", "hello world print x", "a red dog is not blue"]
+
+
+def test_build_configurations_grid():
+    configurations = build_configurations([1.0, 0.9], [4, 16], cache_blocks=["W", 16, 32])
+    assert configurations[0] == BenchConfiguration("stock")
+    # tau = 1 is one-token mode: only the default scheme runs there.
+    assert [c for c in configurations if c.tau == 1.0] == [
+        BenchConfiguration("cursor", 1.0, 4),
+        BenchConfiguration("cursor", 1.0, 16),
+    ]
+    blocks = {(c.window, c.cache_block) for c in configurations if c.scheme == "block"}
+    assert blocks == {(4, 4), (4, 16), (4, 32), (16, 16), (16, 32)}  # C = W = 16 is not repeated
+    assert {c.scheme for c in configurations if c.tau == 0.9} == {"none", "cursor", "block"}
+    with pytest.raises(ValueError, match="Unknown scheme"):
+        build_configurations([0.9], [4], schemes=["stock", "fast"])
+
+
+def test_count_generated_tokens_stops_at_first_eos():
+    new = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
+    assert count_generated_tokens(new, [2]).tolist() == [3, 5, 1]
+    assert count_generated_tokens(new, []).tolist() == [5, 5, 5]
+
+
+def test_prepare_inputs_left_pads_chat_prompts(tokenizer):
+    inputs = prepare_inputs(tokenizer, PROMPTS, 6)
+    assert inputs["input_ids"].shape[0] == 6
+    assert inputs["attention_mask"][:, -1].all()  # left padding: every row ends with a real token
+    text = tokenizer.decode(inputs["input_ids"][4][inputs["attention_mask"][4].bool()])
+    assert (
+        text
+        == tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPTS[0]}], tokenize=False, add_generation_prompt=True
+        ).strip()
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_result():
+    from mars_hf.generation import enable_mars
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", dtype=torch.float32, tokenizer=tokenizer)
+    enable_mars(model)
+    args = BenchArguments(
+        batch_sizes=[1, 3],
+        taus=[1.0, 0.0],
+        windows=[2],
+        cache_blocks=["W", 4],
+        max_new_tokens=7,
+        repeats=2,
+        warmup=0,
+        cost_repeats=1,
+    )
+    result = run_benchmark(model, tokenizer, PROMPTS, args, model_name="tiny-llama", progress=False)
+    return model, tokenizer, args, result
+
+
+def test_bench_rows_and_fields(tiny_result):
+    _, _, args, result = tiny_result
+    configurations = build_configurations(args.taus, args.windows, cache_blocks=args.cache_blocks)
+    assert len(result["rows"]) == len(configurations) * len(args.batch_sizes)
+    fields = {
+        "model",
+        "batch",
+        "tau",
+        "window",
+        "scheme",
+        "cache_block",
+        "tokens_per_forward",
+        "tokens_per_s",
+        "speedup",
+        "efficiency",
+        "predicted_speedup",
+        "step_cost",
+        "num_forwards",
+        "generated_tokens",
+    }
+    for row in result["rows"]:
+        assert fields <= set(row)
+        assert row["model"] == "tiny-llama"
+    assert {row["scheme"] for row in result["rows"]} == {"stock", "none", "cursor", "block"}
+    assert set(result["costs"]) == {"1", "3"}
+    for costs in result["costs"].values():
+        assert costs["cached_step_cost"]["1"] == pytest.approx(1.0)
+    json.loads(json.dumps(result))  # the JSON really is JSON
+    table = format_table(result)
+    assert "tok/fwd" in table and "speedup" in table and "pred." in table
+    assert len([line for line in table.splitlines() if line.strip().startswith(("1 ", "3 "))]) == len(
+        result["rows"]
+    )
+
+
+def test_bench_numbers_are_what_they_claim(tiny_result):
+    _, _, _, result = tiny_result
+    for batch in (1, 3):
+        rows = [row for row in result["rows"] if row["batch"] == batch]
+        stock = rows[0]
+        assert stock["scheme"] == "stock"
+        # Stock generate: one forward per new column, the prompt's forward included.
+        assert stock["num_forwards"] == max(stock["generated_per_row"])
+        for row in rows:
+            # Every model call was counted by an independent forward hook.
+            assert row["counted_forwards"] == row["num_forwards"], row
+            assert row["tokens_per_forward"] == pytest.approx(
+                row["generated_tokens"] / (batch * row["num_forwards"])
+            )
+            assert row["generated_tokens"] == sum(row["generated_per_row"])
+            assert row["tokens_per_s"] == pytest.approx(row["generated_tokens"] / row["seconds"])
+            assert row["seconds"] == pytest.approx(statistics.median(row["seconds_all"]))
+            assert row["speedup"] == pytest.approx(row["tokens_per_s"] / stock["tokens_per_s"])
+            relative = row["tokens_per_forward"] / stock["tokens_per_forward"]
+            assert row["efficiency"] == pytest.approx(row["speedup"] / relative)
+            assert row["predicted_speedup"] == pytest.approx(relative / row["step_cost"])
+            assert math.isfinite(row["predicted_speedup"]) and row["step_cost"] > 0
+            assert row["deterministic"]
+            if row["scheme"] != "stock":
+                # MARS's own per-step accounting adds up to the tokens it returned.
+                assert row["accepted_per_row"] == row["generated_per_row"]
+            if row["tau"] == 1.0:
+                assert row["same_as_stock"] == 1.0
+                assert row["num_forwards"] == stock["num_forwards"]
+                assert row["step_tokens"] == 1.0
+            if row["tau"] == 0.0:
+                # tau = 0 accepts every prediction: up to W + 1 tokens per forward.
+                assert row["tokens_per_forward"] > stock["tokens_per_forward"]
+                assert row["scheme"] in ("none", "cursor", "block")
+        schemes_at_zero = [r for r in rows if r["tau"] == 0.0]
+        # Every cache scheme decodes the same tokens as the uncached reference path.
+        assert len({tuple(r["generated_per_row"]) for r in schemes_at_zero}) == 1
+
+
+def test_bench_generated_counts_match_a_direct_generate_call(tiny_result):
+    model, tokenizer, _, result = tiny_result
+    row = next(r for r in result["rows"] if r["batch"] == 3 and r["scheme"] == "cursor" and r["tau"] == 0.0)
+    inputs = prepare_inputs(tokenizer, PROMPTS, 3)
+    output = model.generate(
+        **inputs,
+        do_sample=False,
+        max_new_tokens=7,
+        pad_token_id=tokenizer.pad_token_id,
+        mars_threshold=0.0,
+        mars_block_size=2,
+        return_dict_in_generate=True,
+    )
+    new = output.sequences[:, inputs["input_ids"].shape[1] :]
+    assert count_generated_tokens(new, [tokenizer.eos_token_id]).tolist() == row["generated_per_row"]
+    assert int(output.num_forwards) == row["num_forwards"]
+
+
+def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
+    from mars_hf.cli import main
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("qwen2", dtype=torch.float32, tokenizer=tokenizer)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    output_file = tmp_path / "bench.txt"
+    code = main(
+        [
+            "bench",
+            "--model",
+            str(tmp_path / "model"),
+            "--prompts",
+            str(prompts),
+            "--batch-sizes",
+            "2",
+            "--taus",
+            "1.0,0.5",
+            "--windows",
+            "2",
+            "--schemes",
+            "stock,cursor,block",
+            "--cache-blocks",
+            "W",
+            "--max-new-tokens",
+            "5",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--cost-repeats",
+            "1",
+            "--no-progress",
+            "--output",
+            str(output_file),
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    json_line = next(line for line in out.splitlines() if line.startswith("JSON: "))
+    result = json.loads(json_line[len("JSON: ") :])
+    assert [(r["scheme"], r["tau"]) for r in result["rows"]] == [
+        ("stock", None),
+        ("cursor", 1.0),
+        ("cursor", 0.5),
+        ("block", 0.5),
+    ]
+    assert result["num_prompts"] == len(PROMPTS)
+    assert "stock" in output_file.read_text() and '"rows"' in output_file.read_text()
+
+
+def test_synthetic_language_is_a_function_of_the_prompt():
+    tokenizer = synthetic_tokenizer()
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id and tokenizer.mask_token == "<|mask|>"
+    rng = random.Random(0)
+    answers = {}
+    for _ in range(500):
+        prompt, answer = synthetic_pair(rng)
+        assert answers.setdefault(prompt, answer) == answer  # deterministic given the prompt
+        words = prompt.split()
+        if "count" in words:
+            start, end = int(words[-3]), int(words[-1])
+            step = -1 if "down" in words else 1
+            assert answer == " ".join(str(n) for n in range(start, end + step, step))
+        else:
+            pattern, times = words[1:-2], int(words[-2])
+            assert answer == " ".join(pattern * times)
+        ids = tokenizer(answer, add_special_tokens=False).input_ids
+        assert tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == answer
+    example = synthetic_examples(1)[0]
+    assert example["prompt"][0]["role"] == "user" and example["completion"][0]["role"] == "assistant"
+    assert len(synthetic_prompts(8)) == 8 and synthetic_prompts(8) == synthetic_prompts(8)
+
+
+@pytest.mark.slow
+def test_synthetic_model_accepts_several_tokens_per_forward(tmp_path):
+    """MARSTrainer on the synthetic language (about a minute) gives a model MARS accelerates, and
+    what it accepts is still the right answer."""
+    from mars_hf.generation import enable_mars
+    from mars_hf.synthetic import train_synthetic_model
+
+    model, tokenizer = train_synthetic_model(tmp_path / "synthetic")
+    assert model.config.mars["block_size"] == 4
+    enable_mars(model)
+    prompts = ["count from 10 to 50", "count down from 90 to 60", "repeat a b c 12 times"]
+    inputs = prepare_inputs(tokenizer, prompts, len(prompts))
+    stock = model.generate(**inputs, do_sample=False, max_new_tokens=48, pad_token_id=tokenizer.pad_token_id)
+    mars = model.generate(
+        **inputs,
+        do_sample=False,
+        max_new_tokens=48,
+        pad_token_id=tokenizer.pad_token_id,
+        mars_threshold=0.9,
+        return_dict_in_generate=True,
+    )
+    new = mars.sequences[:, inputs["input_ids"].shape[1] :]
+    generated = count_generated_tokens(new, [tokenizer.eos_token_id])
+    assert generated.sum() / (len(prompts) * mars.num_forwards) > 2.0
+    expected = [
+        " ".join(map(str, range(10, 51))),
+        " ".join(map(str, range(90, 59, -1))),
+        " ".join("abc" * 12),
+    ]
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    assert [t.strip() for t in texts] == expected
+    stock_texts = tokenizer.batch_decode(stock[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert [t.strip() for t in stock_texts] == expected
