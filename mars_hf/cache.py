@@ -193,16 +193,19 @@ class MARSBlockCache(DynamicCache):
         layers = None
         if config is not None:
             text_config = config.get_text_config(decoder=True)
-            layer_types = getattr(text_config, "layer_types", None) or []
-            unsupported = sorted({t for t in layer_types if t != "full_attention"})
-            if (
-                unsupported
-                or getattr(text_config, "sliding_window", None)
-                and getattr(text_config, "use_sliding_window", True)
+            layer_types = getattr(text_config, "layer_types", None)
+            if layer_types:
+                unsupported = sorted({t for t in layer_types if t != "full_attention"})
+            elif getattr(text_config, "sliding_window", None) and getattr(
+                text_config, "use_sliding_window", True
             ):
+                unsupported = ["sliding_attention"]
+            else:
+                unsupported = []
+            if unsupported:
                 raise ValueError(
-                    f"MARSBlockCache only supports full-attention layers, this model has {unsupported or 'sliding window'} "
-                    "layers. Decode with `mars_cache='none'` instead."
+                    f"MARSBlockCache only supports full-attention layers; this model has {unsupported} layers. "
+                    "Decode with `mars_cache='none'` instead."
                 )
             layers = [MARSCacheLayer(capacity) for _ in range(text_config.num_hidden_layers)]
         if layers is None:

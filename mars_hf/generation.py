@@ -171,7 +171,10 @@ def _caller_streamer():
 
     ``GenerationMixin.generate`` already sent the prompt to it, so the caller must not send it again.
     """
-    frame = sys._getframe(2)
+    try:
+        frame = sys._getframe(2)
+    except ValueError:
+        return None
     for _ in range(4):
         if frame is None:
             return None
@@ -378,7 +381,11 @@ class _MARSDecoder:
                 self.scheme,
                 self.generation_config.cache_implementation,
             )
+        # Room for the prompt, every generated token and one window of masks; with the cursor scheme a
+        # batch also leaves holes, so reserve as much again for them (the buffer still grows if needed).
         capacity = self.prompt_length + self.max_new + self.window + 1
+        if self.scheme == "cursor" and self.batch_size > 1 and self.window:
+            capacity += self.max_new
         return MARSBlockCache(self.model.config, capacity=capacity)
 
     def _new_rows(self) -> MARSRowState:
