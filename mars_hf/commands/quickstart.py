@@ -1,0 +1,77 @@
+"""`mars-hf quickstart`: the newcomer's first command (see `mars_hf.quickstart`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+HELP = (
+    "Offline MARS demo on the embedded SmolLM2-135M-Instruct: self-distil, train within a time budget, "
+    "evaluate tokens/forward, speed and agreement at several τ, save results.json, a Pareto plot and the "
+    "Hub-ready checkpoint."
+)
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(value) for value in text.split(",") if value.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mars_hf.quickstart import QuickstartConfig
+
+    defaults = QuickstartConfig()
+    help_of = {field.name: field.metadata.get("help", "") for field in dataclasses.fields(QuickstartConfig)}
+
+    def option(name, **kwargs):
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        parser.add_argument(
+            flag, dest=name, default=None, help=f"{help_of[name]} (default: {default})", **kwargs
+        )
+
+    option("model_name_or_path", metavar="MODEL")
+    option("output_dir")
+    option("budget_minutes", type=float)
+    option("max_steps", type=int)
+    option("num_train_prompts", type=int)
+    option("num_eval_prompts", type=int)
+    option("max_new_tokens", type=int)
+    option("block_size", type=int)
+    option("learning_rate", type=float)
+    option("batch_size", type=int)
+    option("clean_loss", choices=["ce", "kl_to_base"])
+    option("ar_weight", type=float)
+    option("lora_r", type=int)
+    option("distill_batch_size", type=int)
+    option("seed", type=int)
+    option("num_threads", type=int)
+    option("cache_dir")
+    parser.add_argument(
+        "--full-finetune",
+        dest="lora",
+        action="store_false",
+        default=None,
+        help="Fine-tune every weight instead of LoRA + the mask row.",
+    )
+    parser.add_argument(
+        "--thresholds",
+        type=_float_list,
+        default=None,
+        help=f"Comma-separated τ values (default: {','.join(f'{t:g}' for t in defaults.thresholds)}).",
+    )
+    parser.add_argument("--no-save", dest="save_checkpoint", action="store_false", default=None)
+    parser.add_argument(
+        "--quiet", dest="progress", action="store_false", default=None, help="No progress bars."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from mars_hf.quickstart import config_from_args, run_quickstart, summary
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("transformers", "datasets", "trl", "peft", "accelerate", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    results = run_quickstart(config_from_args(args))
+    print(summary(results))
+    return 0

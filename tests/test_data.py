@@ -1,0 +1,120 @@
+"""Self-distillation: the dataset holds exactly the model's greedy output, and cut responses carry no EOS."""
+
+import pytest
+import torch
+
+from mars_hf.data import chat_prompt_ids, self_distill
+from mars_hf.prompts import held_out_prompts, is_held_out, training_prompts
+from tests.tiny import tiny_model, tiny_tokenizer
+
+PROMPTS = [
+    "the cat sat on the mat",
+    "hello",
+    "print x if y else z and the dog is red",
+    "one two three",
+    "def x return y",
+]
+
+
+def _greedy_one_by_one(model, tokenizer, prompt, max_new_tokens, eos_ids):
+    ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_ids,
+    )
+    response = []
+    for token in out[0, ids.shape[1] :].tolist():
+        response.append(token)
+        if token in eos_ids:
+            break
+    return response
+
+
+@pytest.fixture
+def model_with_frequent_eos():
+    """A tiny float64 model where a token it often emits also counts as EOS, so some answers end and some are cut."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", seed=3, tokenizer=tokenizer)
+    seen_in = {}  # token -> how many prompts' answers contain it
+    for prompt in PROMPTS:
+        for token in set(_greedy_one_by_one(model, tokenizer, prompt, 12, [tokenizer.eos_token_id])):
+            seen_in[token] = seen_in.get(token, 0) + 1
+    some = {token: n for token, n in seen_in.items() if 0 < n < len(PROMPTS)}
+    frequent = max(some, key=lambda token: (some[token], token))
+    model.generation_config.eos_token_id = sorted({tokenizer.eos_token_id, frequent})
+    return model, tokenizer
+
+
+def test_self_distill_equals_greedy_generate_per_prompt(model_with_frequent_eos):
+    model, tokenizer = model_with_frequent_eos
+    eos_ids = model.generation_config.eos_token_id
+    max_new_tokens = 12
+    dataset = self_distill(
+        model, tokenizer, PROMPTS, max_new_tokens=max_new_tokens, batch_size=2, progress=False
+    )
+    assert len(dataset) == len(PROMPTS)
+    assert set(dataset.column_names) >= {"messages", "input_ids", "completion_mask", "ends_with_eos"}
+    ended = []
+    for row, prompt in zip(dataset, PROMPTS):
+        expected = _greedy_one_by_one(model, tokenizer, prompt, max_new_tokens, eos_ids)
+        prompt_ids = chat_prompt_ids(tokenizer, prompt)
+        assert row["input_ids"] == prompt_ids + expected, prompt
+        assert row["completion_mask"] == [0] * len(prompt_ids) + [1] * len(expected)
+        assert row["labels"] == [-100] * len(prompt_ids) + expected
+        assert row["ends_with_eos"] == (expected[-1] in eos_ids)
+        if not row["ends_with_eos"]:  # cut at the limit: no EOS anywhere in the response
+            assert len(expected) == max_new_tokens and not set(expected) & set(eos_ids)
+        assert row["messages"][0] == {"role": "user", "content": prompt}
+        assert row["messages"][-1]["role"] == "assistant"
+        assert row["messages"][-1]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+        ended.append(row["ends_with_eos"])
+    assert any(ended) and not all(ended), "the fixture should give both ended and cut responses"
+
+
+def test_self_distill_batching_does_not_change_outputs(model_with_frequent_eos):
+    model, tokenizer = model_with_frequent_eos
+    one = self_distill(model, tokenizer, PROMPTS, max_new_tokens=8, batch_size=1, progress=False)
+    many = self_distill(model, tokenizer, PROMPTS, max_new_tokens=8, batch_size=4, progress=False)
+    assert one["input_ids"] == many["input_ids"]
+
+
+def test_trainer_collator_pads_only_responses_that_end_with_eos(model_with_frequent_eos, tmp_path):
+    """Contract with MARSTrainer: EOS block padding goes to ended responses only, never to cut ones."""
+    from mars_hf.config import MARSConfig
+    from mars_hf.trainer import MARSTrainer
+
+    model, tokenizer = model_with_frequent_eos
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model.generation_config.eos_token_id[-1])
+    dataset = self_distill(model, tokenizer, PROMPTS, max_new_tokens=9, batch_size=5, progress=False)
+    args = MARSConfig(output_dir=str(tmp_path), block_size=4, max_steps=1, report_to="none", use_cpu=True)
+    trainer = MARSTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    examples = [trainer.train_dataset[i] for i in range(len(dataset))]
+    for example, row in zip(examples, dataset):
+        padded = trainer.data_collator.pad_example(dict(example))
+        added = len(padded["input_ids"]) - len(row["input_ids"])
+        if row["ends_with_eos"] and tokenizer.eos_token_id == row["input_ids"][-1]:
+            assert len(padded["input_ids"]) % 4 == 0
+        else:
+            assert added == 0
+    batch = trainer.data_collator(examples)
+    labels = batch["labels"]
+    for i, row in enumerate(dataset):  # prompt tokens are never supervised; response tokens are
+        n_prompt = row["completion_mask"].index(1)
+        assert (labels[i, :n_prompt] == -100).all()
+        assert labels[i, n_prompt : len(row["input_ids"])].tolist() == row["input_ids"][n_prompt:]
+
+
+def test_prompt_splits_are_disjoint_and_deterministic():
+    train = training_prompts(400)
+    held = held_out_prompts(40)
+    assert len(set(train)) == 400 and len(set(held)) == 40
+    assert not set(train) & set(held)
+    assert all(is_held_out(p) for p in held) and not any(is_held_out(p) for p in train)
+    assert training_prompts(400) == train  # fixed seed
+    assert training_prompts(50) == train[:50] or not set(training_prompts(50)) & set(held)
+    with pytest.raises(ValueError, match="templates only produce"):
+        held_out_prompts(10**6)

@@ -1,0 +1,148 @@
+"""Evaluation: the code executor, the local `evaluate` metrics, and decoding measurements on a tiny model."""
+
+import time
+
+import pytest
+import torch
+
+from mars_hf.data import chat_prompt_ids
+from mars_hf.evaluation import (
+    evaluate_humaneval,
+    format_table,
+    humaneval_program,
+    load_humaneval,
+    measure_decoding,
+    run_program,
+    summarize_runs,
+    truncate_completion,
+)
+from mars_hf.metrics import load_metric
+from tests.tiny import tiny_model, tiny_tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- executor
+def test_humaneval_known_correct_and_known_wrong_completion():
+    problem = load_humaneval(limit=1)[0]
+    assert problem["task_id"] == "HumanEval/0"
+    right = run_program(humaneval_program(problem, problem["canonical_solution"]), timeout=20)
+    assert right.passed and right.status == "passed", right.output
+    wrong = run_program(humaneval_program(problem, "    return False\n"), timeout=20)
+    assert not wrong.passed and wrong.status == "failed"
+    assert "AssertionError" in wrong.output
+
+
+def test_executor_survives_an_infinite_loop():
+    problem = load_humaneval(limit=1)[0]
+    start = time.monotonic()
+    result = run_program(humaneval_program(problem, "    while True:\n        pass\n"), timeout=2)
+    assert not result.passed and result.status == "timed out"
+    assert time.monotonic() - start < 15
+
+
+def test_executor_kills_children_and_blocks_sockets():
+    program = (
+        "import socket\n"
+        "try:\n"
+        "    socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
+        "except OSError as error:\n"
+        "    print('blocked', error)\n"
+        "else:\n"
+        "    raise SystemExit(3)\n"
+    )
+    result = run_program(program, timeout=10)
+    assert result.passed and "blocked" in result.output
+    syntax = run_program("def f(:\n", timeout=10)
+    assert not syntax.passed and "SyntaxError" in syntax.output
+
+
+def test_code_pass_at_k_metric_runs_programs():
+    problems = load_humaneval(limit=2)
+    metric = load_metric("code_pass_at_k")
+    predictions = [
+        [humaneval_program(problems[0], problems[0]["canonical_solution"])],
+        [humaneval_program(problems[1], "    return []\n")],
+    ]
+    scores = metric.compute(predictions=predictions, references=[p["task_id"] for p in problems], k=[1])
+    assert scores["pass@1"] == pytest.approx(0.5)
+    assert scores["results"]["HumanEval/0"][0][0] is True
+    assert scores["results"]["HumanEval/1"][0][0] is False
+
+
+def test_truncate_completion_stops_at_next_top_level_statement():
+    text = "    return x + 1\n\n\ndef other():\n    pass\n"
+    assert truncate_completion(text) == "    return x + 1\n\n"
+    assert truncate_completion("    y = 2\n    return y\n") == "    y = 2\n    return y\n"
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+def test_token_agreement_metric_matches_hand_computation():
+    metric = load_metric("token_agreement")
+    predictions = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    references = [[1, 2, 0, 4], [5, 6, 7, 8], [7, 8, 9]]
+    scores = metric.compute(predictions=predictions, references=references)
+    # matches: 3 + 2 + 3 = 8 over max lengths 4 + 4 + 3 = 11
+    assert scores["agreement"] == pytest.approx(8 / 11)
+    assert scores["exact_match"] == pytest.approx(1 / 3)
+    assert scores["prefix_agreement"] == pytest.approx((2 / 4 + 2 / 4 + 3 / 3) / 3)
+
+
+def test_tokens_per_forward_metric():
+    metric = load_metric("tokens_per_forward")
+    scores = metric.compute(predictions=[10, 30], references=[10, 15])
+    assert scores["tokens_per_forward"] == pytest.approx(40 / 25)
+    assert scores["mean_tokens_per_forward"] == pytest.approx((1.0 + 2.0) / 2)
+    with pytest.raises(ValueError, match="at least one forward"):
+        metric.compute(predictions=[1], references=[0])
+
+
+# --------------------------------------------------------------------------------------- decoding runs
+@pytest.fixture
+def tiny():
+    tokenizer = tiny_tokenizer()
+    return tiny_model("qwen2", seed=2, tokenizer=tokenizer), tokenizer
+
+
+def test_measure_decoding_stock_matches_generate_and_tau_one_matches_stock(tiny):
+    model, tokenizer = tiny
+    prompts = ["the cat sat", "hello world and yes", "one two"]
+    prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
+    runs = measure_decoding(model, tokenizer, prompt_ids, [None, 1.0, 0.0], max_new_tokens=7, progress=False)
+    for ids, output in zip(prompt_ids, runs["stock"].outputs):
+        x = torch.tensor([ids])
+        plain = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=7,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, x.shape[1] :].tolist()
+        if tokenizer.eos_token_id in plain:
+            plain = plain[: plain.index(tokenizer.eos_token_id) + 1]
+        assert output == plain
+    assert runs["mars@1"].outputs == runs["stock"].outputs
+    assert runs["stock"].num_forwards == runs["stock"].num_tokens
+    rows = {row["label"]: row for row in summarize_runs(runs, references=runs["stock"].outputs)}
+    assert rows["stock"]["agreement"] == 1.0 and rows["mars@1"]["agreement"] == 1.0
+    assert rows["mars@1"]["tokens_per_forward"] <= 1.0
+    assert rows["mars@0"]["tokens_per_forward"] > 1.0  # τ = 0 accepts every prediction
+    assert rows["stock"]["speedup_vs_stock"] == pytest.approx(1.0)
+    table = format_table(list(rows.values()))
+    assert "mars@0" in table and "tokens/forward" in table
+
+
+def test_evaluate_humaneval_plumbing_on_tiny_model(tiny):
+    model, tokenizer = tiny
+    rows = evaluate_humaneval(
+        model,
+        tokenizer,
+        [None, 1.0],
+        limit=2,
+        max_new_tokens=4,
+        timeout=10,
+        reference_model=model,
+        progress=False,
+    )
+    assert [row["label"] for row in rows] == ["reference", "stock", "mars@1"]
+    for row in rows:
+        assert row["num_problems"] == 2 and 0.0 <= row["pass@1"] <= 1.0
+    assert rows[1]["agreement"] == 1.0 and rows[2]["agreement"] == 1.0

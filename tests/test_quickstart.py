@@ -1,0 +1,82 @@
+"""The quickstart pipeline end to end at toy scale: a tiny model, a handful of prompts, a few steps."""
+
+import json
+
+import pytest
+import torch
+
+from mars_hf.quickstart import QuickstartConfig, TimeBudget, run_quickstart, summary
+from tests.tiny import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", seed=1, tokenizer=tokenizer, dtype=torch.float32)
+    folder = tmp_path / "tiny-base"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, lora):
+    config = QuickstartConfig(
+        model_name_or_path=tiny_model_dir,
+        output_dir=str(tmp_path / "out"),
+        num_train_prompts=6,
+        num_eval_prompts=3,
+        max_new_tokens=6,
+        distill_batch_size=4,
+        max_steps=2,
+        batch_size=2,
+        lora=lora,
+        lora_r=4,
+        lora_alpha=8,
+        bf16=False,
+        thresholds=(1.0, 0.5, 0.0),
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+    )
+    results = run_quickstart(config)
+    out = tmp_path / "out"
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["evaluation"] == json.loads(json.dumps(results["evaluation"]))
+    labels = [row["label"] for row in saved["evaluation"]]
+    assert labels == ["stock", "mars@1", "mars@0.5", "mars@0"]
+    for row in saved["evaluation"]:
+        assert row["tokens_per_forward"] >= 1.0 - 1e-9
+        assert 0.0 <= row["agreement"] <= 1.0
+        assert row["seconds"] > 0 and row["speedup_vs_stock"] > 0
+    by_label = {row["label"]: row for row in saved["evaluation"]}
+    assert by_label["stock"]["tokens_per_forward"] == 1.0
+    assert by_label["mars@1"]["tokens_per_forward"] <= 1.0 + 1e-9  # τ = 1: one token per step
+    assert by_label["mars@0"]["tokens_per_forward"] > 1.0  # τ = 0 accepts every prediction
+    assert saved["training"]["steps"] == 2
+    assert saved["data"]["train_prompts"] == 6 and saved["data"]["eval_prompts"] == 3
+    png = (out / "pareto.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    checkpoint = out / "checkpoint"
+    assert (checkpoint / "config.json").exists()
+    assert json.loads((checkpoint / "config.json").read_text())["mars"]["block_size"] == 4
+    assert "stock" in summary(results) and "tokens/forward" in summary(results)
+
+    # A rerun reuses the cached self-distillation and reference.
+    again = run_quickstart(config)
+    assert again["data"]["self_distill_cached"] and again["data"]["reference_cached"]
+    assert not results["data"]["self_distill_cached"]
+
+
+def test_time_budget_schedule_warms_up_and_ends_at_zero(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("mars_hf.quickstart.time.monotonic", lambda: clock[0])
+    budget = TimeBudget(seconds=100.0, warmup_fraction=0.1)
+    assert budget(0) == pytest.approx(0.02)  # starts the clock
+    clock[0] = 105.0
+    assert budget(1) == pytest.approx(0.5)
+    clock[0] = 110.0
+    assert budget(2) == pytest.approx(1.0)
+    clock[0] = 155.0
+    assert budget(3) == pytest.approx(0.5)
+    clock[0] = 250.0
+    assert budget(4) == 0.0
