@@ -254,7 +254,16 @@ def _load_adapter(
         raise ValueError(
             f"The adapter {name_or_path!r} does not name its base model; pass `base_model_name_or_path=`."
         )
-    mars = _read_json(name_or_path, MARS_ADAPTER_CONFIG_FILE, hub_kwargs) or {}
+    # An adapter repo is small: take it whole, so that the tokenizer and PEFT read a local folder
+    # (AutoTokenizer on a Hub id without config.json cannot tell "missing" from "not cached" offline).
+    folder = name_or_path
+    if not os.path.isdir(name_or_path):
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(
+            name_or_path, **{k: v for k, v in hub_kwargs.items() if k not in ("proxies",)}
+        )
+    mars = _read_json(folder, MARS_ADAPTER_CONFIG_FILE, {}) or {}
     base_config = _read_json(base, "config.json", hub_kwargs)
     if base_config is None:
         raise OSError(
@@ -263,17 +272,13 @@ def _load_adapter(
         )
     logger.info("Loading the LoRA adapter %s onto its base model %s.", name_or_path, base)
     model = _load_backbone(base, base_config, hub_kwargs, model_kwargs)
-    has_tokenizer = _read_json(name_or_path, "tokenizer_config.json", hub_kwargs) is not None
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path if has_tokenizer else base, **hub_kwargs)
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(base, **hub_kwargs)
 
-    rows_file = cached_file(
-        name_or_path,
-        MARS_MASK_ROWS_FILE,
-        _raise_exceptions_for_missing_entries=False,
-        _raise_exceptions_for_connection_errors=False,
-        **hub_kwargs,
-    )
-    rows = load_file(rows_file) if rows_file else {}
+    rows_file = os.path.join(folder, MARS_MASK_ROWS_FILE)
+    rows = load_file(rows_file) if os.path.isfile(rows_file) else {}
     needed = max(len(tokenizer), int(rows["num_embeddings"].item()) if "num_embeddings" in rows else 0)
     old_rows = model.get_input_embeddings().weight.shape[0]
     if old_rows < needed:
@@ -289,8 +294,7 @@ def _load_adapter(
             name_or_path,
             MARS_MASK_ROWS_FILE,
         )
-    peft_kwargs = {k: v for k, v in hub_kwargs.items() if k in ("revision", "cache_dir", "token")}
-    model = PeftModel.from_pretrained(model, name_or_path, is_trainable=False, **peft_kwargs)
+    model = PeftModel.from_pretrained(model, folder, is_trainable=False)
     if merge_adapter:
         model = model.merge_and_unload()
     model.eval()

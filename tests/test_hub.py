@@ -553,6 +553,23 @@ def test_lora_adapter_loads_onto_base_and_decodes_like_merged(tmp_path, mode):
             )
 
 
+def test_lora_adapter_repo_and_its_base_load_by_hub_id_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    peft_model, tokenizer, adapter_dir = make_lora_adapter(tmp_path, "custom-row")
+    adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    adapter_config["base_model_name_or_path"] = "someone/base"  # as on the Hub
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(adapter_config))
+    cache = tmp_path / "hub_cache"
+    put_in_hub_cache(tmp_path / "base", cache, "someone/base")
+    put_in_hub_cache(adapter_dir, cache, "someone/tiny-lora")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model, loaded_tokenizer = hub.load("someone/tiny-lora", cache_dir=str(cache))
+    assert model.config.mars["block_size"] == 4 and loaded_tokenizer.mask_token == "<|mask|>"
+    out = model.generate(**batch(tokenizer), max_new_tokens=12, do_sample=False, mars_threshold=0.9)
+    assert out.tolist() == mars_tokens(peft_model.merge_and_unload(), tokenizer)
+
+
 # ---------------------------------------------------------------------------------------------- custom_generate
 
 
