@@ -371,6 +371,39 @@ def test_push_to_hub_up_to_the_http_boundary(tmp_path, tokenizer, monkeypatch, c
     assert secret not in captured.out + captured.err + caplog.text
 
 
+def test_cli_push_passes_its_options_to_the_hub_api(saved, monkeypatch, capsys):
+    from mars_hf.cli import main
+
+    _, folder, _ = saved
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "y" * 34)
+    calls = {}
+    monkeypatch.setattr(
+        HfApi, "create_repo", lambda self, repo_id, **kw: calls.setdefault("create", (repo_id, kw))
+    )
+
+    def fake_upload(self, *, repo_id, folder_path, **kwargs):
+        calls["upload"] = (repo_id, kwargs, hub.list_folder(folder_path))
+
+    monkeypatch.setattr(HfApi, "upload_folder", fake_upload)
+    argv = [
+        "push",
+        str(folder),
+        "--repo-id",
+        "someone/w",
+        "--private",
+        "--create-pr",
+        "--commit-message",
+        "hi",
+    ]
+    assert main(argv) == 0
+    assert calls["create"] == ("someone/w", {"private": True, "exist_ok": True})
+    repo_id, kwargs, files = calls["upload"]
+    assert repo_id == "someone/w" and kwargs["create_pr"] is True and kwargs["commit_message"] == "hi"
+    captured = capsys.readouterr()
+    assert [line.strip() for line in captured.out.splitlines()[1:]] == files
+    assert "y" * 34 not in captured.out + captured.err
+
+
 def test_push_without_token_is_a_clear_error(tmp_path, tokenizer, monkeypatch, capsys):
     from mars_hf.cli import main
 
