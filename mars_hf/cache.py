@@ -53,11 +53,24 @@ class MARSCacheLayer(DynamicLayer):
             self.num_copied_entries += self.length
         self._key_buffer, self._value_buffer = new_keys, new_values
         self.num_allocations += 1
-        self._refresh_views()
 
-    def _refresh_views(self) -> None:
-        self.keys = self._key_buffer[:, :, : self.length]
-        self.values = self._value_buffer[:, :, : self.length]
+    # ``keys``/``values`` are read-only views of the live part of the buffers, computed on access so
+    # that a crop is only a counter move (the base class assigns them; those assignments are ignored).
+    @property
+    def keys(self):
+        return None if self._key_buffer is None else self._key_buffer[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value):
+        pass
+
+    @property
+    def values(self):
+        return None if self._value_buffer is None else self._value_buffer[:, :, : self.length]
+
+    @values.setter
+    def values(self, value):
+        pass
 
     @property
     def capacity(self) -> int:
@@ -74,8 +87,7 @@ class MARSCacheLayer(DynamicLayer):
         self._key_buffer[:, :, self.length : end].copy_(key_states)
         self._value_buffer[:, :, self.length : end].copy_(value_states)
         self.length = end
-        self._refresh_views()
-        return self.keys, self.values
+        return self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -90,12 +102,10 @@ class MARSCacheLayer(DynamicLayer):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         self.length = max(0, self.length + tokens_to_remove)
-        self._refresh_views()
 
     def reset(self) -> None:
         self.length = 0
         self._key_buffer = self._value_buffer = None
-        self.keys = self.values = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -105,13 +115,11 @@ class MARSCacheLayer(DynamicLayer):
         if self._key_buffer is not None:
             self._key_buffer = self._key_buffer[indices]
             self._value_buffer = self._value_buffer[indices]
-            self._refresh_views()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._key_buffer is not None:
             self._key_buffer = self._key_buffer.repeat_interleave(repeats, dim=0)
             self._value_buffer = self._value_buffer.repeat_interleave(repeats, dim=0)
-            self._refresh_views()
 
 
 class MARSRowState:

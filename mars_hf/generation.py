@@ -491,6 +491,7 @@ class _MARSDecoder:
         rows = self._new_rows() if self.cache is not None else None
         first = True
         arange_w = torch.arange(window + 1, device=device)
+        generated_t = torch.zeros(batch, dtype=torch.long, device=device)  # same as `generated`, on device
         mask_columns = torch.full((batch, window), self.mask_token_id, dtype=torch.long, device=device)
         while True:
             # ---- which rows take a decision this step, and what each feeds
@@ -565,13 +566,19 @@ class _MARSDecoder:
                 step_rows.commit(0)
             first = False
 
-            index = torch.tensor([max(p - (num_columns - keep), 0) for p in pred0], device=device)
-            index = torch.cat(
-                [index[:, None], torch.arange(keep - window, keep, device=device).expand(batch, window)],
-                dim=1,
+            if keep == window + 1:  # every row's prediction 0 sits right before the masks
+                step_logits = logits.float()
+            else:
+                index = torch.tensor([max(p - (num_columns - keep), 0) for p in pred0], device=device)
+                index = torch.cat(
+                    [index[:, None], torch.arange(keep - window, keep, device=device).expand(batch, window)],
+                    dim=1,
+                )
+                step_logits = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1])).float()
+            n_accept, stopped, counts_t = self._decide(
+                step_logits, generated, generated_t, participating, arange_w
             )
-            step_logits = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1])).float()
-            n_accept, stopped = self._decide(step_logits, generated, participating, arange_w)
+            generated_t += counts_t
             for b in range(batch):
                 generated[b] += n_accept[b]
                 if stopped[b] or generated[b] >= self.max_new:
@@ -587,6 +594,8 @@ class _MARSDecoder:
         """``[batch, width]`` ids of each row's tokens ``starts[b] : starts[b] + counts[b]`` plus holes."""
         if width == 0:
             return None, None
+        if all(c == width for c in counts) and all(x == starts[0] for x in starts):
+            return self.sequences[:, starts[0] : starts[0] + width], None
         device = self.device
         columns = torch.arange(width, device=device)[None, :]
         start = torch.tensor(starts, device=device)[:, None]
@@ -604,11 +613,13 @@ class _MARSDecoder:
         return ids, valid
 
     # -------------------------------------------------------------------------------- acceptance
-    def _decide(self, step_logits, generated, participating, arange_w):
-        """Choose W + 1 tokens per row, accept by the §2 rule, apply stops; writes accepted tokens."""
+    def _decide(self, step_logits, generated, gen, participating, arange_w):
+        """Choose W + 1 tokens per row, accept by the §2 rule, apply stops; writes accepted tokens.
+
+        Returns the accepted count and the stop flag of each row (lists) and the counts as a tensor.
+        """
         batch, positions, vocab = step_logits.shape
         device = self.device
-        gen = torch.tensor(generated, device=device)
         slots = self.prompt_length + gen[:, None] + arange_w[None, :positions]  # buffer columns
         if not self.processors or self.position_free:
             if self.processors:
@@ -653,7 +664,8 @@ class _MARSDecoder:
         passed[self.one_token_rows, 1:] = False
         accepted = passed.long().cumprod(1).sum(1)
         accepted = torch.minimum(accepted, self.max_new - gen)
-        accepted = accepted * torch.tensor(participating, device=device)
+        if not all(participating):
+            accepted = accepted * torch.tensor(participating, device=device)
         if self.eos_ids:
             is_eos = torch.isin(tokens, self.eos_tensor) & (arange_w[None, :positions] < accepted[:, None])
             hit = is_eos.any(1)
@@ -662,6 +674,7 @@ class _MARSDecoder:
             hit = torch.zeros(batch, dtype=torch.bool, device=device)
         n_accept, stopped = torch.stack([accepted, hit.long()]).tolist()
 
+        counts = accepted
         if self.other_criteria:
             for j in range(max(n_accept)):
                 live = [b for b in range(batch) if j < n_accept[b]]
@@ -671,15 +684,15 @@ class _MARSDecoder:
                         d = done[b]
                         if d:
                             n_accept[b], stopped[b] = j + 1, 1
-        counts = torch.tensor(n_accept, device=device)
+            counts = torch.tensor(n_accept, device=device)
         keep_mask = arange_w[None, :positions] < counts[:, None]
         self.sequences.scatter_(1, slots, torch.where(keep_mask, tokens, self.pad_token_id))
         self.accepted_counts.append(counts)
         if self.keep_scores or self.keep_logits:
-            self._score_records.append((scores, step_logits, gen, counts))
+            self._score_records.append((scores, step_logits, gen.clone(), counts))
         if self.streamer is not None:
             self._stream(tokens, n_accept)
-        return n_accept, stopped
+        return n_accept, stopped, counts
 
     def _groups(self, generated, members, j, include_current=False):
         """Rows grouped by the length their provisional prefix has at window position ``j``."""
