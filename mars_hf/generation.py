@@ -327,6 +327,7 @@ class _MARSDecoder:
             (tau >= 1.0) if acceptance in ("probability", "margin") else torch.zeros_like(tau, dtype=bool)
         )
         self.one_token_rows = one_token_rows
+        self.one_token_list = one_token_rows.tolist()
         self.window = 0 if bool(one_token_rows.all()) else window
 
         attention_mask = model_kwargs.pop("attention_mask", None)
@@ -635,7 +636,8 @@ class _MARSDecoder:
                 )
             else:
                 tokens = scores.argmax(-1)
-            self.sequences.scatter_(1, slots, tokens)
+            if self.other_criteria:  # they read the candidate tokens from the buffer
+                self.sequences.scatter_(1, slots, tokens)
         else:
             scores = torch.empty_like(step_logits)
             tokens = torch.zeros((batch, positions), dtype=torch.long, device=device)
@@ -660,21 +662,24 @@ class _MARSDecoder:
         else:
             top2 = probs.topk(2, dim=-1).values
             passed = (top2[..., 0] - top2[..., 1]).double() >= self.tau[:, None]
-        passed[:, 0] = True
-        passed[self.one_token_rows, 1:] = False
-        accepted = passed.long().cumprod(1).sum(1)
-        accepted = torch.minimum(accepted, self.max_new - gen)
-        if not all(participating):
-            accepted = accepted * torch.tensor(participating, device=device)
+        # One transfer to the host, then the §2 rule row by row (W + 1 flags per row: cheap in Python).
         if self.eos_ids:
-            is_eos = torch.isin(tokens, self.eos_tensor) & (arange_w[None, :positions] < accepted[:, None])
-            hit = is_eos.any(1)
-            accepted = torch.where(hit, is_eos.long().argmax(1) + 1, accepted)
+            passed, is_eos = torch.stack([passed, torch.isin(tokens, self.eos_tensor)]).tolist()
         else:
-            hit = torch.zeros(batch, dtype=torch.bool, device=device)
-        n_accept, stopped = torch.stack([accepted, hit.long()]).tolist()
+            passed, is_eos = passed.tolist(), None
+        n_accept, stopped = [0] * batch, [0] * batch
+        for b in range(batch):
+            if not participating[b]:
+                continue
+            limit = min(1 if self.one_token_list[b] else positions, self.max_new - generated[b])
+            for j in range(limit):
+                if j and not passed[b][j]:  # prediction 0 is always accepted
+                    break
+                n_accept[b] = j + 1
+                if is_eos is not None and is_eos[b][j]:  # nothing is accepted after an EOS
+                    stopped[b] = 1
+                    break
 
-        counts = accepted
         if self.other_criteria:
             for j in range(max(n_accept)):
                 live = [b for b in range(batch) if j < n_accept[b]]
@@ -684,7 +689,7 @@ class _MARSDecoder:
                         d = done[b]
                         if d:
                             n_accept[b], stopped[b] = j + 1, 1
-            counts = torch.tensor(n_accept, device=device)
+        counts = torch.tensor(n_accept, device=device)
         keep_mask = arange_w[None, :positions] < counts[:, None]
         self.sequences.scatter_(1, slots, torch.where(keep_mask, tokens, self.pad_token_id))
         self.accepted_counts.append(counts)
