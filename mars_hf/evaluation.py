@@ -216,6 +216,113 @@ def summarize_runs(
     return rows
 
 
+@torch.no_grad()
+def teacher_forced_acceptance(
+    model,
+    sequences: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]],
+    thresholds: Sequence[float] = (0.9,),
+    *,
+    block_size: int | None = None,
+    mask_token_id: int | None = None,
+) -> dict:
+    """Predict MARS acceptance from one two-stream forward pass over reference text (no decoding).
+
+    For every block start ``s`` inside the supervised part of each sequence (e.g. the base model's
+    greedy answers), the MARS step that starts there accepts the next-token prediction, then the
+    masks' predictions of ``x[s+1] ... x[s+B]`` left to right while their confidence is >= τ. This is
+    what decoding does when the window starts at ``s``, so the mean accepted count estimates tokens
+    per forward at τ, and the share of accepted mask tokens equal to the reference estimates how
+    often acceptance introduces a deviation. Much cheaper than decoding: used to follow training.
+
+    Returns ``{"tokens_per_step@τ", "accepted_correct@τ" for each τ, "clean_top1", "mask_top1": [per
+    offset 2..B+1], "mask_confident@0.9": [per offset]}``.
+    """
+    from .attention_mask import build_mars_inputs, mars_attention_mask
+    from .mask_token import get_mars_config
+
+    mars = get_mars_config(model)
+    block_size = int(block_size or mars["block_size"])
+    mask_token_id = int(mask_token_id if mask_token_id is not None else mars["mask_token_id"])
+    device = next(model.parameters()).device
+    attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    was_training = model.training
+    model.eval()
+    steps = {tau: [] for tau in thresholds}
+    correct = {tau: [0, 0] for tau in thresholds}
+    clean_hits = clean_total = 0
+    offset_hits = [0] * block_size
+    offset_confident = [0] * block_size
+    offset_total = [0] * block_size
+    try:
+        for ids, labs in zip(sequences, labels):
+            ids_t = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
+            labs_t = torch.as_tensor([list(labs)], dtype=torch.long, device=device)
+            inputs = build_mars_inputs(
+                ids_t,
+                None,
+                labs_t,
+                block_size=block_size,
+                mask_token_id=mask_token_id,
+                drop_target_free_blocks=False,
+            )
+            dtype = model.get_input_embeddings().weight.dtype
+            logits = (
+                model(
+                    input_ids=inputs.input_ids,
+                    attention_mask=mars_attention_mask(inputs, attn, dtype=dtype),
+                    position_ids=inputs.position_ids,
+                    use_cache=False,
+                )
+                .logits[0]
+                .float()
+            )
+            length = inputs.clean_length
+            probs = logits.softmax(-1)
+            confidence, prediction = probs.max(-1)
+            clean_pred, noisy_pred = prediction[:length], prediction[length:]
+            noisy_conf = confidence[length:]
+            tokens = ids_t[0]
+            supervised = labs_t[0] != -100
+            for position in range(1, length):
+                if supervised[position]:
+                    clean_hits += int(clean_pred[position - 1] == tokens[position])
+                    clean_total += 1
+            for start in range(0, length, block_size):
+                if start == 0 or not supervised[start]:
+                    continue  # the step must start inside the answer
+                for j in range(block_size):
+                    target = start + j + 1
+                    if target >= length or not supervised[target]:
+                        break
+                    offset_total[j] += 1
+                    offset_hits[j] += int(noisy_pred[start + j] == tokens[target])
+                    offset_confident[j] += int(noisy_conf[start + j] >= 0.9)
+                for tau in thresholds:
+                    accepted = 1
+                    for j in range(block_size):
+                        target = start + j + 1
+                        if (
+                            target >= length
+                            or not supervised[target]
+                            or not bool(noisy_conf[start + j] >= tau)
+                        ):
+                            break
+                        accepted += 1
+                        correct[tau][0] += int(noisy_pred[start + j] == tokens[target])
+                        correct[tau][1] += 1
+                    steps[tau].append(accepted)
+    finally:
+        model.train(was_training)
+    result = {"clean_top1": clean_hits / max(1, clean_total)}
+    for tau in thresholds:
+        result[f"tokens_per_step@{tau:g}"] = sum(steps[tau]) / max(1, len(steps[tau]))
+        result[f"accepted_correct@{tau:g}"] = correct[tau][0] / correct[tau][1] if correct[tau][1] else None
+    result["mask_top1"] = [hits / max(1, total) for hits, total in zip(offset_hits, offset_total)]
+    result["mask_confident@0.9"] = [c / max(1, total) for c, total in zip(offset_confident, offset_total)]
+    return result
+
+
 # --------------------------------------------------------------------------------------------------
 # Running generated code
 # --------------------------------------------------------------------------------------------------

@@ -96,6 +96,12 @@ class QuickstartConfig:
         default=None, metadata={"help": "Self-distillation cache (default: $MARS_HF_HOME/quickstart_cache)."}
     )
     progress: bool = dataclasses.field(default=True, metadata={"help": "Show progress bars."})
+    track_every: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "Every N steps, log teacher-forced acceptance on the held-out answers (0: only at the end)."
+        },
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,8 +255,32 @@ def _budget_callback(budget: TimeBudget, progress: bool):
     return BudgetCallback()
 
 
-def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: str):
-    """Train with :class:`MARSTrainer` for ``config.max_steps`` steps or ``config.budget_minutes``."""
+def _tracking_callback(track_every: int, sequences, labels, thresholds, curve: list):
+    from transformers import TrainerCallback
+
+    from .evaluation import teacher_forced_acceptance
+
+    class TrackingCallback(TrainerCallback):
+        """Teacher-forced acceptance on held-out answers every ``track_every`` steps (learning curves)."""
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.on_step_end(args, state, control, model=model)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % track_every == 0:
+                stats = teacher_forced_acceptance(model, sequences, labels, thresholds)
+                curve.append({"step": state.global_step, **stats})
+                logger.info("step %d: %s", state.global_step, {k: v for k, v in stats.items() if "@" in k})
+
+    return TrackingCallback()
+
+
+def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: str, tracking=None):
+    """Train with :class:`MARSTrainer` for ``config.max_steps`` steps or ``config.budget_minutes``.
+
+    ``tracking`` = ``(sequences, labels)`` of held-out answers; with ``config.track_every`` the
+    teacher-forced acceptance on them is recorded every that many steps (``info["curve"]``).
+    """
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from .config import MARSConfig
@@ -305,6 +335,9 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
         trainer.add_callback(_budget_callback(budget, config.progress))
     else:
         trainer.add_callback(ProgressCallback)
+    curve: list[dict] = []
+    if tracking is not None and config.track_every:
+        trainer.add_callback(_tracking_callback(config.track_every, *tracking, config.thresholds, curve))
     start = time.monotonic()
     output = trainer.train()
     seconds = time.monotonic() - start
@@ -318,6 +351,7 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
         "train_loss": float(output.training_loss),
         "first_log": history[0] if history else None,
         "last_log": history[-1] if history else None,
+        "curve": curve,
     }
     model = trainer.model
     if config.lora:
@@ -462,10 +496,17 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     timings["reference"] = time.monotonic() - start
 
     start = time.monotonic()
-    train_model = model if not config.lora else model  # PEFT wraps the same module; no copy needed
+    train_model = model  # with LoRA, PEFT wraps this module (merged back after training)
+    tracking = (
+        [ids + out for ids, out in zip(eval_ids, reference)],
+        [[-100] * len(ids) + out for ids, out in zip(eval_ids, reference)],
+    )
     with tempfile.TemporaryDirectory(prefix="mars_quickstart_") as work_dir:
-        trained, training = train_mars(train_model, tokenizer, dataset, config, work_dir)
+        trained, training = train_mars(train_model, tokenizer, dataset, config, work_dir, tracking=tracking)
     timings["train"] = time.monotonic() - start
+    from .evaluation import teacher_forced_acceptance
+
+    training["teacher_forced"] = teacher_forced_acceptance(trained, *tracking, config.thresholds)
 
     start = time.monotonic()
     runs = measure_decoding(

@@ -146,3 +146,51 @@ def test_evaluate_humaneval_plumbing_on_tiny_model(tiny):
     for row in rows:
         assert row["num_problems"] == 2 and 0.0 <= row["pass@1"] <= 1.0
     assert rows[1]["agreement"] == 1.0 and rows[2]["agreement"] == 1.0
+
+
+def _slow_acceptance(model, ids, labels, tau, block_size, mask_token_id):
+    """Per block start: run the model causally on [prefix ; B masks] (plain decoding input) and accept."""
+    steps, hits, accepted_total = [], 0, 0
+    length = len(ids)
+    for start in range(block_size, length, block_size):
+        if labels[start] == -100:
+            continue
+        x = torch.tensor([ids[:start] + [mask_token_id] * block_size])
+        probs = model(input_ids=x).logits[0, start:].softmax(-1)  # logits at the masks
+        accepted = 1
+        for j in range(block_size):
+            target = start + j + 1
+            if target >= length or labels[target] == -100 or probs[j].max() < tau:
+                break
+            accepted += 1
+            accepted_total += 1
+            hits += int(probs[j].argmax() == ids[target])
+        steps.append(accepted)
+    return steps, hits, accepted_total
+
+
+@pytest.mark.parametrize("block_size", [2, 3])
+def test_teacher_forced_acceptance_equals_plain_causal_decoding_inputs(block_size):
+    from mars_hf.evaluation import teacher_forced_acceptance
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", seed=5, tokenizer=tokenizer, block_size=block_size)
+    mask_id = tokenizer.mask_token_id
+    torch.manual_seed(0)
+    sequences = [torch.randint(3, 40, (n,)).tolist() for n in (17, 23)]
+    labels = [[-100] * 5 + seq[5:] for seq in sequences]
+    # A tiny random model is never confident: lower τ so that some masks get accepted.
+    taus = (0.0, 0.05, 1.0)
+    stats = teacher_forced_acceptance(model, sequences, labels, taus)
+    for tau in taus:
+        steps, hits, accepted = [], 0, 0
+        for seq, lab in zip(sequences, labels):
+            s, h, a = _slow_acceptance(model, seq, lab, tau, block_size, mask_id)
+            steps += s
+            hits += h
+            accepted += a
+        assert stats[f"tokens_per_step@{tau:g}"] == pytest.approx(sum(steps) / len(steps))
+        if accepted:
+            assert stats[f"accepted_correct@{tau:g}"] == pytest.approx(hits / accepted)
+    assert stats["tokens_per_step@1"] == 1.0
+    assert stats["tokens_per_step@0"] > 1.0

@@ -37,6 +37,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, lora):
         thresholds=(1.0, 0.5, 0.0),
         cache_dir=str(tmp_path / "cache"),
         progress=False,
+        track_every=1,
     )
     results = run_quickstart(config)
     out = tmp_path / "out"
@@ -53,6 +54,8 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, lora):
     assert by_label["mars@1"]["tokens_per_forward"] <= 1.0 + 1e-9  # τ = 1: one token per step
     assert by_label["mars@0"]["tokens_per_forward"] > 1.0  # τ = 0 accepts every prediction
     assert saved["training"]["steps"] == 2
+    assert [point["step"] for point in saved["training"]["curve"]] == [0, 1, 2]
+    assert saved["training"]["teacher_forced"]["tokens_per_step@1"] == 1.0
     assert saved["data"]["train_prompts"] == 6 and saved["data"]["eval_prompts"] == 3
     png = (out / "pareto.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
