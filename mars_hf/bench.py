@@ -7,9 +7,10 @@ prompts, interleaved so that drift of a shared machine hits every configuration 
 What is reported, per batch size and configuration (stock, or MARS with threshold τ, window W,
 cache scheme and block C):
 
-- ``tokens_per_forward``: generated tokens ÷ (batch × model calls), prompt forward included. At
+- ``tokens_per_forward``: generated tokens ÷ (batch × model calls), prompt forwards included. At
   batch 1 this is generated tokens ÷ forwards; stock `generate` reaches 1.0 only when no row stops
-  early, so at larger batch compare with the stock row.
+  early, so at larger batch compare with the stock row. Every batch size decodes the whole prompt
+  set (in batches), so rows of different batch sizes do the same work.
 - ``tokens_per_s`` and ``speedup`` = tokens/s ÷ stock tokens/s (equal to the wall-clock ratio when both
   produce the same number of tokens, which they do whenever the outputs match).
 - ``efficiency`` = speedup ÷ (tokens_per_forward ÷ stock tokens_per_forward): the share of the saved
@@ -157,6 +158,17 @@ def prepare_inputs(tokenizer, prompts: list[str], batch_size: int) -> dict:
     return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
 
 
+def prepare_batches(tokenizer, prompts: list[str], batch_size: int) -> list[dict]:
+    """Every prompt once, in batches of ``batch_size`` (the last one filled up by cycling the list),
+    so that each batch size decodes the same prompt set and batch 1 is not one prompt's anecdote."""
+    count = max(len(prompts), batch_size)
+    count = -(-count // batch_size) * batch_size
+    rows = [prompts[i % len(prompts)] for i in range(count)]
+    return [
+        prepare_inputs(tokenizer, rows[i : i + batch_size], batch_size) for i in range(0, count, batch_size)
+    ]
+
+
 def count_generated_tokens(new_tokens: torch.Tensor, eos_token_ids) -> torch.Tensor:
     """Tokens each row really generated: up to and including its first EOS (padding after it, which
     may use the EOS id, is not counted)."""
@@ -178,15 +190,25 @@ def _eos_ids(generation_config) -> list[int]:
 
 
 class ForwardCounter:
-    """Counts calls of the model's ``forward`` (every call, the prompt's included), independently of
-    what a decoding loop reports about itself."""
+    """Counts calls of the model's ``forward`` (every call, the prompt's included) and the tokens each
+    call feeds, independently of what a decoding loop reports about itself."""
 
     def __init__(self, model):
-        self.count = 0
-        self._handle = model.register_forward_pre_hook(self._hook)
+        self.widths: list[int] = []
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
-    def _hook(self, module, args):
-        self.count += 1
+    @property
+    def count(self) -> int:
+        return len(self.widths)
+
+    def reset(self):
+        self.widths = []
+
+    def _hook(self, module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            input_ids = kwargs["inputs_embeds"]
+        self.widths.append(int(input_ids.shape[1]))
 
     def remove(self):
         self._handle.remove()
@@ -194,45 +216,57 @@ class ForwardCounter:
 
 @dataclass
 class RunMeasurement:
+    """One configuration decoding every batch once."""
+
     seconds: float
-    sequences: torch.Tensor
-    generated_per_row: list[int]
-    num_forwards: int
+    new_tokens: list[list[int]]  # each row's generated tokens, up to and including its EOS
+    forwards_per_batch: list[int]
     counted_forwards: int
     accepted_per_row: list[int] | None = None
-    mean_step_input: float | None = None  # tokens fed per cursor step, before the W masks
+    step_tokens: float = 1.0  # mean tokens fed per forward after each prompt's forward
+
+    @property
+    def generated_per_row(self) -> list[int]:
+        return [len(tokens) for tokens in self.new_tokens]
+
+    @property
+    def num_forwards(self) -> int:
+        return sum(self.forwards_per_batch)
 
 
-def run_once(model, inputs, generation_config, configuration, acceptance, counter) -> RunMeasurement:
-    """One timed generation; stock `generate` when ``configuration.scheme == "stock"``."""
-    prompt_length = inputs["input_ids"].shape[1]
-    counter.count = 0
-    start = time.perf_counter()
-    output = model.generate(
-        **inputs, generation_config=generation_config, **configuration.generate_kwargs(acceptance)
-    )
-    seconds = time.perf_counter() - start
-    sequences = output.sequences
-    generated = count_generated_tokens(sequences[:, prompt_length:], _eos_ids(generation_config))
-    if configuration.scheme == "stock":
-        # Stock `generate` makes one forward per new column (the prompt's forward makes the first).
-        num_forwards = sequences.shape[1] - prompt_length
-    else:
-        num_forwards = int(output.num_forwards)
-    measurement = RunMeasurement(
+def run_once(model, batches, generation_config, configuration, acceptance, counter) -> RunMeasurement:
+    """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``."""
+    seconds, new_tokens, forwards, widths, accepted = 0.0, [], [], [], []
+    counted = 0
+    for inputs in batches:
+        prompt_length = inputs["input_ids"].shape[1]
+        counter.reset()
+        start = time.perf_counter()
+        output = model.generate(
+            **inputs, generation_config=generation_config, **configuration.generate_kwargs(acceptance)
+        )
+        seconds += time.perf_counter() - start
+        new = output.sequences[:, prompt_length:]
+        lengths = count_generated_tokens(new, _eos_ids(generation_config)).tolist()
+        new_tokens.extend(row[:n] for row, n in zip(new.tolist(), lengths))
+        if configuration.scheme == "stock":
+            # Stock `generate` makes one forward per new column (the prompt's forward makes the first).
+            forwards.append(new.shape[1])
+        else:
+            forwards.append(int(output.num_forwards))
+        counted += counter.count
+        widths.extend(counter.widths[1:])
+        accepted_counts = getattr(output, "accepted_counts", None)
+        if accepted_counts is not None:
+            accepted.extend(accepted_counts.sum(dim=0).tolist())
+    return RunMeasurement(
         seconds=seconds,
-        sequences=sequences,
-        generated_per_row=generated.tolist(),
-        num_forwards=num_forwards,
-        counted_forwards=counter.count,
+        new_tokens=new_tokens,
+        forwards_per_batch=forwards,
+        counted_forwards=counted,
+        accepted_per_row=accepted if configuration.scheme != "stock" else None,
+        step_tokens=statistics.mean(widths) if widths else 1.0,
     )
-    accepted_counts = getattr(output, "accepted_counts", None)
-    if accepted_counts is not None and accepted_counts.numel():
-        measurement.accepted_per_row = accepted_counts.sum(dim=0).tolist()
-        # The cursor scheme feeds, at each step, the tokens the longest row accepted at the step before.
-        fed = accepted_counts.max(dim=1).values[:-1].float()
-        measurement.mean_step_input = float(fed.mean()) if fed.numel() else 1.0
-    return measurement
 
 
 @torch.no_grad()
@@ -286,18 +320,6 @@ def _interpolate(costs: dict[int, float], x: float) -> float:
     if low == high or high not in costs:
         return costs[low if low in costs else high]
     return costs[low] + (costs[high] - costs[low]) * (x - low)
-
-
-def step_input_tokens(
-    configuration: BenchConfiguration, acceptance: str, mean_step_input: float | None
-) -> float:
-    """Tokens one forward of this configuration feeds on top of its cache, by MARS_SPEC §3–4:
-    one for stock or one-token mode, n + W for the cursor scheme, C for the block scheme."""
-    if configuration.scheme == "stock" or one_token_mode(configuration.tau, acceptance):
-        return 1.0
-    if configuration.scheme == "block":
-        return float(configuration.cache_block)
-    return float(mean_step_input or 1.0) + configuration.window
 
 
 @dataclass
@@ -365,22 +387,24 @@ def run_benchmark(
     counter = ForwardCounter(model)
     try:
         for batch_size in args.batch_sizes:
-            inputs = prepare_inputs(tokenizer, prompts, batch_size)
-            inputs = {k: v.to(model.device) for k, v in inputs.items()}
+            batches = [
+                {k: v.to(model.device) for k, v in inputs.items()}
+                for inputs in prepare_batches(tokenizer, prompts, batch_size)
+            ]
             measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in configurations}
             total = len(configurations) * (args.warmup + args.repeats)
             bar = tqdm(total=total, desc=f"bench batch={batch_size}", disable=not progress)
             for repeat in range(args.warmup + args.repeats):
                 for configuration in configurations:  # interleaved: drift hits everyone alike
                     measurement = run_once(
-                        model, inputs, generation_config, configuration, args.acceptance, counter
+                        model, batches, generation_config, configuration, args.acceptance, counter
                     )
                     if repeat >= args.warmup:
                         measurements[configuration].append(measurement)
                     bar.update(1)
             bar.close()
-            rows = _summarise(batch_size, inputs, measurements, args, model_name)
-            costs = _add_cost_model(model, inputs, rows, args)
+            rows = _summarise(batch_size, batches, measurements, model_name)
+            costs = _add_cost_model(model, batches[0], rows, args)
             result["rows"].extend(rows)
             result["costs"][str(batch_size)] = costs
     finally:
@@ -388,20 +412,15 @@ def run_benchmark(
     return result
 
 
-def _summarise(batch_size, inputs, measurements, args, model_name) -> list[dict]:
-    stock_runs = measurements[BenchConfiguration("stock")]
-    stock_sequences = stock_runs[0].sequences
+def _summarise(batch_size, batches, measurements, model_name) -> list[dict]:
+    stock_tokens = measurements[BenchConfiguration("stock")][0].new_tokens
+    prompt_tokens = statistics.mean(inputs["input_ids"].shape[1] for inputs in batches)
     rows = []
     for configuration, runs in measurements.items():
         first = runs[0]
         generated = sum(first.generated_per_row)
         seconds = statistics.median(r.seconds for r in runs)
-        prompt_length = inputs["input_ids"].shape[1]
-        same_rows = [
-            first.sequences[i, prompt_length : prompt_length + n].tolist()
-            == stock_sequences[i, prompt_length : prompt_length + m].tolist()
-            for i, (n, m) in enumerate(zip(first.generated_per_row, stock_runs[0].generated_per_row))
-        ]
+        same_rows = [a == b for a, b in zip(first.new_tokens, stock_tokens)]
         row = {
             "model": model_name,
             "batch": batch_size,
@@ -409,19 +428,21 @@ def _summarise(batch_size, inputs, measurements, args, model_name) -> list[dict]
             "window": configuration.window,
             "scheme": configuration.scheme,
             "cache_block": configuration.cache_block,
-            "prompt_tokens": int(inputs["input_ids"].shape[1]),
+            "num_batches": len(batches),
+            "prompt_tokens": prompt_tokens,
             "generated_tokens": generated,
             "generated_per_row": first.generated_per_row,
             "num_forwards": first.num_forwards,
+            "forwards_per_batch": first.forwards_per_batch,
             "counted_forwards": first.counted_forwards,
             "tokens_per_forward": generated / (batch_size * first.num_forwards),
             "accepted_per_row": first.accepted_per_row,
-            "mean_step_input": first.mean_step_input,
+            "step_tokens": first.step_tokens,
             "seconds": seconds,
             "seconds_all": [r.seconds for r in runs],
             "tokens_per_s": generated / seconds,
             "same_as_stock": sum(same_rows) / len(same_rows),
-            "deterministic": all(torch.equal(r.sequences, first.sequences) for r in runs),
+            "deterministic": all(r.new_tokens == first.new_tokens for r in runs),
         }
         rows.append(row)
     stock = rows[0]
@@ -434,19 +455,22 @@ def _summarise(batch_size, inputs, measurements, args, model_name) -> list[dict]
 
 
 def _add_cost_model(model, inputs, rows, args) -> dict:
-    """Measure the forward costs the rows need and add each row's predicted speedup (§4)."""
+    """Measure what the rows' forwards cost and add each row's predicted speedup (MARS_SPEC §4).
+
+    ``step_tokens`` is the mean number of tokens a row's forwards fed after the prompt's (counted by
+    the forward hook): 1 for stock, n + W for the cursor scheme, the uncommitted block plus masks
+    for the block scheme, and the whole sequence, recomputed without cache, for ``none``. The
+    prediction is (tokens per forward relative to stock) ÷ (cost of such a forward ÷ a 1-token one).
+    """
     stock = rows[0]
-    step_sizes = {1}
-    full_lengths = set()
-    mean_generated = stock["generated_tokens"] / stock["batch"]
-    context = stock["prompt_tokens"] + int(mean_generated // 2)
+    mean_generated = stock["generated_tokens"] / len(stock["generated_per_row"])
+    context = round(stock["prompt_tokens"] + mean_generated / 2)
+    step_sizes, full_lengths = {1}, set()
     for row in rows:
-        configuration = BenchConfiguration(row["scheme"], row["tau"], row["window"], row["cache_block"])
         if row["scheme"] == "none":
-            full_lengths.add(context + row["window"])
+            full_lengths.add(round(row["step_tokens"]))
         else:
-            n = step_input_tokens(configuration, args.acceptance, row["mean_step_input"])
-            step_sizes.update({math.floor(n), math.ceil(n)})
+            step_sizes.update({math.floor(row["step_tokens"]), math.ceil(row["step_tokens"])})
     costs, full_costs = measure_step_costs(
         model,
         inputs,
@@ -457,15 +481,11 @@ def _add_cost_model(model, inputs, rows, args) -> dict:
     )
     one = costs[1]
     for row in rows:
-        configuration = BenchConfiguration(row["scheme"], row["tau"], row["window"], row["cache_block"])
         if row["scheme"] == "none":
-            step_tokens = context + row["window"]
-            relative_cost = full_costs[step_tokens] / one
+            relative_cost = full_costs[round(row["step_tokens"])] / one
         else:
-            step_tokens = step_input_tokens(configuration, args.acceptance, row["mean_step_input"])
-            relative_cost = _interpolate(costs, step_tokens) / one
+            relative_cost = _interpolate(costs, row["step_tokens"]) / one
         relative_tpf = row["tokens_per_forward"] / stock["tokens_per_forward"]
-        row["step_tokens"] = step_tokens
         row["step_cost"] = relative_cost
         row["predicted_speedup"] = relative_tpf / relative_cost
     return {
@@ -499,7 +519,8 @@ def format_table(result: dict) -> str:
     lines.append(
         "tok/fwd = generated tokens / (batch x forwards); speedup = tokens/s vs stock generate (same run); "
         "effic. = speedup / (tok/fwd relative to stock); step = tokens one forward feeds on its cache "
-        "(n + W for cursor, C for block, the whole sequence for none); cost = that forward's measured time "
+        "after the prompt, mean over the run (n + W for cursor; the open block + W for block; the whole "
+        "sequence, uncached, for none); cost = that forward's measured time "
         "/ a 1-token cached forward; pred. = MARS_SPEC §4 cost-model speedup = relative tok/fwd / cost; "
         "=stock = share of rows whose output equals stock generate."
     )

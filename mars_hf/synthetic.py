@@ -2,7 +2,7 @@
 
 Why: how much MARS speeds decoding up depends on how many tokens the model is confident about. The
 untrained SmolLM2 accepts about one token per step, so benchmarks and end-to-end tests also need a
-model whose continuations are (almost) certain. Counting and repeating patterns are such a language:
+model whose continuations are (almost) certain. Counting is such a language:
 once the prompt is read, every answer token is determined, so a tiny model trained for about a
 minute on a CPU accepts several tokens per forward.
 
@@ -25,8 +25,7 @@ logger = logging.getLogger(__name__)
 
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN]
-KEYWORDS = "system user assistant count from to down repeat times please".split()
-LETTERS = list("abcdefghijklmnop")
+KEYWORDS = "system user assistant count from to down please".split()
 MAX_NUMBER = 99
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
@@ -34,11 +33,11 @@ CHAT_TEMPLATE = (
 )
 # Bump when the language, the tokenizer, the model shape or the training recipe changes: the cached
 # trained model is keyed by it.
-SYNTHETIC_VERSION = 1
+SYNTHETIC_VERSION = 2
 
 
 def synthetic_vocabulary() -> list[str]:
-    return SPECIAL_TOKENS + KEYWORDS + [str(i) for i in range(MAX_NUMBER + 1)] + LETTERS
+    return SPECIAL_TOKENS + KEYWORDS + [str(i) for i in range(MAX_NUMBER + 1)]
 
 
 def synthetic_tokenizer():
@@ -63,12 +62,12 @@ def synthetic_tokenizer():
 
 
 def synthetic_pair(rng: random.Random) -> tuple[str, str]:
-    """One (user message, assistant answer) pair; the answer is a function of the message."""
-    task = rng.choice(["up", "up", "down", "repeat"])
-    if task == "repeat":
-        pattern = rng.sample(LETTERS, rng.randint(1, 4))
-        times = rng.randint(3, max(3, 48 // len(pattern)))
-        return f"repeat {' '.join(pattern)} {times} times", " ".join(pattern * times)
+    """One (user message, assistant answer) pair; the answer is a function of the message.
+
+    Counting up or down between two numbers: every answer token is determined, yet the model must
+    read the prompt to start and to stop. (Repeating a pattern a given number of times was tried
+    too; a model this small does not learn to count repetitions in a minute.)"""
+    task = rng.choice(["up", "up", "down"])
     span = rng.randint(5, 60)
     low = rng.randint(0, MAX_NUMBER - span)
     numbers = list(range(low, low + span + 1))
@@ -109,8 +108,8 @@ def synthetic_model_config(tokenizer, **overrides):
 
     config = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=256,
+        hidden_size=128,
+        intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
@@ -136,7 +135,7 @@ def _training_recipe(block_size: int, max_steps: int, seed: int) -> dict:
     }
 
 
-def synthetic_model_dir(block_size: int = 4, max_steps: int = 600, seed: int = 0) -> Path:
+def synthetic_model_dir(block_size: int = 4, max_steps: int = 400, seed: int = 0) -> Path:
     """Where the trained synthetic model is cached (under ``$MARS_HF_HOME``, keyed by the recipe)."""
     from mars_hf.embedded_model import mars_hf_home
 
@@ -149,9 +148,10 @@ def train_synthetic_model(
     output_dir: str | os.PathLike | None = None,
     *,
     block_size: int = 4,
-    max_steps: int = 600,
+    max_steps: int = 400,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    progress: bool = True,
 ):
     """Train a tiny Llama on the synthetic language with `MARSTrainer`; returns ``(model, tokenizer)``.
 
@@ -182,12 +182,14 @@ def train_synthetic_model(
             warmup_steps=max(1, max_steps // 20),
             weight_decay=0.0,
             logging_steps=max(1, max_steps // 10),
+            disable_tqdm=not progress,
             save_strategy="no",
             report_to="none",
             seed=seed,
             bf16=False,
             fp16=False,
             use_cpu=True,
+            gradient_checkpointing=False,  # TRL's default; only costs time on a model this small
             max_length=128,
             dataloader_num_workers=0,
         )
@@ -205,7 +207,7 @@ def train_synthetic_model(
     return model, tokenizer
 
 
-def load_synthetic_model(block_size: int = 4, max_steps: int = 600, seed: int = 0, dtype=torch.float32):
+def load_synthetic_model(block_size: int = 4, max_steps: int = 400, seed: int = 0, dtype=torch.float32):
     """The trained synthetic model, trained once and then cached (see `synthetic_model_dir`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

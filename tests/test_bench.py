@@ -48,6 +48,20 @@ def test_count_generated_tokens_stops_at_first_eos():
     assert count_generated_tokens(new, []).tolist() == [5, 5, 5]
 
 
+def test_prepare_batches_cover_every_prompt(tokenizer):
+    from mars_hf.bench import prepare_batches
+
+    batches = prepare_batches(tokenizer, PROMPTS, 3)
+    assert [b["input_ids"].shape[0] for b in batches] == [3, 3]
+    texts = [
+        tokenizer.decode(b["input_ids"][i][b["attention_mask"][i].bool()]) for b in batches for i in range(3)
+    ]
+    assert all(PROMPTS[i % len(PROMPTS)] in text for i, text in enumerate(texts))
+    assert (
+        len(prepare_batches(tokenizer, PROMPTS, 8)) == 1 and len(prepare_batches(tokenizer, PROMPTS, 1)) == 4
+    )
+
+
 def test_prepare_inputs_left_pads_chat_prompts(tokenizer):
     inputs = prepare_inputs(tokenizer, PROMPTS, 6)
     assert inputs["input_ids"].shape[0] == 6
@@ -123,11 +137,16 @@ def test_bench_numbers_are_what_they_claim(tiny_result):
         rows = [row for row in result["rows"] if row["batch"] == batch]
         stock = rows[0]
         assert stock["scheme"] == "stock"
-        # Stock generate: one forward per new column, the prompt's forward included.
-        assert stock["num_forwards"] == max(stock["generated_per_row"])
+        # Every prompt is decoded once per configuration, in batches of `batch`.
+        assert len(stock["generated_per_row"]) == batch * stock["num_batches"] >= len(PROMPTS)
+        assert len(stock["forwards_per_batch"]) == stock["num_batches"]
+        # Stock generate: one forward per new column of each batch, the prompt's forward included.
+        for index, forwards in enumerate(stock["forwards_per_batch"]):
+            assert forwards == max(stock["generated_per_row"][index * batch : (index + 1) * batch])
         for row in rows:
             # Every model call was counted by an independent forward hook.
             assert row["counted_forwards"] == row["num_forwards"], row
+            assert row["num_forwards"] == sum(row["forwards_per_batch"])
             assert row["tokens_per_forward"] == pytest.approx(
                 row["generated_tokens"] / (batch * row["num_forwards"])
             )
@@ -146,11 +165,13 @@ def test_bench_numbers_are_what_they_claim(tiny_result):
             if row["tau"] == 1.0:
                 assert row["same_as_stock"] == 1.0
                 assert row["num_forwards"] == stock["num_forwards"]
-                assert row["step_tokens"] == 1.0
+                assert row["step_tokens"] == 1.0  # one-token mode appends no masks
             if row["tau"] == 0.0:
                 # tau = 0 accepts every prediction: up to W + 1 tokens per forward.
                 assert row["tokens_per_forward"] > stock["tokens_per_forward"]
                 assert row["scheme"] in ("none", "cursor", "block")
+                # Each forward after the prompt's feeds the accepted tokens plus W masks (the hook saw it).
+                assert row["step_tokens"] >= row["window"] + 1
         schemes_at_zero = [r for r in rows if r["tau"] == 0.0]
         # Every cache scheme decodes the same tokens as the uncached reference path.
         assert len({tuple(r["generated_per_row"]) for r in schemes_at_zero}) == 1
@@ -170,8 +191,8 @@ def test_bench_generated_counts_match_a_direct_generate_call(tiny_result):
         return_dict_in_generate=True,
     )
     new = output.sequences[:, inputs["input_ids"].shape[1] :]
-    assert count_generated_tokens(new, [tokenizer.eos_token_id]).tolist() == row["generated_per_row"]
-    assert int(output.num_forwards) == row["num_forwards"]
+    assert count_generated_tokens(new, [tokenizer.eos_token_id]).tolist() == row["generated_per_row"][:3]
+    assert int(output.num_forwards) == row["forwards_per_batch"][0]
 
 
 def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
@@ -237,13 +258,10 @@ def test_synthetic_language_is_a_function_of_the_prompt():
         prompt, answer = synthetic_pair(rng)
         assert answers.setdefault(prompt, answer) == answer  # deterministic given the prompt
         words = prompt.split()
-        if "count" in words:
-            start, end = int(words[-3]), int(words[-1])
-            step = -1 if "down" in words else 1
-            assert answer == " ".join(str(n) for n in range(start, end + step, step))
-        else:
-            pattern, times = words[1:-2], int(words[-2])
-            assert answer == " ".join(pattern * times)
+        start, end = int(words[-3]), int(words[-1])
+        step = -1 if "down" in words else 1
+        assert (start > end) == (step == -1)
+        assert answer == " ".join(str(n) for n in range(start, end + step, step))
         ids = tokenizer(answer, add_special_tokens=False).input_ids
         assert tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == answer
     example = synthetic_examples(1)[0]
@@ -261,26 +279,38 @@ def test_synthetic_model_accepts_several_tokens_per_forward(tmp_path):
     model, tokenizer = train_synthetic_model(tmp_path / "synthetic")
     assert model.config.mars["block_size"] == 4
     enable_mars(model)
-    prompts = ["count from 10 to 50", "count down from 90 to 60", "repeat a b c 12 times"]
+    prompts = ["count from 10 to 50", "count down from 90 to 60", "please count from 3 to 20"]
     inputs = prepare_inputs(tokenizer, prompts, len(prompts))
-    stock = model.generate(**inputs, do_sample=False, max_new_tokens=48, pad_token_id=tokenizer.pad_token_id)
-    mars = model.generate(
-        **inputs,
-        do_sample=False,
-        max_new_tokens=48,
-        pad_token_id=tokenizer.pad_token_id,
-        mars_threshold=0.9,
-        return_dict_in_generate=True,
-    )
-    new = mars.sequences[:, inputs["input_ids"].shape[1] :]
-    generated = count_generated_tokens(new, [tokenizer.eos_token_id])
-    assert generated.sum() / (len(prompts) * mars.num_forwards) > 2.0
+    kwargs = dict(do_sample=False, max_new_tokens=48, pad_token_id=tokenizer.pad_token_id)
+    stock = model.generate(**inputs, **kwargs)
+    mars = model.generate(**inputs, **kwargs, mars_threshold=0.9, return_dict_in_generate=True)
+    # Tokens per forward of each row while it was decoding.
+    counts = mars.accepted_counts
+    assert (counts.sum(0) / (counts > 0).sum(0)).min() > 2.0
     expected = [
         " ".join(map(str, range(10, 51))),
         " ".join(map(str, range(90, 59, -1))),
-        " ".join("abc" * 12),
+        " ".join(map(str, range(3, 21))),
     ]
-    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
-    assert [t.strip() for t in texts] == expected
-    stock_texts = tokenizer.batch_decode(stock[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert [t.strip() for t in stock_texts] == expected
+    for output in (mars.sequences, stock):
+        texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert [text.strip() for text in texts] == expected
+
+
+def test_load_prompts_from_text_and_jsonl(tmp_path):
+    from mars_hf.bench import load_prompts
+
+    text = tmp_path / "prompts.txt"
+    text.write_text("first prompt\n\nsecond prompt\n")
+    assert load_prompts(text) == ["first prompt", "second prompt"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text(
+        json.dumps({"prompt": "plain"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "chat"}]})
+        + "\n"
+    )
+    assert load_prompts(jsonl) == ["plain", "chat"]
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="No prompts"):
+        load_prompts(tmp_path / "empty.txt")
