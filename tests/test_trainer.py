@@ -558,3 +558,28 @@ def test_other_training_arguments_are_refused(tmp_path):
             train_dataset=chat_dataset(),
             processing_class=tiny_tokenizer(),
         )
+
+
+def test_evaluate_reports_the_mars_loss(tmp_path):
+    model = tiny_model("llama")
+    trainer = MARSTrainer(
+        model=model,
+        args=config(tmp_path, eval_strategy="no", per_device_eval_batch_size=4),
+        train_dataset=chat_dataset(4),
+        eval_dataset=prompt_completion_dataset(4),
+        processing_class=tiny_tokenizer(),
+    )
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] > 0
+    assert (
+        abs(metrics["eval_loss"] - (metrics["eval_mars/noisy_loss"] + metrics["eval_mars/clean_loss"])) < 1e-6
+    )
+
+
+def test_chat_template_tail_is_detected():
+    from mars_hf.trainer import _chat_template_eos_tail
+
+    tokenizer = tiny_tokenizer()
+    assert _chat_template_eos_tail(tokenizer) == ()  # the tiny template ends right on EOS
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|im_end|> ", "<|im_end|> x ")
+    assert _chat_template_eos_tail(tokenizer) == (tokenizer.convert_tokens_to_ids("x"),)
