@@ -291,27 +291,32 @@ def measure_step_costs(model, inputs, *, context_tokens: int, step_sizes, full_l
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix, attention_mask=prefix_mask, position_ids=positions, cache=cache, use_cache=True)
     last = positions[:, -1:]
-    costs = {}
-    for k in sorted(set(int(s) for s in step_sizes)):
-        new = torch.randint(0, vocab, (batch, k), generator=generator)
+    cached = {}
+    for k in sorted({int(size) for size in step_sizes}):
         mask = torch.cat([prefix_mask, torch.ones(batch, k, dtype=prefix_mask.dtype)], dim=1)
-        position_ids = last + torch.arange(1, k + 1)
-        times = []
-        for _ in range(repeats + 1):  # the first call is a warm-up
+        new = torch.randint(0, vocab, (batch, k), generator=generator)
+        cached[k] = (new, mask, last + torch.arange(1, k + 1))
+    uncached = {
+        n: torch.randint(0, vocab, (batch, n), generator=generator) for n in sorted(set(full_lengths))
+    }
+    times = {("cached", k): [] for k in cached} | {("full", n): [] for n in uncached}
+    # Interleaved (every size once per round) so that a busy spell of a shared machine hits all sizes;
+    # round 0 is a warm-up.
+    for round_index in range(repeats + 1):
+        for k, (new, mask, position_ids) in cached.items():
             start = time.perf_counter()
             model(input_ids=new, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True)
-            times.append(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
             cache.crop(-k)
-        costs[k] = statistics.median(times[1:])
-    full_costs = {}
-    for length in sorted(set(int(n) for n in full_lengths)):
-        ids = torch.randint(0, vocab, (batch, length), generator=generator)
-        times = []
-        for _ in range(repeats + 1):
+            if round_index:
+                times[("cached", k)].append(elapsed)
+        for n, ids in uncached.items():
             start = time.perf_counter()
             model(input_ids=ids, use_cache=False)
-            times.append(time.perf_counter() - start)
-        full_costs[length] = statistics.median(times[1:])
+            if round_index:
+                times[("full", n)].append(time.perf_counter() - start)
+    costs = {k: statistics.median(times[("cached", k)]) for k in cached}
+    full_costs = {n: statistics.median(times[("full", n)]) for n in uncached}
     return costs, full_costs
 
 
@@ -338,7 +343,7 @@ class BenchArguments:
     max_new_tokens: int = field(default=64, metadata={"help": "New tokens per row (greedy)."})
     repeats: int = field(default=3, metadata={"help": "Timed repeats per configuration (median)."})
     warmup: int = field(default=1, metadata={"help": "Untimed runs per configuration first."})
-    cost_repeats: int = field(default=5, metadata={"help": "Repeats of each forward of the cost model."})
+    cost_repeats: int = field(default=9, metadata={"help": "Repeats of each forward of the cost model."})
 
 
 def run_benchmark(

@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="Timed repeats per configuration (median).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs per configuration first.")
-    parser.add_argument("--cost-repeats", type=int, default=5, help="Repeats of each cost-model forward.")
+    parser.add_argument("--cost-repeats", type=int, default=9, help="Repeats of each cost-model forward.")
     parser.add_argument(
         "--prompts", default=None, help="Prompt file: one per line, or JSONL with 'prompt'/'messages'."
     )

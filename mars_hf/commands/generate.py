@@ -179,7 +179,9 @@ def render_chunks(tokenizer, chunks: list[list[int]], colour: bool = True) -> st
         if not piece:
             continue
         if colour:
-            pieces.append(f"{CHUNK_COLOURS[len(pieces) % len(CHUNK_COLOURS)]}{piece}{RESET}")
+            code = CHUNK_COLOURS[len(pieces) % len(CHUNK_COLOURS)]
+            # Colour each line of the piece separately so a background never runs across a line end.
+            pieces.append("\n".join(f"{code}{line}{RESET}" if line else "" for line in piece.split("\n")))
         else:
             pieces.append(piece)
     return ("" if colour else "|").join(pieces)
