@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -252,6 +253,27 @@ class MARSTrainer(SFTTrainer):
             # a deep copy would keep calling the trained model. Fall back to the class's own forward.
             base_model.__dict__.pop("forward", None)
             self._base_model = base_model.eval().requires_grad_(False)
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """Save like `Trainer`; a PEFT adapter also gets `mars_config.json` and its mask-token rows.
+
+        A full model carries `config.mars` in `config.json`. An adapter folder has no `config.json`, so the
+        same metadata goes next to it in the files `mars_hf.AutoMARSModelForCausalLM` reads for adapters.
+        """
+        super()._save(output_dir, state_dict=state_dict)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(unwrapped) and self.args.should_save:
+            import json
+            import os
+
+            from .hub import _save_mask_rows
+            from .modeling import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE
+
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            mars = dict(unwrapped.get_base_model().config.mars)
+            with open(os.path.join(output_dir, MARS_ADAPTER_CONFIG_FILE), "w") as handle:
+                handle.write(json.dumps(mars, indent=2, sort_keys=True) + "\n")
+            _save_mask_rows(unwrapped, self.mask_token_id, Path(output_dir) / MARS_MASK_ROWS_FILE)
 
     # ----------------------------------------------------------------------------------------------
     def _base_clean_logits(self, model, clean_ids, clean_valid, keep):

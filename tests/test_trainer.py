@@ -583,3 +583,35 @@ def test_chat_template_tail_is_detected():
     assert _chat_template_eos_tail(tokenizer) == ()  # the tiny template ends right on EOS
     tokenizer.chat_template = tokenizer.chat_template.replace("<|im_end|> ", "<|im_end|> x ")
     assert _chat_template_eos_tail(tokenizer) == (tokenizer.convert_tokens_to_ids("x"),)
+
+
+def test_lora_checkpoint_reloads_with_mask_token_and_config(tmp_path):
+    from mars_hf import AutoMARSModelForCausalLM
+
+    tokenizer = tiny_tokenizer(with_mask=False)
+    base = tiny_model("llama", block_size=None, dtype=torch.float32)
+    base.save_pretrained(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trainer = make_trainer(
+        tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        peft_config=lora,
+        max_steps=3,
+        learning_rate=2e-2,
+        block_size=3,
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "adapter"))
+    reloaded = AutoMARSModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    reloaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "adapter")
+    assert reloaded.config.mars["block_size"] == 3
+    assert reloaded.config.mars["mask_token_id"] == reloaded_tokenizer.mask_token_id == trainer.mask_token_id
+    batch = right_padded_batch(seed=4)
+    batch["input_ids"][:, 2:4] = trainer.mask_token_id  # the trained mask row must come back too
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
