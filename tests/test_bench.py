@@ -154,6 +154,10 @@ def test_bench_numbers_are_what_they_claim(tiny_result):
             assert row["tokens_per_s"] == pytest.approx(row["generated_tokens"] / row["seconds"])
             assert row["seconds"] == pytest.approx(statistics.median(row["seconds_all"]))
             assert row["speedup"] == pytest.approx(row["tokens_per_s"] / stock["tokens_per_s"])
+            best = row["generated_tokens"] / min(row["seconds_all"])
+            assert row["speedup_best"] == pytest.approx(
+                best / (stock["generated_tokens"] / min(stock["seconds_all"]))
+            )
             relative = row["tokens_per_forward"] / stock["tokens_per_forward"]
             assert row["efficiency"] == pytest.approx(row["speedup"] / relative)
             assert row["predicted_speedup"] == pytest.approx(relative / row["step_cost"])
