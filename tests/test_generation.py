@@ -683,3 +683,29 @@ def test_clear_errors(tok):
 
     with pytest.raises(ValueError, match="cannot be cropped"):
         run(mars_threshold=0.5, cache=FrozenCache())
+
+
+def test_tau_one_feeds_no_masks_at_all(tok):
+    """One-token mode is plain decoding: one new column per forward, never a mask token."""
+    model = peaked_model("llama")
+    encoded = _batch(tok)
+    mask_id = model.config.mars["mask_token_id"]
+    fed = []
+    handle = model.register_forward_pre_hook(lambda m, a, k: fed.append(k["input_ids"]), with_kwargs=True)
+    try:
+        for scheme in ("cursor", "block"):
+            fed.clear()
+            out = model.generate(
+                **encoded,
+                max_new_tokens=9,
+                do_sample=False,
+                mars_threshold=1.0,
+                mars_cache=scheme,
+                return_dict_in_generate=True,
+            )
+            assert [ids.shape[1] for ids in fed] == [encoded.input_ids.shape[1]] + [1] * (
+                out.num_forwards - 1
+            )
+            assert not any((ids == mask_id).any() for ids in fed)
+    finally:
+        handle.remove()
