@@ -1,131 +1,15 @@
-# /// script
-# dependencies = [
-#     "mars-hf",
-# ]
-# ///
+"""MARS fine-tuning from the command line (TrlParser over ScriptArguments / MARSConfig / ModelConfig).
 
-"""
-MARS fine-tuning, shaped like TRL's `trl/scripts/sft.py`: every `SFTConfig` / `ModelConfig` option works,
-plus MARS's own (`--block_size`, `--ar_weight`, `--pad_to_block_with_eos`, `--clean_loss`, ...).
+The script itself lives in the package, as TRL's ``trl/scripts/sft.py`` does, so that ``mars-hf train``
+works from any install; this file runs it, e.g.
 
-# Full training on the embedded SmolLM2-135M-Instruct and a local JSONL file
-```bash
-python examples/train_mars.py \
-    --model_name_or_path embedded \
-    --dataset_name data/train.jsonl \
-    --block_size 4 \
-    --learning_rate 5e-6 \
-    --lr_scheduler_type cosine --warmup_ratio 0.03 \
-    --num_train_epochs 1 \
-    --per_device_train_batch_size 8 \
-    --output_dir SmolLM2-135M-MARS
-```
+    python examples/train_mars.py --model_name_or_path embedded --dataset_name data/train.jsonl --block_size 4 --output_dir out
+    accelerate launch --num_processes 2 examples/train_mars.py ...
 
-# LoRA (the mask token's embedding row is trained through PEFT's `trainable_token_indices`)
-```bash
-python examples/train_mars.py \
-    --model_name_or_path path/to/model \
-    --dataset_name data/train.jsonl \
-    --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules all-linear \
-    --learning_rate 2e-4 \
-    --output_dir model-MARS-LoRA
-```
-
-# Several processes (CPU or GPU)
-```bash
-accelerate launch --num_processes 2 examples/train_mars.py --model_name_or_path embedded ...
-```
-
-The dataset can be any TRL format (`messages`, `prompt`/`completion`, `text`), given as a Hub name or
-a local `.json` / `.jsonl` file or folder.
+See ``mars_hf/scripts/train_mars.py`` for the full option list and recipes.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
-
-
-def load_dataset_from_args(script_args):
-    """A Hub dataset name, or a local JSON/JSONL file (loaded with the `json` builder)."""
-    from datasets import load_dataset
-
-    name = script_args.dataset_name
-    if name is None:
-        raise ValueError("Pass `--dataset_name` (a Hub dataset or a local .json/.jsonl file).")
-    if name.endswith((".json", ".jsonl")) or os.path.isfile(name):
-        return load_dataset("json", data_files={script_args.dataset_train_split: name})
-    return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
-
-
-def main(script_args, training_args, model_args):
-    from accelerate.logging import get_logger
-    from transformers import AutoTokenizer
-    from trl import get_peft_config
-
-    from mars_hf import MARSTrainer
-    from mars_hf.embedded_model import resolve_model_path
-
-    logger = get_logger(__name__)
-
-    model_path = str(resolve_model_path(model_args.model_name_or_path))  # None / "embedded": SmolLM2
-    logger.info(f"Training {model_path} with MARS (block_size={training_args.block_size}).")
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        # MARS needs a backend that takes a custom mask: default to sdpa rather than the library default.
-        attn_implementation=model_args.attn_implementation or "sdpa",
-        dtype=model_args.dtype,
-    )
-    if training_args.model_init_kwargs is not None:
-        model_init_kwargs.update(training_args.model_init_kwargs)
-    training_args.model_init_kwargs = model_init_kwargs
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
-    )
-    dataset = load_dataset_from_args(script_args)
-    eval_dataset = None
-    if training_args.eval_strategy != "no":
-        eval_dataset = dataset[script_args.dataset_test_split]
-
-    trainer = MARSTrainer(
-        model=model_path,
-        args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.accelerator.print("Training completed.")
-
-    trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    trainer.end()
-    return trainer
-
-
-def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None):
-    from trl import ModelConfig, ScriptArguments, TrlParser
-
-    from mars_hf import MARSConfig
-
-    dataclass_types = (ScriptArguments, MARSConfig, ModelConfig)
-    if subparsers is not None:
-        return subparsers.add_parser(
-            "mars", help="Run the MARS training script", dataclass_types=dataclass_types
-        )
-    return TrlParser(dataclass_types, prog=prog)
-
-
-def cli(argv: list[str] | None = None):
-    parser = make_parser(prog="train_mars.py")
-    script_args, training_args, model_args = parser.parse_args_and_config(argv, fail_with_unknown_args=True)
-    return main(script_args, training_args, model_args)
-
+from mars_hf.scripts.train_mars import cli
 
 if __name__ == "__main__":
     cli()

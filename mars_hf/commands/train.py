@@ -1,4 +1,4 @@
-"""`mars-hf train`: the example script `examples/train_mars.py` behind the console command.
+"""`mars-hf train`: the training script `mars_hf/scripts/train_mars.py` behind the console command.
 
 Every argument after `train` goes to the script's TrlParser (`SFTConfig`/`MARSConfig`/`ModelConfig`
 options, `--config recipe.yaml`), so `mars-hf train --help` lists them all.
@@ -7,8 +7,6 @@ options, `--config recipe.yaml`), so `mars-hf train --help` lists them all.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 HELP = "Fine-tune a causal LM with MARS (TrlParser over MARSConfig/ModelConfig; see examples/train_mars.py)."
 
@@ -29,17 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_example_script():
-    """Import ``examples/train_mars.py`` from the source tree this package was installed from."""
-    path = Path(__file__).resolve().parents[2] / "examples" / "train_mars.py"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} not found: `mars-hf train` runs the repository's example script, so install mars_hf from "
-            "a source checkout (`pip install -e .`) or run `python examples/train_mars.py` directly."
-        )
-    spec = importlib.util.spec_from_file_location("mars_hf_train_mars_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The training script module (``mars_hf/scripts/train_mars.py``, run by ``examples/train_mars.py`` too)."""
+    from mars_hf.scripts import train_mars
+
+    return train_mars
 
 
 def run(args: argparse.Namespace) -> int:
