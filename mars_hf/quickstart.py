@@ -72,6 +72,13 @@ class QuickstartConfig:
     lora: bool = dataclasses.field(
         default=True, metadata={"help": "LoRA (+ the mask row) instead of full FT."}
     )
+    mask_row_only: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "Train only the mask token's embedding row: every other weight stays the base model's, so "
+            "τ = 1 decoding is exactly the base model (overrides lora)."
+        },
+    )
     lora_r: int = dataclasses.field(default=32, metadata={"help": "LoRA rank."})
     lora_alpha: int = dataclasses.field(default=64, metadata={"help": "LoRA alpha."})
     learning_rate: float = dataclasses.field(default=5e-4, metadata={"help": "Peak learning rate."})
@@ -79,6 +86,7 @@ class QuickstartConfig:
         default=0.05, metadata={"help": "Warm-up share of the budget."}
     )
     batch_size: int = dataclasses.field(default=8, metadata={"help": "Examples per optimizer step."})
+    max_length: int = dataclasses.field(default=1024, metadata={"help": "Training sequences are cut here."})
     clean_loss: str = dataclasses.field(
         default="kl_to_base", metadata={"help": "Clean-stream loss: 'ce' or 'kl_to_base' (keeps τ=1 = base)."}
     )
@@ -275,6 +283,17 @@ def _tracking_callback(track_every: int, sequences, labels, thresholds, curve: l
     return TrackingCallback()
 
 
+def _train_mask_row_only(model, mask_token_id: int) -> None:
+    """Freeze every weight except the input embedding, whose gradient is kept on the mask row only."""
+    embedding = model.get_input_embeddings().weight
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    embedding.requires_grad_(True)
+    keep = torch.zeros(embedding.shape[0], 1, dtype=embedding.dtype, device=embedding.device)
+    keep[mask_token_id] = 1
+    embedding.register_hook(lambda grad: grad * keep.to(grad.dtype))
+
+
 def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: str, tracking=None):
     """Train with :class:`MARSTrainer` for ``config.max_steps`` steps or ``config.budget_minutes``.
 
@@ -305,12 +324,12 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
         seed=config.seed,
         bf16=config.bf16,
         use_cpu=not torch.cuda.is_available(),
-        max_length=1024,
+        max_length=config.max_length,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
     peft_config = None
-    if config.lora:
+    if config.lora and not config.mask_row_only:
         from peft import LoraConfig
 
         peft_config = LoraConfig(
@@ -323,6 +342,8 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
     trainer = MARSTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
+    if config.mask_row_only:
+        _train_mask_row_only(trainer.model, trainer.mask_token_id)
     budget = TimeBudget(
         config.budget_minutes * 60 if by_time else math.inf, warmup_fraction=config.warmup_fraction
     )
@@ -354,7 +375,7 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
         "curve": curve,
     }
     model = trainer.model
-    if config.lora:
+    if config.lora and not config.mask_row_only:
         model = model.merge_and_unload()
     model.eval()
     return model, info

@@ -194,3 +194,27 @@ def test_teacher_forced_acceptance_equals_plain_causal_decoding_inputs(block_siz
             assert stats[f"accepted_correct@{tau:g}"] == pytest.approx(hits / accepted)
     assert stats["tokens_per_step@1"] == 1.0
     assert stats["tokens_per_step@0"] > 1.0
+
+
+def test_mars_hf_eval_command_on_a_saved_checkpoint(tmp_path, capsys):
+    import json
+
+    from mars_hf.cli import main
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("mistral", seed=4, tokenizer=tokenizer, dtype=torch.float32)
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "eval.json"
+    argv = [
+        "eval", str(folder), "--base-model", str(folder), "--thresholds", "1.0,0.0", "--max-new-tokens", "5",
+        "--humaneval-limit", "1", "--held-out", "2", "--quiet", "--output", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads(out.read_text())
+    assert [row["label"] for row in results["humaneval"]] == ["reference", "stock", "mars@1", "mars@0"]
+    held = {row["label"]: row for row in results["held_out"]["rows"]}
+    assert held["stock"]["agreement"] == 1.0 and held["mars@1"]["agreement"] == 1.0
+    assert held["mars@0"]["tokens_per_forward"] > 1.0
+    assert "pass@1" in capsys.readouterr().out

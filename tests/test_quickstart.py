@@ -83,3 +83,41 @@ def test_time_budget_schedule_warms_up_and_ends_at_zero(monkeypatch):
     assert budget(3) == pytest.approx(0.5)
     clock[0] = 250.0
     assert budget(4) == 0.0
+
+
+def test_mask_row_only_training_leaves_every_other_weight_unchanged(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = QuickstartConfig(
+        model_name_or_path=tiny_model_dir,
+        output_dir=str(tmp_path / "out"),
+        num_train_prompts=6,
+        num_eval_prompts=3,
+        max_new_tokens=6,
+        max_steps=3,
+        batch_size=2,
+        mask_row_only=True,
+        learning_rate=0.1,
+        clean_loss="ce",
+        ar_weight=0.0,
+        bf16=False,
+        thresholds=(1.0,),
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+    )
+    results = run_quickstart(config)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint").state_dict()
+    mask_id = json.loads((tmp_path / "out" / "checkpoint" / "config.json").read_text())["mars"][
+        "mask_token_id"
+    ]
+    changed_rows = []
+    for name, tensor in base.items():
+        if "embed_tokens" in name:
+            diff = (trained[name] != tensor).any(-1).nonzero().flatten().tolist()
+            changed_rows += diff
+        else:
+            assert torch.equal(trained[name], tensor), name
+    assert changed_rows == [mask_id]
+    by_label = {row["label"]: row for row in results["evaluation"]}
+    assert by_label["stock"]["agreement"] == 1.0 and by_label["mars@1"]["agreement"] == 1.0

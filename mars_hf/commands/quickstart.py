@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Fine-tune every weight instead of LoRA + the mask row.",
     )
     parser.add_argument(
+        "--mask-row-only",
+        dest="mask_row_only",
+        action="store_true",
+        default=None,
+        help="Train only the mask token's embedding row (τ = 1 stays exactly the base model).",
+    )
+    parser.add_argument(
         "--thresholds",
         type=_float_list,
         default=None,
