@@ -55,42 +55,50 @@ class QuickstartConfig:
     )
     output_dir: str = dataclasses.field(default="mars-quickstart", metadata={"help": "Where results go."})
     num_train_prompts: int = dataclasses.field(
-        default=400, metadata={"help": "Self-distilled training prompts."}
+        default=320, metadata={"help": "Self-distilled training prompts."}
     )
-    num_eval_prompts: int = dataclasses.field(default=24, metadata={"help": "Held-out evaluation prompts."})
+    num_eval_prompts: int = dataclasses.field(default=16, metadata={"help": "Held-out evaluation prompts."})
     max_new_tokens: int = dataclasses.field(
         default=128, metadata={"help": "Response length limit for self-distillation and evaluation."}
     )
     distill_batch_size: int = dataclasses.field(default=16, metadata={"help": "Prompts per generate call."})
     budget_minutes: float = dataclasses.field(
-        default=15.0, metadata={"help": "Training time budget (minutes)."}
+        default=14.0, metadata={"help": "Training time budget (minutes)."}
     )
     max_steps: int | None = dataclasses.field(
         default=None, metadata={"help": "Train exactly this many steps instead of a time budget."}
     )
-    block_size: int = dataclasses.field(default=4, metadata={"help": "MARS block size B."})
-    lora: bool = dataclasses.field(
-        default=True, metadata={"help": "LoRA (+ the mask row) instead of full FT."}
-    )
-    mask_row_only: bool = dataclasses.field(
-        default=False,
+    block_size: int = dataclasses.field(default=2, metadata={"help": "MARS block size B."})
+    method: str = dataclasses.field(
+        default="mask_row",
         metadata={
-            "help": "Train only the mask token's embedding row: every other weight stays the base model's, so "
-            "τ = 1 decoding is exactly the base model (overrides lora)."
+            "help": "'mask_row': train only the mask token's embedding row (every other weight stays the base "
+            "model's, so τ = 1 decoding is exactly the base model); 'lora': LoRA on all linear layers + the "
+            "mask row, merged after training; 'full': every weight.",
+            "choices": ["mask_row", "lora", "full"],
         },
     )
     lora_r: int = dataclasses.field(default=32, metadata={"help": "LoRA rank."})
     lora_alpha: int = dataclasses.field(default=64, metadata={"help": "LoRA alpha."})
-    learning_rate: float = dataclasses.field(default=5e-4, metadata={"help": "Peak learning rate."})
+    learning_rate: float | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Peak learning rate (default per method: mask_row 3e-2, lora 1e-3, full 1e-4)."},
+    )
     warmup_fraction: float = dataclasses.field(
         default=0.05, metadata={"help": "Warm-up share of the budget."}
     )
     batch_size: int = dataclasses.field(default=8, metadata={"help": "Examples per optimizer step."})
     max_length: int = dataclasses.field(default=1024, metadata={"help": "Training sequences are cut here."})
-    clean_loss: str = dataclasses.field(
-        default="kl_to_base", metadata={"help": "Clean-stream loss: 'ce' or 'kl_to_base' (keeps τ=1 = base)."}
+    clean_loss: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Clean-stream loss 'ce' or 'kl_to_base' (default: kl_to_base for lora/full; unused by mask_row)."
+        },
     )
-    ar_weight: float = dataclasses.field(default=1.0, metadata={"help": "Weight of the clean-stream loss."})
+    ar_weight: float | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Weight of the clean-stream loss (default: 10 for lora/full, 0 for mask_row)."},
+    )
     bf16: bool = dataclasses.field(default=True, metadata={"help": "bf16 autocast during training."})
     thresholds: tuple[float, ...] = dataclasses.field(
         default=DEFAULT_THRESHOLDS, metadata={"help": "τ values evaluated."}
@@ -283,6 +291,21 @@ def _tracking_callback(track_every: int, sequences, labels, thresholds, curve: l
     return TrackingCallback()
 
 
+METHOD_DEFAULTS = {
+    "mask_row": {"learning_rate": 3e-2, "clean_loss": "ce", "ar_weight": 0.0},
+    "lora": {"learning_rate": 1e-3, "clean_loss": "kl_to_base", "ar_weight": 10.0},
+    "full": {"learning_rate": 1e-4, "clean_loss": "kl_to_base", "ar_weight": 10.0},
+}
+
+
+def resolved(config: QuickstartConfig) -> QuickstartConfig:
+    """Fill the method-dependent defaults (learning rate, clean loss, ar_weight)."""
+    if config.method not in METHOD_DEFAULTS:
+        raise ValueError(f"method must be one of {sorted(METHOD_DEFAULTS)}, got {config.method!r}.")
+    changes = {k: v for k, v in METHOD_DEFAULTS[config.method].items() if getattr(config, k) is None}
+    return dataclasses.replace(config, **changes)
+
+
 def _train_mask_row_only(model, mask_token_id: int) -> None:
     """Freeze every weight except the input embedding, whose gradient is kept on the mask row only."""
     embedding = model.get_input_embeddings().weight
@@ -305,6 +328,7 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
     from .config import MARSConfig
     from .trainer import MARSTrainer
 
+    config = resolved(config)
     by_time = config.max_steps is None
     steps = config.max_steps if not by_time else 10**6
     args = MARSConfig(
@@ -329,7 +353,7 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
         disable_tqdm=True,
     )
     peft_config = None
-    if config.lora and not config.mask_row_only:
+    if config.method == "lora":
         from peft import LoraConfig
 
         peft_config = LoraConfig(
@@ -342,7 +366,7 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
     trainer = MARSTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
-    if config.mask_row_only:
+    if config.method == "mask_row":
         _train_mask_row_only(trainer.model, trainer.mask_token_id)
     budget = TimeBudget(
         config.budget_minutes * 60 if by_time else math.inf, warmup_fraction=config.warmup_fraction
@@ -375,7 +399,7 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
         "curve": curve,
     }
     model = trainer.model
-    if config.lora and not config.mask_row_only:
+    if config.method == "lora":
         model = model.merge_and_unload()
     model.eval()
     return model, info
@@ -460,7 +484,9 @@ def save_checkpoint(
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct" if config.model_name_or_path is None else None,
         tags=["mars-quickstart"],
         training={
-            "method": "LoRA (merged) + mask row" if config.lora else "full fine-tuning",
+            "method": {"mask_row": "mask-token row only", "lora": "LoRA (merged) + mask row", "full": "full"}[
+                config.method
+            ],
             "block_size": config.block_size,
             "learning_rate": config.learning_rate,
             "clean_loss": config.clean_loss,
@@ -487,6 +513,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
 
     from .embedded_model import resolve_model_path
 
+    config = resolved(config)
     total_start = time.monotonic()
     timings: dict[str, float] = {}
     if config.num_threads:

@@ -19,8 +19,8 @@ def tiny_model_dir(tmp_path):
     return str(folder)
 
 
-@pytest.mark.parametrize("lora", [True, False])
-def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, lora):
+@pytest.mark.parametrize("method", ["lora", "full", "mask_row"])
+def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method):
     config = QuickstartConfig(
         model_name_or_path=tiny_model_dir,
         output_dir=str(tmp_path / "out"),
@@ -30,7 +30,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, lora):
         distill_batch_size=4,
         max_steps=2,
         batch_size=2,
-        lora=lora,
+        method=method,
         lora_r=4,
         lora_alpha=8,
         bf16=False,
@@ -61,7 +61,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, lora):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     checkpoint = out / "checkpoint"
     assert (checkpoint / "config.json").exists()
-    assert json.loads((checkpoint / "config.json").read_text())["mars"]["block_size"] == 4
+    assert json.loads((checkpoint / "config.json").read_text())["mars"]["block_size"] == config.block_size
     assert "stock" in summary(results) and "tokens/forward" in summary(results)
 
     # A rerun reuses the cached self-distillation and reference.
@@ -96,7 +96,7 @@ def test_mask_row_only_training_leaves_every_other_weight_unchanged(tiny_model_d
         max_new_tokens=6,
         max_steps=3,
         batch_size=2,
-        mask_row_only=True,
+        method="mask_row",
         learning_rate=0.1,
         clean_loss="ce",
         ar_weight=0.0,

@@ -47,20 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option("seed", type=int)
     option("num_threads", type=int)
     option("cache_dir")
-    parser.add_argument(
-        "--full-finetune",
-        dest="lora",
-        action="store_false",
-        default=None,
-        help="Fine-tune every weight instead of LoRA + the mask row.",
-    )
-    parser.add_argument(
-        "--mask-row-only",
-        dest="mask_row_only",
-        action="store_true",
-        default=None,
-        help="Train only the mask token's embedding row (τ = 1 stays exactly the base model).",
-    )
+    option("method", choices=["mask_row", "lora", "full"])
     parser.add_argument(
         "--thresholds",
         type=_float_list,
