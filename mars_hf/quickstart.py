@@ -570,12 +570,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     timings["evaluate"] = time.monotonic() - start
 
     checkpoint_dir = output_dir / "checkpoint"
-    if config.save_checkpoint:
-        start = time.monotonic()
-        save_checkpoint(trained, tokenizer, checkpoint_dir, rows, config, training)
-        timings["save"] = time.monotonic() - start
     timings["total"] = time.monotonic() - total_start
-
     results = {
         "config": {
             k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()
@@ -607,8 +602,15 @@ def run_quickstart(config: QuickstartConfig) -> dict:
             for i, prompt in enumerate(eval_prompts[:3])
         ],
     }
+    # Results and plot first, so a failing save loses nothing measured.
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
     pareto_plot(rows, output_dir / "pareto.png")
+    if config.save_checkpoint:
+        start = time.monotonic()
+        save_checkpoint(trained, tokenizer, checkpoint_dir, rows, config, training)
+        timings["save"] = time.monotonic() - start
+        timings["total"] = time.monotonic() - total_start
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2))
     return results
 
 
