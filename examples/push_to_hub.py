@@ -32,7 +32,6 @@ python examples/push_to_hub.py --model_name_or_path SmolLM2-135M-MARS \
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 
@@ -68,19 +67,6 @@ class PushArguments:
 
 
 def main(args: PushArguments) -> int:
-    results = {}
-    if args.results_file:
-        with open(args.results_file, encoding="utf-8") as handle:
-            data = json.load(handle)
-        results = (
-            {"results": data}
-            if isinstance(data, list)
-            else {
-                "results": data["rows"],
-                "quality_metric": data.get("quality_metric", "quality"),
-                "results_description": data.get("description"),
-            }
-        )
     model, tokenizer = hub.load(args.model_name_or_path, block_size=args.block_size, enable=False)
     result = hub.push_to_hub(
         model,
@@ -94,7 +80,7 @@ def main(args: PushArguments) -> int:
         base_model=args.base_model,
         datasets=args.dataset_name,
         license=args.license,
-        **results,
+        **hub.read_results_file(args.results_file),
     )
     verb = "Would upload" if result.dry_run else "Uploaded"
     print(f"{verb} {len(result.files)} files from {result.folder} to {result.repo_id}:")

@@ -433,3 +433,20 @@ def push_to_hub(
     finally:
         if temporary and not dry_run:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def read_results_file(path: str | None) -> dict:
+    """Keyword arguments for the card's speed/quality table from a JSON file (a list of rows, or an
+    object with ``rows``, ``quality_metric`` and ``description``); ``None`` gives none."""
+    if path is None:
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    if isinstance(data, list):
+        return {"results": data}
+    out = {"results": data["rows"]}
+    if "quality_metric" in data:
+        out["quality_metric"] = data["quality_metric"]
+    if "description" in data:
+        out["results_description"] = data["description"]
+    return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 HELP = "Push a MARS checkpoint (full model or LoRA adapter) to the Hugging Face Hub with a model card."
@@ -51,23 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _read_results(path: str | None) -> dict:
-    if path is None:
-        return {}
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
-    if isinstance(data, list):
-        return {"results": data}
-    out = {"results": data["rows"]}
-    if "quality_metric" in data:
-        out["quality_metric"] = data["quality_metric"]
-    if "description" in data:
-        out["results_description"] = data["description"]
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..hub import HubTokenError, load, push_to_hub, resolve_token
+    from ..hub import HubTokenError, load, push_to_hub, read_results_file, resolve_token
 
     try:
         if not args.dry_run:
@@ -86,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             base_model=args.base_model,
             datasets=args.dataset,
             license=args.license,
-            **_read_results(args.results),
+            **read_results_file(args.results),
         )
     except (HubTokenError, FileExistsError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
