@@ -186,7 +186,7 @@ def save_pretrained(
         # saved on its own instead (a few KB instead of the whole embedding matrix).
         model.save_pretrained(out_dir, save_embedding_layers=False)
         (out_dir / MARS_ADAPTER_CONFIG_FILE).write_text(json.dumps(mars, indent=2, sort_keys=True) + "\n")
-        _save_mask_rows(model, mask_token_id, out_dir / MARS_MASK_ROWS_FILE)
+        save_mask_rows(model, mask_token_id, out_dir / MARS_MASK_ROWS_FILE)
     else:
         model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -286,7 +286,7 @@ def _check_mask_token(model, tokenizer, mars: dict) -> int:
 
 
 @torch.no_grad()
-def _save_mask_rows(model, mask_token_id: int, path: Path) -> None:
+def save_mask_rows(model, mask_token_id: int, path: Path) -> None:
     """The *effective* mask-token rows (LoRA / trainable-token deltas applied), plus any rows the base lacks."""
     from safetensors.torch import save_file
 

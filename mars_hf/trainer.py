@@ -266,14 +266,14 @@ class MARSTrainer(SFTTrainer):
             import json
             import os
 
-            from .hub import _save_mask_rows
+            from .hub import save_mask_rows
             from .modeling import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE
 
             output_dir = output_dir if output_dir is not None else self.args.output_dir
             mars = dict(unwrapped.get_base_model().config.mars)
             with open(os.path.join(output_dir, MARS_ADAPTER_CONFIG_FILE), "w") as handle:
                 handle.write(json.dumps(mars, indent=2, sort_keys=True) + "\n")
-            _save_mask_rows(unwrapped, self.mask_token_id, Path(output_dir) / MARS_MASK_ROWS_FILE)
+            save_mask_rows(unwrapped, self.mask_token_id, Path(output_dir) / MARS_MASK_ROWS_FILE)
 
     # ----------------------------------------------------------------------------------------------
     def _base_clean_logits(self, model, clean_ids, clean_valid, keep):
