@@ -247,7 +247,7 @@ def _budget_callback(budget: TimeBudget, progress: bool):
                 desc="MARS training",
                 unit="min",
                 disable=not progress,
-                bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min [{postfix}]",
+                bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min{postfix}",
             )
 
         def on_step_end(self, args, state, control, **kwargs):
