@@ -36,7 +36,14 @@ from pathlib import Path
 import torch
 
 from .data import chat_prompt_ids, self_distill
-from .evaluation import DEFAULT_THRESHOLDS, format_table, measure_decoding, run_label, summarize_runs
+from .evaluation import (
+    DEFAULT_THRESHOLDS,
+    format_table,
+    measure_decoding,
+    run_label,
+    summarize_runs,
+    suppress_mask_token,
+)
 from .prompts import held_out_prompts, training_prompts
 
 logger = logging.getLogger(__name__)
@@ -402,6 +409,7 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
     if config.method == "lora":
         model = model.merge_and_unload()
     model.eval()
+    suppress_mask_token(model)  # input-only token; a tied output row could otherwise be generated
     return model, info
 
 

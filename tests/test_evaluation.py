@@ -218,3 +218,23 @@ def test_mars_hf_eval_command_on_a_saved_checkpoint(tmp_path, capsys):
     assert held["stock"]["agreement"] == 1.0 and held["mars@1"]["agreement"] == 1.0
     assert held["mars@0"]["tokens_per_forward"] > 1.0
     assert "pass@1" in capsys.readouterr().out
+
+
+def test_suppress_mask_token_keeps_a_tied_mask_row_out_of_the_output():
+    """A trained mask row of a tied-embedding model can win the output argmax; suppression stops that only."""
+    from mars_hf.evaluation import suppress_mask_token
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", seed=6, tokenizer=tokenizer, tie_word_embeddings=True)
+    reference = tiny_model("llama", seed=6, tokenizer=tokenizer, tie_word_embeddings=True)
+    mask_id = tokenizer.mask_token_id
+    x = torch.tensor([chat_prompt_ids(tokenizer, "the cat sat")])
+    kwargs = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8, pad_token_id=2)
+    with torch.no_grad():  # make the mask row dominate the (tied) output layer
+        hidden = model.model(input_ids=x).last_hidden_state[0, -1]
+        model.get_input_embeddings().weight[mask_id] = 50 * hidden / hidden.norm()
+    assert mask_id in model.generate(input_ids=x, **kwargs)[0, x.shape[1] :].tolist()
+    assert suppress_mask_token(model) and not suppress_mask_token(model)
+    out = model.generate(input_ids=x, **kwargs)[0, x.shape[1] :].tolist()
+    assert mask_id not in out
+    assert out == reference.generate(input_ids=x, **kwargs)[0, x.shape[1] :].tolist()

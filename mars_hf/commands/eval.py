@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         measure_decoding,
         run_label,
         summarize_runs,
+        suppress_mask_token,
     )
     from mars_hf.modeling import load_mars_model
     from mars_hf.prompts import held_out_prompts
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("Nothing to evaluate: drop --no-humaneval or pass --held-out N.")
     model, tokenizer = load_mars_model(args.model, merge_adapter=True, dtype=torch.float32)
     model.eval()
+    suppress_mask_token(model)
     base = None
     if args.base_model:
         base_path = resolve_model_path(args.base_model)
