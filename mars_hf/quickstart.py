@@ -440,7 +440,7 @@ def pareto_plot(rows: list[dict], path: str | os.PathLike, title: str = "MARS on
             [1.0], [100 * stock["agreement"]], "s", color="tab:gray", label="stock generate (same weights)"
         )
     axis.set_xlabel("tokens per forward")
-    axis.set_ylabel("token agreement with the base model's greedy output (%)")
+    axis.set_ylabel("agreement with base greedy output (%)")
     axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8, loc="lower left")
