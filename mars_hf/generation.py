@@ -27,6 +27,7 @@ from transformers.generation.logits_process import (
     EtaLogitsWarper,
     LogitsProcessorList,
     MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -49,6 +50,7 @@ DEFAULT_CACHE_BLOCK = 16
 # Processors that act on each row of scores alone and never read ``input_ids``: they can be applied
 # to all window positions in one call. Anything else is applied position by position.
 _POSITION_FREE_PROCESSORS = (
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,

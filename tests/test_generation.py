@@ -709,3 +709,24 @@ def test_tau_one_feeds_no_masks_at_all(tok):
             assert not any((ids == mask_id).any() for ids in fed)
     finally:
         handle.remove()
+
+
+def test_suppressed_tokens_are_never_generated_and_tau_one_stays_stock():
+    """`suppress_tokens` (used to keep a tied mask row out of the output) takes the batched processor path."""
+    from mars_hf import enable_mars
+    from tests.tiny import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", seed=3)
+    prompt = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
+    stock = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    banned = int(stock[0, prompt["input_ids"].shape[1]])  # the first token stock greedy would pick
+    enable_mars(model)
+    expected = model.generate(**prompt, max_new_tokens=12, do_sample=False, suppress_tokens=[banned])
+    for tau in (1.0, 0.0):
+        out = model.generate(
+            **prompt, max_new_tokens=12, do_sample=False, suppress_tokens=[banned], mars_threshold=tau
+        )
+        assert not (out[:, prompt["input_ids"].shape[1] :] == banned).any()
+        if tau == 1.0:
+            assert torch.equal(out, expected)
