@@ -82,25 +82,6 @@ def _ensure_mars_enabled(model) -> None:
     enable_mars(target)
 
 
-def suppress_mask_token(model) -> bool:
-    """Never emit the mask token as an output (``generation_config.suppress_tokens``); True if added.
-
-    The mask token is an input-only token. With tied input/output embeddings, training its input row
-    also moves its output logit, and the model can start *generating* ``<|mask|>``. Suppressing it
-    changes no other token's argmax, so greedy decoding is otherwise untouched.
-    """
-    from .mask_token import get_mars_config
-
-    mask_token_id = int(get_mars_config(model)["mask_token_id"])
-    config = model.generation_config
-    suppressed = list(config.suppress_tokens or [])
-    if mask_token_id in suppressed:
-        return False
-    config.suppress_tokens = [*suppressed, mask_token_id]
-    logger.info("Suppressing the mask token (id %d) as an output token.", mask_token_id)
-    return True
-
-
 def _trim_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
     for index, token in enumerate(tokens):
         if token in eos_ids:

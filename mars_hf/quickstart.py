@@ -42,8 +42,8 @@ from .evaluation import (
     measure_decoding,
     run_label,
     summarize_runs,
-    suppress_mask_token,
 )
+from .mask_token import suppress_mask_token
 from .prompts import held_out_prompts, training_prompts
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from trl import SFTTrainer
 
 from .attention_mask import build_mars_inputs, check_attn_implementation, mars_attention_mask
 from .config import MARSConfig
-from .mask_token import add_mask_token, set_mars_config
+from .mask_token import add_mask_token, set_mars_config, suppress_mask_token
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +188,9 @@ class MARSTrainer(SFTTrainer):
                 args.block_size,
             )
         set_mars_config(base, block_size=args.block_size, mask_token_id=mask_token_id)
+        # Saved in generation_config.json: with tied embeddings the trained mask row could otherwise win
+        # the output argmax and be generated.
+        suppress_mask_token(base)
         self.mask_token_id = mask_token_id
 
         if peft_config is not None and hasattr(peft_config, "trainable_token_indices"):

@@ -222,7 +222,7 @@ def test_mars_hf_eval_command_on_a_saved_checkpoint(tmp_path, capsys):
 
 def test_suppress_mask_token_keeps_a_tied_mask_row_out_of_the_output():
     """A trained mask row of a tied-embedding model can win the output argmax; suppression stops that only."""
-    from mars_hf.evaluation import suppress_mask_token
+    from mars_hf.mask_token import suppress_mask_token
 
     tokenizer = tiny_tokenizer()
     model = tiny_model("llama", seed=6, tokenizer=tokenizer, tie_word_embeddings=True)

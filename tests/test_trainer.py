@@ -286,6 +286,8 @@ def test_full_training_lowers_loss_and_checkpoint_reloads(tmp_path):
     reloaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "saved")
     assert reloaded.config.mars["block_size"] == 3
     assert reloaded.config.mars["mask_token_id"] == mask_id == reloaded_tokenizer.mask_token_id
+    # The mask token is input-only: the saved generation config never lets it be generated.
+    assert mask_id in reloaded.generation_config.suppress_tokens
     assert reloaded_tokenizer.mask_token == "<|mask|>"
     model.eval()
     with torch.no_grad():

@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
         measure_decoding,
         run_label,
         summarize_runs,
-        suppress_mask_token,
     )
+    from mars_hf.mask_token import suppress_mask_token
     from mars_hf.modeling import load_mars_model
     from mars_hf.prompts import held_out_prompts
 
