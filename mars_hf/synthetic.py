@@ -40,12 +40,16 @@ def synthetic_vocabulary() -> list[str]:
     return SPECIAL_TOKENS + KEYWORDS + [str(i) for i in range(MAX_NUMBER + 1)]
 
 
-def synthetic_tokenizer():
-    """Word-level tokenizer of the synthetic language: pad == EOS == ``<|im_end|>``, mask ``<|mask|>``."""
+def word_level_chat_tokenizer(vocabulary: list[str], chat_template: str, mask_token: str | None = None):
+    """A real word-level fast tokenizer over ``vocabulary`` (ids in list order), pad == EOS == ``<|im_end|>``.
+
+    Shared by the synthetic language and the tests' tiny models: no download, exact ids. The mask
+    token keeps its vocabulary id when listed there, else it is added after the vocabulary.
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(synthetic_vocabulary())}
+    vocab = {token: i for i, token in enumerate(vocabulary)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
@@ -53,12 +57,18 @@ def synthetic_tokenizer():
         eos_token="<|im_end|>",
         pad_token="<|im_end|>",
         unk_token="<|endoftext|>",
-        mask_token=MASK_TOKEN,
         bos_token=None,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     tokenizer.padding_side = "left"
+    if mask_token is not None:
+        tokenizer.add_special_tokens({"mask_token": mask_token})
     return tokenizer
+
+
+def synthetic_tokenizer():
+    """Word-level tokenizer of the synthetic language: pad == EOS == ``<|im_end|>``, mask ``<|mask|>``."""
+    return word_level_chat_tokenizer(synthetic_vocabulary(), CHAT_TEMPLATE, MASK_TOKEN)
 
 
 def synthetic_pair(rng: random.Random) -> tuple[str, str]:

@@ -6,7 +6,6 @@ Like transformers' own tests: no downloads. float64 so that exact token equality
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -17,6 +16,7 @@ from transformers import (
 )
 
 from mars_hf.mask_token import add_mask_token, set_mars_config
+from mars_hf.synthetic import word_level_chat_tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = (
@@ -34,20 +34,9 @@ TINY_VOCAB = 64
 
 def tiny_tokenizer(with_mask: bool = True) -> PreTrainedTokenizerFast:
     """A word-level tokenizer whose pad token *is* its EOS token, like SmolLM2's."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        bos_token=None,
-        unk_token="<|endoftext|>",
+    tokenizer = word_level_chat_tokenizer(
+        SPECIAL_TOKENS + WORDS, CHAT_TEMPLATE, mask_token="<|mask|>" if with_mask else None
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.padding_side = "left"
-    if with_mask:
-        tokenizer.add_special_tokens({"mask_token": "<|mask|>"})
     assert len(tokenizer) <= TINY_VOCAB
     return tokenizer
 
