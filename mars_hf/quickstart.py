@@ -405,7 +405,9 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
         "last_log": history[-1] if history else None,
         "curve": curve,
     }
-    model = trainer.model
+    # Mixed-precision training leaves `forward` wrapped in accelerate's bf16 autocast; unwrap it so the
+    # evaluation (agreement with the float32 base model) runs the model as it is saved, in float32.
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     if config.method == "lora":
         model = model.merge_and_unload()
     model.eval()

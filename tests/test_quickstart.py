@@ -121,3 +121,26 @@ def test_mask_row_only_training_leaves_every_other_weight_unchanged(tiny_model_d
     assert changed_rows == [mask_id]
     by_label = {row["label"]: row for row in results["evaluation"]}
     assert by_label["stock"]["agreement"] == 1.0 and by_label["mars@1"]["agreement"] == 1.0
+
+
+def test_trained_model_runs_in_its_own_dtype_after_bf16_training(tiny_model_dir):
+    """bf16 autocast training must not leave the returned model's forward under autocast (session-2 bug:
+    the quickstart then evaluated agreement with the float32 base model in bf16)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mars_hf.data import self_distill
+    from mars_hf.quickstart import train_mars
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    prompts = ["count one two", "say three four", "list five six", "add one one"]
+    dataset = self_distill(model, tokenizer, prompts, max_new_tokens=6, batch_size=4, progress=False)
+    config = QuickstartConfig(max_steps=1, batch_size=2, method="mask_row", bf16=True, progress=False)
+    trained, _ = train_mars(model, tokenizer, dataset, config, work_dir=str(tiny_model_dir) + "-work")
+    plain = copy.deepcopy(trained)
+    plain.forward = type(plain).forward.__get__(plain)  # the class's own forward, no wrapper
+    ids = torch.tensor([dataset[0]["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(trained(input_ids=ids).logits, plain(input_ids=ids).logits)
