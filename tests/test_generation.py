@@ -730,3 +730,48 @@ def test_suppressed_tokens_are_never_generated_and_tau_one_stays_stock():
         assert not (out[:, prompt["input_ids"].shape[1] :] == banned).any()
         if tau == 1.0:
             assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("scheme", ["cursor", "block"])
+@pytest.mark.parametrize("window", [1, 2])
+def test_short_cpu_forwards_are_padded_past_the_window_without_changing_anything(
+    scheme, window, tok, monkeypatch
+):
+    """On CPU a window forward of fewer than 4 rows gets unused masks appended (the kernels' fast path):
+    tokens, per-step counts and forward counts equal the unpadded decoder and the reference decoder."""
+    import mars_hf.generation as generation_module
+
+    model = peaked_model("llama")
+    encoded = tok(["the cat sat"], return_tensors="pt")
+    kwargs = dict(
+        max_new_tokens=16,
+        do_sample=False,
+        mars_threshold=0.5,
+        mars_block_size=window,
+        mars_cache=scheme,
+        mars_cache_block=3,
+        return_dict_in_generate=True,
+    )
+    widths = []
+    handle = model.register_forward_pre_hook(
+        lambda m, a, k: widths.append(k["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        padded = model.generate(**encoded, **kwargs)
+        padded_widths = list(widths)
+        widths.clear()
+        monkeypatch.setattr(generation_module, "_MIN_FORWARD_ROWS", {})
+        plain = model.generate(**encoded, **kwargs)
+    finally:
+        handle.remove()
+    assert min(padded_widths) >= 4 and min(widths) < 4  # the padding really happened, and only with it on
+    assert torch.equal(padded.sequences, plain.sequences)
+    assert torch.equal(padded.accepted_counts, plain.accepted_counts)
+    assert padded.num_forwards == plain.num_forwards
+    assert padded.accepted_counts.max() > 1
+    ((tokens, per_step),) = _reference_rows(
+        model, tok, encoded, window=window, tau=0.5, max_new_tokens=16, eos_token_ids=[tok.eos_token_id]
+    )
+    prompt_length = encoded.input_ids.shape[1]
+    assert _generated(padded, prompt_length, tok.pad_token_id, padded.accepted_counts)[0] == tokens
+    assert [int(n) for n in padded.accepted_counts[:, 0] if n > 0] == per_step
