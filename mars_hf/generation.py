@@ -566,7 +566,9 @@ class _MARSDecoder:
                 if valid is not None:
                     valid = torch.cat([valid, valid.new_ones(batch, extra)], dim=1)
             lm_keep = min(num_columns + extra, max(keep + extra, self.min_columns))
-            step_rows = rows if rows is not None else MARSRowState(batch, device, capacity=num_columns + extra)
+            step_rows = (
+                rows if rows is not None else MARSRowState(batch, device, capacity=num_columns + extra)
+            )
             attention_mask, position_ids = step_rows.stage(num_columns + extra, valid)
             logits = self._forward(chunk, attention_mask, position_ids, lm_keep)
             if lm_keep != keep:  # the columns [num_columns - keep, num_columns) of the unpadded chunk

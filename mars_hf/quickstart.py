@@ -43,7 +43,6 @@ from .evaluation import (
     run_label,
     summarize_runs,
 )
-from .mask_token import suppress_mask_token
 from .prompts import held_out_prompts, training_prompts
 
 logger = logging.getLogger(__name__)
@@ -410,8 +409,7 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
     model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     if config.method == "lora":
         model = model.merge_and_unload()
-    model.eval()
-    suppress_mask_token(model)  # input-only token; a tied output row could otherwise be generated
+    model.eval()  # MARSTrainer has already suppressed the mask token as an output (generation_config)
     return model, info
 
 
