@@ -19,24 +19,33 @@ def tiny_model_dir(tmp_path):
     return str(folder)
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "mask_row"])
-def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method):
-    config = QuickstartConfig(
+def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
+    """A quickstart small enough for a unit test: 6 training prompts, 3 held-out, 6 new tokens."""
+    toy = dict(
         model_name_or_path=tiny_model_dir,
         output_dir=str(tmp_path / "out"),
         num_train_prompts=6,
         num_eval_prompts=3,
         max_new_tokens=6,
+        batch_size=2,
+        bf16=False,
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+    )
+    return QuickstartConfig(**{**toy, **settings})
+
+
+@pytest.mark.parametrize("method", ["lora", "full", "mask_row"])
+def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method):
+    config = _toy_config(
+        tiny_model_dir,
+        tmp_path,
         distill_batch_size=4,
         max_steps=2,
-        batch_size=2,
         method=method,
         lora_r=4,
         lora_alpha=8,
-        bf16=False,
         thresholds=(1.0, 0.5, 0.0),
-        cache_dir=str(tmp_path / "cache"),
-        progress=False,
         track_every=1,
     )
     results = run_quickstart(config)
@@ -88,22 +97,15 @@ def test_time_budget_schedule_warms_up_and_ends_at_zero(monkeypatch):
 def test_mask_row_only_training_leaves_every_other_weight_unchanged(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    config = QuickstartConfig(
-        model_name_or_path=tiny_model_dir,
-        output_dir=str(tmp_path / "out"),
-        num_train_prompts=6,
-        num_eval_prompts=3,
-        max_new_tokens=6,
+    config = _toy_config(
+        tiny_model_dir,
+        tmp_path,
         max_steps=3,
-        batch_size=2,
         method="mask_row",
         learning_rate=0.1,
         clean_loss="ce",
         ar_weight=0.0,
-        bf16=False,
         thresholds=(1.0,),
-        cache_dir=str(tmp_path / "cache"),
-        progress=False,
     )
     results = run_quickstart(config)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
