@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["quickstart", "train", "generate", "bench", "eval", "push"]
+COMMANDS = ["quickstart", "train", "generate", "bench", "eval", "push", "serve", "loadtest", "gpu-check"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,9 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:
-            module = importlib.import_module(f"mars_hf.commands.{name}")
+            module_name = f"mars_hf.commands.{name.replace('-', '_')}"
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:  # a subcommand whose module is not written yet
-            if error.name != f"mars_hf.commands.{name}":
+            if error.name != module_name:
                 raise
             continue
         sub = subparsers.add_parser(name, help=module.HELP, description=module.HELP)

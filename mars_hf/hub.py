@@ -33,7 +33,13 @@ logger = logging.getLogger(__name__)
 MODEL_CARD_TEMPLATE = "mars_model_card.md"
 CARD_TAGS = ["mars", "multi-token-prediction", "custom_generate", "text-generation"]
 # The files copied into ``custom_generate/`` (source module in mars_hf -> name in the checkpoint).
-CUSTOM_GENERATE_FILES = {"generation.py": "generate.py", "cache.py": "cache.py"}
+CUSTOM_GENERATE_FILES = {
+    "generation.py": "generate.py",
+    "cache.py": "cache.py",
+    "layouts.py": "layouts.py",
+    "acceptance.py": "acceptance.py",
+    "gated_lora.py": "gated_lora.py",
+}
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
 _ALLOWED_IMPORTS = {"torch", "transformers", "__future__"}
 CUSTOM_GENERATE_REQUIREMENTS = "torch>=2.4\ntransformers>=5.24.0\n"

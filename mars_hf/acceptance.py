@@ -1,0 +1,1 @@
+"""How MARS predictions are chosen and accepted. Being written (issue 10)."""

@@ -1,0 +1,1 @@
+"""What a MARS step feeds and where its predictions sit. Being written (issue 10)."""
