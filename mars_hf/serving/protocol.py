@@ -1,0 +1,392 @@
+"""OpenAI request validation and response shapes.
+
+Bodies are validated by hand rather than by pydantic models so that every refusal is a 400 whose
+message names the field and the fix (OpenAI's error shape), and so that the extra top-level MARS
+fields (``mars_threshold``, ``mars_acceptance``, like vLLM's extra sampling parameters) sit beside the
+standard ones. Fields the OpenAI clients send by default and that do not change decoding are ignored;
+fields that would change it and are not supported (``n > 1``, ``logprobs``, tools) are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from .engine import ACCEPTANCE_CHOICES, RowSettings
+
+
+class RequestError(Exception):
+    """An invalid request: becomes an OpenAI-style error response with ``status``."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def error_body(message: str, status: int, code: str | None = None) -> dict:
+    return RequestError(message, status=status, code=code).body()
+
+
+@dataclass
+class Limits:
+    """Server limits a request is checked against."""
+
+    max_prompt_tokens: int
+    max_new_tokens: int
+    max_length: int
+    default_max_tokens: int = 256
+
+
+@dataclass
+class ParsedRequest:
+    """What the HTTP layer needs after validation."""
+
+    prompt_ids: list[int]
+    settings: RowSettings
+    pinned: bool
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+
+
+def _number(body: dict, name: str, low: float | None = None, high: float | None = None, *, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"`{name}` must be a number, got {value!r}.", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise RequestError(f"`{name}` must lie in [{low}, {high}], got {value}.", param=name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int | None = None, high: int | None = None, *, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"`{name}` must be an integer, got {value!r}.", param=name)
+    if low is not None and value < low:
+        raise RequestError(f"`{name}` must be >= {low}, got {value}.", param=name)
+    if high is not None and value > high:
+        raise RequestError(f"`{name}` must be <= {high} on this server, got {value}.", param=name)
+    return value
+
+
+def _mars_fields(body: dict) -> tuple[float | None, str, bool]:
+    """``(threshold, acceptance, pinned)`` from the extra MARS fields; None threshold = controller's."""
+    acceptance = body.get("mars_acceptance", "probability")
+    if acceptance is None:
+        acceptance = "probability"
+    if not isinstance(acceptance, str) or acceptance not in ACCEPTANCE_CHOICES:
+        raise RequestError(
+            f"`mars_acceptance` must be one of {list(ACCEPTANCE_CHOICES)}, got {acceptance!r}.",
+            param="mars_acceptance",
+        )
+    if acceptance == "entropy":
+        threshold = _number(body, "mars_threshold", 0.0, None)
+        if threshold is None:
+            raise RequestError(
+                '`mars_acceptance: "entropy"` needs an explicit `mars_threshold` (an entropy bound >= 0).',
+                param="mars_threshold",
+            )
+    else:
+        threshold = _number(body, "mars_threshold", 0.0, 1.0)
+        if acceptance == "margin" and threshold is None:
+            raise RequestError(
+                '`mars_acceptance: "margin"` needs an explicit `mars_threshold` in [0, 1].',
+                param="mars_threshold",
+            )
+    pinned = threshold is not None or acceptance != "probability"
+    return threshold, acceptance, pinned
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise RequestError("`stop` must be a non-empty string or a list of up to 4 of them.", param="stop")
+    return stop
+
+
+def _refuse_unsupported(body: dict) -> None:
+    n = body.get("n")
+    if n not in (None, 1):
+        raise RequestError("Only `n: 1` is supported; send several requests instead.", param="n")
+    if body.get("best_of") not in (None, 1):
+        raise RequestError("`best_of` is not supported by this server.", param="best_of")
+    for name in ("logprobs", "top_logprobs", "echo", "suffix"):
+        if body.get(name):
+            raise RequestError(f"`{name}` is not supported by this server.", param=name)
+    if body.get("tools") or body.get("functions"):
+        raise RequestError("Tool calls are not supported by this server.", param="tools")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise RequestError('Only `response_format: {"type": "text"}` is supported.', param="response_format")
+
+
+def _message_text(message, index: int) -> dict:
+    if not isinstance(message, dict):
+        raise RequestError(
+            f"`messages[{index}]` must be an object with `role` and `content`.", param="messages"
+        )
+    role, content = message.get("role"), message.get("content")
+    if role not in ("system", "developer", "user", "assistant"):
+        raise RequestError(
+            f"`messages[{index}].role` must be system, developer, user or assistant, got {role!r}.",
+            param="messages",
+        )
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise RequestError(
+                    f'`messages[{index}].content` parts must be {{"type": "text", "text": ...}} (text only).',
+                    param="messages",
+                )
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise RequestError(f"`messages[{index}].content` must be a string.", param="messages")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("`messages` must be a non-empty list.", param="messages")
+    messages = [_message_text(m, i) for i, m in enumerate(messages)]
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError(
+            "This model has no chat template; use /v1/completions with a plain `prompt`.", param="messages"
+        )
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def completion_prompt_ids(body: dict, tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("`prompt` must not be empty.", param="prompt")
+        return list(tokenizer(prompt)["input_ids"])
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        vocab = len(tokenizer)
+        if not all(0 <= t < vocab for t in prompt):
+            raise RequestError(f"`prompt` token ids must lie in [0, {vocab}).", param="prompt")
+        return list(prompt)
+    raise RequestError(
+        "`prompt` must be a string or a list of token ids (one prompt per request).", param="prompt"
+    )
+
+
+def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedRequest:
+    """Validate an OpenAI (chat) completions body; raises `RequestError` with a clear message."""
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.")
+    _refuse_unsupported(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("`stream` must be true or false.", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("`stream_options` must be an object.", param="stream_options")
+    include_usage = bool(options.get("include_usage", False))
+    threshold, acceptance, pinned = _mars_fields(body)
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, default=1.0)
+    if top_p == 0.0:
+        raise RequestError("`top_p` must be > 0.", param="top_p")
+    top_k = _integer(body, "top_k", 0, None, default=0)
+    seed = _integer(body, "seed")
+    stop = _stop(body)
+
+    prompt_ids = chat_prompt_ids(body, tokenizer) if chat else completion_prompt_ids(body, tokenizer)
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise RequestError(
+            f"The prompt has {len(prompt_ids)} tokens; this server accepts at most {limits.max_prompt_tokens} "
+            "(--max-prompt-tokens). Shorten the prompt.",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
+    room = limits.max_length - len(prompt_ids)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, name, 1, limits.max_new_tokens)
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens, limits.max_new_tokens, room)
+    if max_tokens > room or room < 1:
+        raise RequestError(
+            f"The prompt ({len(prompt_ids)} tokens) plus `{name}` ({max_tokens}) exceeds the server's "
+            f"{limits.max_length}-token rows (--max-length). Lower `{name}` or shorten the prompt.",
+            param=name,
+            code="context_length_exceeded",
+        )
+
+    eos = tokenizer.eos_token_id
+    settings = RowSettings(
+        threshold=threshold,
+        acceptance=acceptance,
+        max_new_tokens=max_tokens,
+        eos_token_ids=() if eos is None else (int(eos),),
+        do_sample=bool(temperature) if temperature is not None else False,
+        temperature=temperature if temperature else 1.0,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+    )
+    return ParsedRequest(prompt_ids, settings, pinned, stream, include_usage, stop)
+
+
+# ----- responses -----
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(request, acceptance: str) -> dict:
+    """Token counts plus what MARS did for this request (τ used, tokens per forward)."""
+    mean_tau = request.mean_tau
+    tpf = request.tokens_per_forward
+    prompt = len(request.prompt_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": request.completion_tokens,
+        "total_tokens": prompt + request.completion_tokens,
+        "mars_threshold": None if mean_tau is None else round(mean_tau, 4),
+        "mars_acceptance": acceptance,
+        "mars_tokens_per_forward": None if tpf is None else round(tpf, 4),
+        "mars_forwards": request.steps,
+    }
+
+
+def chat_response(request_id: str, model: str, text: str, finish_reason: str, usage_: dict) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def completion_response(request_id: str, model: str, text: str, finish_reason: str, usage_: dict) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(request_id, model, *, delta=None, finish_reason=None, usage_=None, created=None) -> dict:
+    choices = (
+        []
+        if delta is None and finish_reason is None
+        else [{"index": 0, "delta": delta or {}, "finish_reason": finish_reason, "logprobs": None}]
+    )
+    chunk = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def completion_chunk(request_id, model, *, text=None, finish_reason=None, usage_=None, created=None) -> dict:
+    choices = (
+        []
+        if text is None and finish_reason is None
+        else [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
+    )
+    chunk = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+class TextAssembler:
+    """Incremental detokenisation with stop strings.
+
+    Decodes the whole generated sequence each time (so multi-token characters come out whole), holds
+    back a trailing replacement character (an incomplete UTF-8 sequence) and, with stop strings, the
+    last ``len(longest stop) - 1`` characters, which could be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+        self.text = ""
+
+    def add(self, tokens: list[int]) -> str:
+        """New text to send after ``tokens``; sets ``stopped`` when a stop string appeared."""
+        if self.stopped:
+            return ""
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for stop in self.stop:
+            at = text.find(stop)
+            if at != -1:
+                self.stopped = True
+                text = text[:at]
+        self.text = text
+        if self.stopped:
+            end = len(text)
+        else:
+            end = len(text) - self.hold
+            if text.endswith("\ufffd"):
+                end = min(end, len(text) - 1)
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : end], end
+        return delta
+
+    def flush(self) -> str:
+        delta, self.sent = self.text[self.sent :], len(self.text)
+        return delta

@@ -1,0 +1,447 @@
+"""`mars-hf serve`: real uvicorn servers on loopback, driven by the `openai` client and raw HTTP.
+
+These tests use a scripted engine (the `Engine` protocol) so that scheduling, streaming, limits,
+disconnects, timeouts and the controller are checked in seconds and exactly; the real decoder is
+tested through the same server in tests/test_serving_decoder.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from mars_hf.serving import BackgroundServer, ControllerConfig, ServerConfig, TauController, build_server
+from mars_hf.serving.engine import RowUpdate
+from mars_hf.serving.protocol import TextAssembler
+from tests.tiny import tiny_tokenizer
+
+WORD_IDS = list(range(3, 40))  # plain words of the tiny tokenizer
+
+
+class ScriptedEngine:
+    """Row ``r`` emits WORD_IDS cyclically from an offset given by its prompt; τ < 1 emits more per step.
+
+    Tokens per step = 1 for τ >= 1 or verify, else 1 + round(4 * (1 - τ)) — a stand-in for MARS
+    acceptance that makes lower τ faster, as on a high-acceptance model. Each step sleeps
+    ``step_s`` (the cost of one batched forward, independent of the rows in it).
+    """
+
+    def __init__(self, max_rows=4, max_length=256, step_s=0.002, fail_on_step=None):
+        self.max_rows, self.max_length, self.step_s = max_rows, max_length, step_s
+        self.rows: dict[int, dict] = {}
+        self.added, self.dropped, self.thresholds = [], [], []
+        self.next_id, self.forwards, self.max_seen = 0, 0, 0
+        self.fail_on_step = fail_on_step
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def expected(prompt_ids, max_new_tokens):
+        start = sum(prompt_ids) % len(WORD_IDS)
+        return [WORD_IDS[(start + i) % len(WORD_IDS)] for i in range(max_new_tokens)]
+
+    def add_row(self, prompt_ids, settings):
+        if len(prompt_ids) + settings.max_new_tokens > self.max_length:
+            raise ValueError("row too long")
+        assert self.free_slots > 0
+        rid = self.next_id
+        self.next_id += 1
+        self.rows[rid] = {
+            "out": self.expected(prompt_ids, settings.max_new_tokens),
+            "pos": 0,
+            "settings": settings,
+        }
+        self.added.append((rid, settings.threshold, settings.acceptance))
+        self.max_seen = max(self.max_seen, len(self.rows))
+        return rid
+
+    def step(self):
+        self.forwards += 1
+        if self.fail_on_step == self.forwards:
+            raise RuntimeError("boom")
+        time.sleep(self.step_s)
+        updates = []
+        for rid, row in list(self.rows.items()):
+            s = row["settings"]
+            tau = 1.0 if s.acceptance == "verify" or s.threshold is None else s.threshold
+            k = 1 if tau >= 1 else 1 + round(4 * (1 - tau))
+            tokens = row["out"][row["pos"] : row["pos"] + k]
+            row["pos"] += len(tokens)
+            done = row["pos"] >= len(row["out"])
+            if done:
+                del self.rows[rid]
+            updates.append(RowUpdate(rid, tokens, done, "length" if done else None))
+        return updates
+
+    def drop_row(self, rid):
+        self.dropped.append(rid)
+        self.rows.pop(rid, None)
+
+    def set_threshold(self, rid, tau):
+        self.thresholds.append(tau)
+        self.rows[rid]["settings"].threshold = tau
+
+    @property
+    def num_rows(self):
+        return len(self.rows)
+
+    @property
+    def free_slots(self):
+        return self.max_rows - len(self.rows)
+
+    @property
+    def num_forwards(self):
+        return self.forwards
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def start(tok, engine=None, **config):
+    controller = config.pop("controller", ControllerConfig(tau_min=0.5, tau_max=1.0))
+    engine = engine or ScriptedEngine()
+    cfg = ServerConfig(model_id="tiny", max_length=engine.max_length, controller=controller, **config)
+    app, scheduler = build_server(engine, tok, cfg)
+    return BackgroundServer(app).start(), engine, scheduler
+
+
+def client(server, **kw):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, **kw)
+
+
+def expected_text(tok, prompt_ids, n):
+    return tok.decode(ScriptedEngine.expected(prompt_ids, n), skip_special_tokens=True)
+
+
+def chat_ids(tok, content):
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_chat_completion_models_health(tok):
+    server, engine, _ = start(tok)
+    with server:
+        c = client(server)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        out = c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "the cat sat"}],
+            max_tokens=9,
+            extra_body={"mars_threshold": 0.75},
+        )
+        assert out.choices[0].message.content == expected_text(tok, chat_ids(tok, "the cat sat"), 9)
+        assert out.choices[0].finish_reason == "length"
+        usage = out.usage.model_dump()
+        assert usage["completion_tokens"] == 9 and usage["mars_threshold"] == 0.75
+        # τ 0.75 -> 2 tokens per step in the scripted engine: 9 tokens in 5 steps
+        assert usage["mars_forwards"] == 5 and usage["mars_tokens_per_forward"] == pytest.approx(9 / 5)
+        assert engine.added[-1][1:] == (0.75, "probability")
+        text = c.completions.create(model="tiny", prompt="hello world", max_tokens=4).choices[0].text
+        assert text == expected_text(tok, tok("hello world")["input_ids"], 4)
+        health = httpx.get(server.base_url + "/health").json()
+        assert health["status"] == "ok" and health["running"] == 0
+
+
+def test_concurrent_streams_mixed_tau_and_verify(tok):
+    server, engine, _ = start(tok, ScriptedEngine(max_rows=3, step_s=0.003))
+    prompts = [f"the {w} sat on the mat" for w in ("cat", "dog", "red", "blue", "one", "two", "x")]
+    taus = [None, 0.9, 0.5, "verify", 1.0, 0.7, None]
+
+    async def one(ac, prompt, tau):
+        extra = (
+            {"mars_acceptance": "verify"}
+            if tau == "verify"
+            else ({} if tau is None else {"mars_threshold": tau})
+        )
+        stream = await ac.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+        text, usage, finish = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                usage = chunk.usage.model_dump()
+        return text, usage, finish
+
+    async def main():
+        ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(ac, p, t) for p, t in zip(prompts, taus)))
+
+    with server:
+        results = asyncio.run(main())
+    assert engine.max_seen == 3  # never more rows than slots, and the slots were used together
+    for prompt, tau, (text, usage, finish) in zip(prompts, taus, results):
+        assert text == expected_text(tok, chat_ids(tok, prompt), 12)
+        assert finish == "length" and usage["completion_tokens"] == 12
+        if tau == "verify":
+            assert usage["mars_acceptance"] == "verify" and usage["mars_tokens_per_forward"] == 1.0
+        elif tau is not None:
+            assert usage["mars_threshold"] == tau
+    pinned = {t for _, t, a in engine.added if a == "probability"}
+    assert {0.9, 0.5, 1.0, 0.7} <= pinned
+
+
+BAD_BODIES = [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (json.dumps({"messages": "hi"}).encode(), "`messages`"),
+    (json.dumps({"messages": [{"role": "user", "content": 3}]}).encode(), "content"),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), "role"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "mars_threshold": 1.5}).encode(),
+        "[0.0, 1.0]",
+    ),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "mars_threshold": "high"}).encode(),
+        "number",
+    ),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "mars_threshold": True}).encode(), "number"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "mars_acceptance": "vibes"}).encode(),
+        "mars_acceptance",
+    ),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "mars_acceptance": "entropy"}).encode(),
+        "entropy",
+    ),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}).encode(), "integer"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), ">= 1"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}).encode(),
+        "max_tokens",
+    ),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(), "temperature"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), "`n: 1`"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), "stream"),
+    (json.dumps({"messages": [{"role": "user", "content": " ".join(["cat"] * 300)}]}).encode(), "at most"),
+]
+
+
+def test_malformed_requests_are_4xx_with_a_message(tok):
+    server, engine, _ = start(tok, max_prompt_tokens=100, max_new_tokens=64)
+    with server:
+        url = server.base_url + "/v1/chat/completions"
+        for body, fragment in BAD_BODIES:
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (body[:60], r.status_code, r.text)
+            assert fragment in r.json()["error"]["message"], (fragment, r.json())
+        r = httpx.post(url, json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 404 and "tiny" in r.json()["error"]["message"]
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": 12})
+        assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+        with pytest.raises(openai.BadRequestError, match="mars_threshold"):
+            client(server).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], extra_body={"mars_threshold": -0.1}
+            )
+        assert engine.added == []  # nothing malformed reached the engine
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        metrics = httpx.get(server.base_url + "/metrics").text
+        assert metric(metrics, 'mars_requests_total{outcome="bad_request"}') == len(BAD_BODIES) + 3
+
+
+def test_full_queue_is_429_with_retry_after(tok):
+    server, engine, _ = start(tok, ScriptedEngine(max_rows=1, step_s=0.02), max_queue=2)
+    with server:
+        url = server.base_url + "/v1/completions"
+
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as ac:
+                return await asyncio.gather(
+                    *(ac.post(url, json={"prompt": "the cat", "max_tokens": 10}) for _ in range(6))
+                )
+
+        responses = asyncio.run(main())
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+        busy = next(r for r in responses if r.status_code == 429)
+        assert int(busy.headers["retry-after"]) >= 1 and "Retry later" in busy.json()["error"]["message"]
+        assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
+
+
+def test_disconnect_mid_stream_frees_the_row(tok):
+    server, engine, scheduler = start(tok, ScriptedEngine(max_rows=2, step_s=0.01), max_new_tokens=200)
+    with server:
+        with httpx.Client(timeout=10) as hc:
+            body = {"prompt": "the cat", "max_tokens": 200, "stream": True}
+            with hc.stream("POST", server.base_url + "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(3)]
+                assert any(line.startswith("data: ") for line in got)
+            # the connection is closed here, 200 tokens are far from done
+        end = time.monotonic() + 5
+        while (engine.dropped == [] or scheduler.running) and time.monotonic() < end:
+            time.sleep(0.02)
+        assert engine.dropped == [0] and engine.num_rows == 0 and not scheduler.running
+        metrics = httpx.get(server.base_url + "/metrics").text
+        assert metric(metrics, "mars_running_rows") == 0
+        assert metric(metrics, 'mars_requests_total{outcome="cancelled"}') == 1
+        # and the server keeps serving
+        out = client(server).completions.create(model="tiny", prompt="a dog", max_tokens=3)
+        assert out.choices[0].text == expected_text(tok, tok("a dog")["input_ids"], 3)
+
+
+def test_request_timeout_is_504(tok):
+    server, engine, scheduler = start(tok, ScriptedEngine(max_rows=1, step_s=0.02), request_timeout_s=0.2)
+    with server:
+        r = httpx.post(
+            server.base_url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 100}, timeout=10
+        )
+        assert r.status_code == 504 and "timeout" in r.json()["error"]["message"]
+        assert engine.dropped == [0] and not scheduler.running
+
+
+def test_stop_strings_end_the_row(tok):
+    server, engine, _ = start(tok)
+    with server:
+        ids = tok("hello")["input_ids"]
+        full = expected_text(tok, ids, 20).split()
+        stop = " ".join(full[3:5])
+        c = client(server)
+        out = c.completions.create(model="tiny", prompt="hello", max_tokens=20, stop=stop)
+        assert out.choices[0].text == " ".join(full[:3]) + " " and out.choices[0].finish_reason == "stop"
+        stream = c.completions.create(model="tiny", prompt="hello", max_tokens=20, stop=[stop], stream=True)
+        assert "".join(ch.choices[0].text for ch in stream if ch.choices) == out.choices[0].text
+
+
+def test_text_assembler_holds_back_partial_stop_strings(tok):
+    ids = [tok.convert_tokens_to_ids(w) for w in "the cat sat on the mat".split()]
+    assembler = TextAssembler(tok, ["on the"])
+    sent = "".join(assembler.add([i]) for i in ids)
+    assert assembler.stopped and sent + assembler.flush() == "the cat sat "
+
+
+def test_controller_keeps_tau_max_at_low_load_and_lowers_it_under_pressure():
+    controller = TauController(ControllerConfig(tau_min=0.6, tau_max=0.95, raise_per_second=0.5), slots=4)
+    for t in range(10):
+        assert controller.update(queue_depth=0, oldest_wait_s=0.0, now=float(t)) == 0.95
+    assert controller.update(queue_depth=2, oldest_wait_s=0.1, now=10.0) == pytest.approx(0.95 - 0.35 * 0.5)
+    assert controller.update(queue_depth=8, oldest_wait_s=0.1, now=10.1) == pytest.approx(0.6)
+    assert controller.update(queue_depth=0, oldest_wait_s=5.0, now=10.2) == pytest.approx(0.6)  # old waiter
+    # load gone: τ climbs back at 0.5 per second, not at once
+    assert controller.update(queue_depth=0, oldest_wait_s=0.0, now=10.4) == pytest.approx(0.7)
+    assert controller.update(queue_depth=0, oldest_wait_s=0.0, now=12.0) == pytest.approx(0.95)
+    off = TauController(ControllerConfig(tau_min=0.6, tau_max=0.95, enabled=False), slots=4)
+    assert off.update(queue_depth=100, oldest_wait_s=100.0, now=0.0) == 0.95
+    with pytest.raises(ValueError, match="tau_min"):
+        ControllerConfig(tau_min=0.9, tau_max=0.5)
+
+
+def test_controller_lowers_tau_of_unpinned_rows_under_load_and_reports_it(tok):
+    controller = ControllerConfig(tau_min=0.5, tau_max=1.0, raise_per_second=100.0)
+    server, engine, scheduler = start(tok, ScriptedEngine(max_rows=2, step_s=0.01), controller=controller)
+
+    async def main():
+        ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        unpinned = [
+            ac.completions.create(model="tiny", prompt=f"the cat {w}", max_tokens=16)
+            for w in ("sat", "on", "the", "mat", "red", "blue", "one", "two")
+        ]
+        pinned = ac.completions.create(
+            model="tiny", prompt="the dog", max_tokens=16, extra_body={"mars_threshold": 1.0}
+        )
+        return await asyncio.gather(pinned, *unpinned)
+
+    with server:
+        results = asyncio.run(main())
+        # after the burst, at low load, τ returns to τ_max
+        time.sleep(0.05)
+        client(server).completions.create(model="tiny", prompt="the", max_tokens=2)
+        assert scheduler.tau == 1.0
+    pinned_usage = results[0].usage.model_dump()
+    assert pinned_usage["mars_threshold"] == 1.0 and pinned_usage["mars_tokens_per_forward"] == 1.0
+    lowered = [r.usage.model_dump()["mars_threshold"] for r in results[1:]]
+    assert min(lowered) < 1.0  # the queue pushed τ down for rows that did not pin it
+    assert min(engine.thresholds) < 1.0
+    for r, w in zip(results[1:], ("sat", "on", "the", "mat", "red", "blue", "one", "two")):
+        assert r.choices[0].text == expected_text(tok, tok(f"the cat {w}")["input_ids"], 16)
+
+
+def test_metrics_under_load(tok):
+    server, engine, _ = start(tok, ScriptedEngine(max_rows=2, step_s=0.01))
+    names = [
+        "mars_queue_depth",
+        "mars_running_rows",
+        "mars_threshold",
+        "mars_output_tokens_per_second",
+        "mars_tokens_per_forward",
+        "mars_time_to_first_token_seconds_count",
+        "mars_request_latency_seconds_count",
+    ]
+    with server:
+        seen_running = []
+
+        async def main():
+            ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+            jobs = [
+                asyncio.create_task(ac.completions.create(model="tiny", prompt="x y", max_tokens=30))
+                for _ in range(6)
+            ]
+            async with httpx.AsyncClient() as hc:
+                while not all(j.done() for j in jobs):
+                    text = (await hc.get(server.base_url + "/metrics")).text
+                    seen_running.append((metric(text, "mars_running_rows"), metric(text, "mars_queue_depth")))
+                    await asyncio.sleep(0.02)
+            await asyncio.gather(*jobs)
+
+        asyncio.run(main())
+        text = httpx.get(server.base_url + "/metrics").text
+        for name in names:
+            metric(text, name)
+        assert metric(text, "mars_request_latency_seconds_count") == 6
+        assert metric(text, "mars_output_tokens_total") == 180
+        assert max(r for r, _ in seen_running) == 2 and max(q for _, q in seen_running) >= 1
+
+
+def test_engine_failure_fails_running_requests_and_the_server_lives_on(tok):
+    server, engine, _ = start(tok, ScriptedEngine(fail_on_step=2))
+    with server:
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 5})
+        assert r.status_code == 500 and "decoding failed" in r.json()["error"]["message"]
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 5})
+        assert r.status_code == 200
+        assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_graceful_shutdown_finishes_running_rows(tok):
+    server, engine, scheduler = start(tok, ScriptedEngine(max_rows=2, step_s=0.01))
+    results = []
+
+    def call():
+        r = httpx.post(
+            server.base_url + "/v1/completions", json={"prompt": "a b", "max_tokens": 30}, timeout=30
+        )
+        results.append(r.status_code)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while len(scheduler.running) < 2:
+        time.sleep(0.005)
+    server.stop()
+    for t in threads:
+        t.join()
+    assert results == [200, 200]
+    assert not scheduler._thread.is_alive() and scheduler.closing
