@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from trl import SFTConfig
 
 CLEAN_LOSSES = ("ce", "kl_to_base")
+ADAPTER_GATINGS = ("mask",)
+MASK_TARGETS = ("hard", "soft")
 
 
 @dataclass
@@ -39,6 +41,20 @@ class MARSConfig(SFTConfig):
             KL(base ‖ model) at each target position, where the base is the frozen starting model (the same
             model with its adapter disabled under PEFT, otherwise a frozen copy made at init). It keeps one-token
             decoding close to the starting model while the masks learn.
+        adapter_gating (`str`, *optional*):
+            `"mask"` gates the PEFT LoRA adapter (`peft_config=LoraConfig(...)`) to mask positions (MARS_SPEC
+            §7): its delta applies only where the input token is the mask token, so every real token runs the
+            base weights and one-token decoding stays the base model exactly. Saved as `adapter_gating` in
+            `config.mars`; such an adapter cannot be merged.
+        frozen_clean_stream (`bool`, *optional*):
+            Compute the clean stream without autograd and run forward + backward over the noisy stream only
+            (it attends to the clean keys/values as in §1.2). Same loss and gradients, cheaper. Only valid
+            when nothing trainable touches the clean stream: a mask-gated adapter, or training the mask row
+            only. `None` (default) turns it on exactly in those cases.
+        mask_targets (`str`, *optional*, defaults to `"hard"`):
+            `"hard"`: cross-entropy to the label token at each noisy target; `"soft"`: cross-entropy to the
+            frozen base model's distribution at that position (the clean stream's, so it needs a frozen clean
+            stream).
     """
 
     block_size: int = field(
@@ -73,6 +89,29 @@ class MARSConfig(SFTConfig):
         },
     )
 
+    adapter_gating: str | None = field(
+        default=None,
+        metadata={
+            "help": "'mask': apply the LoRA adapter only at mask-token positions (real tokens run the base "
+            "weights exactly; the adapter cannot be merged).",
+            "choices": [None, *ADAPTER_GATINGS],
+        },
+    )
+    frozen_clean_stream: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run the clean stream without autograd and backpropagate through the noisy stream only "
+            "(exact when nothing trainable touches the clean stream; default: on exactly then)."
+        },
+    )
+    mask_targets: str = field(
+        default="hard",
+        metadata={
+            "help": "'hard': the label token; 'soft': the frozen base model's distribution at each target.",
+            "choices": list(MASK_TARGETS),
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -83,6 +122,17 @@ class MARSConfig(SFTConfig):
             raise ValueError(f"ar_weight must be a finite number >= 0 (default 1.0), got {self.ar_weight!r}.")
         if self.clean_loss not in CLEAN_LOSSES:
             raise ValueError(f"clean_loss must be one of {CLEAN_LOSSES}, got {self.clean_loss!r}.")
+        if self.adapter_gating not in (None, *ADAPTER_GATINGS):
+            raise ValueError(
+                f"adapter_gating must be None or one of {ADAPTER_GATINGS}, got {self.adapter_gating!r}."
+            )
+        if self.mask_targets not in MASK_TARGETS:
+            raise ValueError(f"mask_targets must be one of {MASK_TARGETS}, got {self.mask_targets!r}.")
+        if self.mask_targets == "soft" and self.frozen_clean_stream is False:
+            raise ValueError(
+                "mask_targets='soft' takes the base distribution from the frozen clean stream; leave "
+                "frozen_clean_stream at None/True (it needs a mask-gated adapter or mask-row-only training)."
+            )
         if self.packing or self.padding_free:
             raise ValueError(
                 "MARS training does not support packing or padding-free batches: blocks are counted from each "

@@ -41,8 +41,8 @@ CUSTOM_GENERATE_FILES = {
     "gated_lora.py": "gated_lora.py",
 }
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
-_ALLOWED_IMPORTS = {"torch", "transformers", "__future__"}
-CUSTOM_GENERATE_REQUIREMENTS = "torch>=2.4\ntransformers>=5.24.0\n"
+_ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}
+CUSTOM_GENERATE_REQUIREMENTS = "torch>=2.4\ntransformers>=5.24.0\nsafetensors\n"
 
 
 def load(name_or_path, block_size: int | None = None, **kwargs):
@@ -117,6 +117,7 @@ def render_model_card(
         mask_token=mask_token,
         mask_token_id=mars["mask_token_id"],
         mars_config_json=json.dumps(mars, sort_keys=True),
+        is_gated=mars.get("adapter_gating") == "mask",
         architecture=architecture,
         training=training or None,
         results=rows,
@@ -269,7 +270,7 @@ def _check_self_contained(source: Path) -> None:
             if top not in _ALLOWED_IMPORTS and top not in sys.stdlib_module_names:
                 raise ImportError(
                     f"{source.name} line {node.lineno} imports {module!r}: custom_generate/ must import only "
-                    "torch, transformers and the standard library."
+                    "torch, transformers, safetensors and the standard library."
                 )
 
 

@@ -78,7 +78,9 @@ def load_mars_model(
         name_or_path: local folder or Hub id (a cached Hub repo loads offline).
         block_size: used only when neither ``config.mars`` nor a ``blkN`` name suffix gives one.
         base_model_name_or_path: base model of a LoRA adapter (default: the adapter config's).
-        merge_adapter: merge a LoRA adapter into its base (faster decoding, no PEFT wrapper).
+        merge_adapter: merge a LoRA adapter into its base (faster decoding, no PEFT wrapper). A LoRA
+            gated to mask positions (``config.mars.adapter_gating == "mask"``) cannot be merged: ``True``
+            raises for it, ``"auto"`` merges every adapter that can be merged and keeps a gated one as is.
         enable: call :func:`mars_hf.generation.enable_mars` on the result.
         **kwargs: file-lookup options (``revision``, ``cache_dir``, ``token``, ``local_files_only``)
             and anything ``AutoModelForCausalLM.from_pretrained`` takes (``dtype``, ``device_map``...).
@@ -264,6 +266,11 @@ def _load_adapter(
             name_or_path, **{k: v for k, v in hub_kwargs.items() if k not in ("proxies",)}
         )
     mars = _read_json(folder, MARS_ADAPTER_CONFIG_FILE, {}) or {}
+    gated = mars.get("adapter_gating") == "mask"
+    if gated and merge_adapter is True:
+        from .gated_lora import MERGE_REFUSED, MergeRefusedError
+
+        raise MergeRefusedError(f"{name_or_path}: {MERGE_REFUSED} (pass merge_adapter=False or 'auto')")
     base_config = _read_json(base, "config.json", hub_kwargs)
     if base_config is None:
         raise OSError(
@@ -295,7 +302,15 @@ def _load_adapter(
             MARS_MASK_ROWS_FILE,
         )
     model = PeftModel.from_pretrained(model, folder, is_trainable=False)
-    if merge_adapter:
+    if gated:
+        from .gated_lora import gate_peft_model
+
+        gate_peft_model(model, int(mars["mask_token_id"]))
+        logger.info(
+            "%s is a LoRA adapter gated to mask positions; it stays an adapter (cannot be merged).",
+            name_or_path,
+        )
+    elif merge_adapter:
         model = model.merge_and_unload()
     model.eval()
     return model, tokenizer, mars

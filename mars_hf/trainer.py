@@ -17,14 +17,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from accelerate.utils import is_peft_model
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from trl import SFTTrainer
 
-from .attention_mask import build_mars_inputs, check_attn_implementation, mars_attention_mask
+from .attention_mask import build_mars_inputs, check_attn_implementation, dense_mars_mask, mars_attention_mask
 from .config import MARSConfig
 from .mask_token import add_mask_token, set_mars_config, suppress_mask_token
 
 logger = logging.getLogger(__name__)
+
+# Parameter-name markers of what a mask-gated adapter trains (LoRA factors, PEFT's trainable-token rows).
+_GATED_TRAINABLE = ("lora_A", "lora_B", "trainable_tokens_delta")
 
 # Largest chat-template tail (e.g. "\n" after "<|im_end|>") still treated as part of a real end.
 _MAX_TEMPLATE_TAIL = 4
@@ -106,6 +109,22 @@ def _has_supervised_target(dataset, limit: int | None = None) -> bool:
         if labels is not None and any(label != -100 for label in list(labels)[1:]):
             return True
     return False
+
+
+class _FrozenPrefixCache(DynamicCache):
+    """The clean stream's keys/values; once ``frozen``, ``update`` returns prefix + new states without storing.
+
+    Stateless reads make the noisy pass safe to recompute (gradient checkpointing) and let the clean
+    keys/values be shared by every noisy query exactly as in the two-stream forward.
+    """
+
+    frozen = False
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not self.frozen:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        return torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2)
 
 
 class MARSTrainer(SFTTrainer):
@@ -210,6 +229,10 @@ class MARSTrainer(SFTTrainer):
                 type(peft_config).__name__,
             )
 
+        if args.adapter_gating == "mask" and peft_config is None and not is_peft_model(model):
+            raise ValueError(
+                "adapter_gating='mask' gates a LoRA adapter: pass `peft_config=LoraConfig(...)` (or a PEFT model)."
+            )
         super().__init__(
             model=model,
             args=args,
@@ -220,6 +243,14 @@ class MARSTrainer(SFTTrainer):
             peft_config=peft_config,
             **kwargs,
         )
+
+        if self.args.adapter_gating == "mask":
+            from .gated_lora import gate_peft_model
+
+            layers = gate_peft_model(self.model, mask_token_id)
+            logger.info("Gated %d LoRA layers to mask positions (MARS_SPEC §7).", layers)
+        self._mask_row_only = False
+        self._frozen_clean_checked = False
 
         if self.args.pad_to_block_with_eos:
             if self._tokenizer.eos_token_id is None:
@@ -256,6 +287,76 @@ class MARSTrainer(SFTTrainer):
             # a deep copy would keep calling the trained model. Fall back to the class's own forward.
             base_model.__dict__.pop("forward", None)
             self._base_model = base_model.eval().requires_grad_(False)
+
+    def train_mask_row_only(self) -> None:
+        """Freeze every weight except the input embedding, whose gradient is kept on the mask row only.
+
+        Every other weight stays the starting model's (τ = 1 decoding is exactly the base model), and
+        the clean stream has nothing to train, so it runs without autograd (``frozen_clean_stream``).
+        """
+        model = self.accelerator.unwrap_model(self.model)
+        embedding = model.get_input_embeddings().weight
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        embedding.requires_grad_(True)
+        keep = torch.zeros(embedding.shape[0], 1, dtype=embedding.dtype, device=embedding.device)
+        keep[self.mask_token_id] = 1
+        embedding.register_hook(lambda grad: grad * keep.to(grad.dtype))
+        self._mask_row_only = True
+        self._frozen_clean_checked = False
+
+    def _clean_stream_is_frozen(self) -> tuple[bool, str]:
+        """Whether nothing trainable can change the clean stream, and why (or why not)."""
+        model = self.accelerator.unwrap_model(self.model)
+        trainable = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(config, "tie_word_embeddings", False) and self.args.ar_weight > 0:
+            return False, (
+                "tied embeddings make the trained mask row the mask token's output row too, so the clean loss "
+                "(ar_weight > 0) depends on it; set ar_weight=0"
+            )
+        if self._mask_row_only:
+            embedding = model.get_input_embeddings().weight
+            others = [p for p in model.parameters() if p.requires_grad and p is not embedding]
+            if not others:
+                return True, "only the mask row is trained"
+            return False, "parameters other than the mask row are trainable"
+        if self.args.adapter_gating == "mask":
+            stray = [name for name in trainable if not any(part in name for part in _GATED_TRAINABLE)]
+            if not stray:
+                return True, "the adapter is gated to mask positions"
+            return False, f"parameters outside the gated adapter are trainable ({stray[:3]})"
+        return False, "shared weights are trained (not a mask-gated adapter or mask-row-only training)"
+
+    def _use_frozen_clean(self, attn_implementation: str) -> bool:
+        """Resolve ``frozen_clean_stream`` (None = when exact); raise when True is asked but not exact."""
+        frozen, why = self._clean_stream_is_frozen()
+        setting = self.args.frozen_clean_stream
+        blockers = []
+        if attn_implementation == "flex_attention":
+            blockers.append("flex_attention (the split path builds dense masks; use sdpa)")
+        if setting is False:
+            use = False
+        elif not frozen or blockers:
+            if setting or self.args.mask_targets == "soft":
+                reason = why if not frozen else "; ".join(blockers)
+                raise ValueError(
+                    f"The frozen-clean-stream path (frozen_clean_stream=True or mask_targets='soft') is not "
+                    f"possible: {reason}. Use adapter_gating='mask' with LoRA, or train the mask row only, "
+                    "without gradient checkpointing, on sdpa/eager attention."
+                )
+            use = False
+        else:
+            use = True
+        if not self._frozen_clean_checked:
+            logger.info(
+                "MARS training: %s.",
+                f"clean stream frozen ({why}): computed without autograd, backward through the noisy stream only"
+                if use
+                else f"two-stream forward + backward ({why if not frozen else '; '.join(blockers) or 'frozen_clean_stream=False'})",
+            )
+            self._frozen_clean_checked = True
+        return use
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """Save like `Trainer`; a PEFT adapter also gets `mars_config.json` and its mask-token rows.
@@ -310,12 +411,34 @@ class MARSTrainer(SFTTrainer):
             drop_target_free_blocks=self.args.drop_target_free_blocks,
         )
         dtype = unwrapped.get_input_embeddings().weight.dtype
+        if self._use_frozen_clean(attn_implementation):
+            return self._frozen_clean_loss(
+                model,
+                unwrapped,
+                inputs,
+                mars,
+                attn_implementation,
+                dtype,
+                mode,
+                num_items_in_batch,
+                return_outputs,
+            )
         attention_mask = mars_attention_mask(mars, attn_implementation, dtype=dtype)
         # Only columns holding a target in some row go through the LM head.
         has_target = mars.shift_labels != -100
         keep = has_target.any(0).nonzero().flatten()
         if keep.numel() == 0:  # no targets: keep one column so the zero loss still has a graph
             keep = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+        length = mars.clean_length
+        clean_cols = keep < length
+        clean_keep = keep[clean_cols]
+        base_logits = None
+        if self.args.clean_loss == "kl_to_base" and clean_keep.numel():
+            # Before the model's forward: a forward in between would change what a mask gate recorded,
+            # which gradient checkpointing's recompute reads again in backward.
+            base_logits = self._base_clean_logits(
+                model, mars.input_ids[:, :length], mars.valid[:, :length], clean_keep
+            )
         outputs = model(
             input_ids=mars.input_ids,
             attention_mask=attention_mask,
@@ -337,14 +460,8 @@ class MARSTrainer(SFTTrainer):
         clean_term = clean_ce_sum
         kl_sum = None
         if self.args.clean_loss == "kl_to_base":
-            length = mars.clean_length
-            clean_cols = keep < length
-            clean_keep = keep[clean_cols]
-            if clean_keep.numel():
-                base_logits = self._base_clean_logits(
-                    model, mars.input_ids[:, :length], mars.valid[:, :length], clean_keep
-                ).to(compute_dtype)
-                base_logp = base_logits.log_softmax(-1)
+            if base_logits is not None:
+                base_logp = base_logits.to(compute_dtype).log_softmax(-1)
                 model_logp = logits[:, clean_cols].log_softmax(-1)
                 kl = (base_logp.exp() * (base_logp - model_logp)).sum(-1)
                 kl_sum = kl[is_target[:, clean_cols]].sum()
@@ -360,8 +477,127 @@ class MARSTrainer(SFTTrainer):
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
 
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == targets) & is_target
         self._log_mars_metrics(
-            mode, inputs, logits, targets, noisy, is_target, noisy_sum, clean_ce_sum, kl_sum
+            mode,
+            inputs,
+            num_targets,
+            noisy_sum,
+            (correct & noisy).sum(),
+            clean_ce_sum,
+            (correct & ~noisy).sum(),
+            kl_sum,
+        )
+        if return_outputs:
+            return loss, outputs
+        return loss
+
+    def _frozen_clean_loss(
+        self,
+        model,
+        unwrapped,
+        inputs,
+        mars,
+        attn_implementation,
+        dtype,
+        mode,
+        num_items_in_batch,
+        return_outputs,
+    ):
+        """The same loss as the two-stream forward, with the clean stream computed without autograd.
+
+        Clean queries never attend to noisy keys (§1.2), so the clean half of the two-stream forward is
+        a plain causal forward: run it under ``no_grad`` with a cache, then run the noisy half alone,
+        attending to the cached clean keys/values through the noisy rows of the same mask. Nothing
+        trainable touches the clean stream, so its gradient contribution is zero either way.
+        """
+        length = mars.clean_length
+        allowed = dense_mars_mask(mars)
+        if attn_implementation == "sdpa":
+            clean_mask, noisy_mask = allowed[:, :, :length, :length], allowed[:, :, length:, :]
+        else:
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min
+            )
+            clean_mask, noisy_mask = additive[:, :, :length, :length], additive[:, :, length:, :]
+        targets_all = mars.shift_labels
+        clean_targets, noisy_targets_all = targets_all[:, :length], targets_all[:, length:]
+        soft = self.args.mask_targets == "soft"
+        need_clean_logits = soft or self.args.ar_weight > 0
+        clean_keep = (clean_targets != -100).any(0).nonzero().flatten()
+        noisy_keep = (noisy_targets_all != -100).any(0).nonzero().flatten()
+        if noisy_keep.numel() == 0:
+            noisy_keep = torch.zeros(1, dtype=torch.long, device=targets_all.device)
+        cache = _FrozenPrefixCache(config=unwrapped.config)
+        with torch.no_grad():
+            clean_out = model(
+                input_ids=mars.input_ids[:, :length],
+                attention_mask=clean_mask,
+                position_ids=mars.position_ids[:, :length],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=clean_keep if need_clean_logits and clean_keep.numel() else 1,
+            )
+        cache.frozen = True
+        # The noisy pass only reads the cache, so gradient checkpointing may keep it (its recompute reads
+        # the same clean keys/values); transformers drops caches of checkpointed layers otherwise.
+        layers = [m for m in unwrapped.modules() if hasattr(m, "_can_checkpoint_with_cache")]
+        for layer in layers:
+            layer._can_checkpoint_with_cache = True
+        try:
+            outputs = model(
+                input_ids=mars.input_ids[:, length:],
+                attention_mask=noisy_mask,
+                position_ids=mars.position_ids[:, length:],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=noisy_keep,
+            )
+        finally:
+            for layer in layers:
+                del layer._can_checkpoint_with_cache
+        logits = outputs.logits
+        compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logits = logits.to(compute_dtype)
+        targets = noisy_targets_all[:, noisy_keep]
+        is_target = targets != -100
+        log_probs = logits.log_softmax(-1)
+        if soft:
+            # The base distribution at clean position p is the soft target of every noisy slot at p.
+            base_logp = clean_out.logits.to(compute_dtype).log_softmax(-1)
+            column = torch.full((length,), -1, dtype=torch.long, device=logits.device)
+            column[clean_keep] = torch.arange(clean_keep.numel(), device=logits.device)
+            positions = mars.position_ids[:, length:][:, noisy_keep]
+            index = column[positions].clamp(min=0)
+            target_logp = base_logp.gather(1, index[..., None].expand(-1, -1, base_logp.shape[-1]))
+            per_target = -(target_logp.exp() * log_probs).sum(-1)
+        else:
+            per_target = -log_probs.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+        noisy_sum = per_target[is_target].sum()
+        clean_ce_sum = None
+        clean_correct = None
+        if need_clean_logits and clean_keep.numel():
+            clean_logits = clean_out.logits.to(compute_dtype)
+            kept_targets = clean_targets[:, clean_keep]
+            clean_ce_sum = F.cross_entropy(
+                clean_logits.flatten(0, 1), kept_targets.flatten(), ignore_index=-100, reduction="sum"
+            )
+            clean_correct = ((clean_logits.argmax(-1) == kept_targets) & (kept_targets != -100)).sum()
+        num_targets = mars.num_targets
+        denominator = num_items_in_batch if num_items_in_batch is not None else num_targets
+        denominator = torch.as_tensor(denominator, device=logits.device).clamp(min=1)
+        clean_term = clean_ce_sum if clean_ce_sum is not None else 0.0
+        if self.args.clean_loss == "kl_to_base" and clean_ce_sum is not None:
+            clean_term = clean_ce_sum * 0.0  # the clean stream *is* the base model: KL(base || model) = 0
+        loss = (noisy_sum + self.args.ar_weight * clean_term) / denominator
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        with torch.no_grad():
+            noisy_correct = ((logits.argmax(-1) == targets) & is_target).sum()
+        kl_sum = logits.new_zeros(()) if self.args.clean_loss == "kl_to_base" else None
+        self._log_mars_metrics(
+            mode, inputs, num_targets, noisy_sum, noisy_correct, clean_ce_sum, clean_correct, kl_sum
         )
         if return_outputs:
             return loss, outputs
@@ -369,17 +605,17 @@ class MARSTrainer(SFTTrainer):
 
     @torch.no_grad()
     def _log_mars_metrics(
-        self, mode, inputs, logits, targets, noisy, is_target, noisy_sum, clean_sum, kl_sum
+        self, mode, inputs, num_targets, noisy_sum, noisy_correct, clean_sum, clean_correct, kl_sum
     ):
-        correct = (logits.argmax(-1) == targets) & is_target
+        zero = noisy_sum.new_zeros((), dtype=torch.float64)
         stats = torch.stack(
             [
                 noisy_sum.detach().to(torch.float64),
-                clean_sum.detach().to(torch.float64),
-                (is_target & ~noisy).sum().to(torch.float64),
-                (correct & noisy).sum().to(torch.float64),
-                (correct & ~noisy).sum().to(torch.float64),
-                (kl_sum.detach() if kl_sum is not None else clean_sum.new_zeros(())).to(torch.float64),
+                clean_sum.detach().to(torch.float64) if clean_sum is not None else zero,
+                torch.as_tensor(num_targets, device=zero.device).to(torch.float64),
+                noisy_correct.to(torch.float64),
+                clean_correct.to(torch.float64) if clean_correct is not None else zero,
+                (kl_sum.detach() if kl_sum is not None else zero).to(torch.float64),
             ]
         )
         # A plain all-reduce: gather_for_metrics would trim "duplicate" rows at the end of an epoch.
@@ -387,9 +623,10 @@ class MARSTrainer(SFTTrainer):
         count = max(stats[2].item(), 1.0)
         metrics = self._metrics[mode]
         metrics["mars/noisy_loss"].append(stats[0].item() / count)
-        metrics["mars/clean_loss"].append(stats[1].item() / count)
         metrics["mars/noisy_accuracy"].append(stats[3].item() / count)
-        metrics["mean_token_accuracy"].append(stats[4].item() / count)
+        if clean_sum is not None:  # the frozen-clean path skips the clean LM head when nothing needs it
+            metrics["mars/clean_loss"].append(stats[1].item() / count)
+            metrics["mean_token_accuracy"].append(stats[4].item() / count)
         if kl_sum is not None:
             metrics["mars/clean_kl"].append(stats[5].item() / count)
         if mode == "train" and "attention_mask" in inputs:
