@@ -445,3 +445,32 @@ def test_graceful_shutdown_finishes_running_rows(tok):
         t.join()
     assert results == [200, 200]
     assert not scheduler._thread.is_alive() and scheduler.closing
+
+
+def test_loadtest_reports_every_run_and_plots(tok, tmp_path):
+    from mars_hf.serving.loadtest import LoadTestConfig, format_table, run_loadtest
+
+    config = LoadTestConfig(
+        model="scripted",
+        rates=(50.0, 400.0),
+        requests=8,
+        max_tokens=16,
+        max_rows=2,
+        tau_min=0.5,
+        tau_max=0.75,
+    )
+    result = run_loadtest(
+        config, tmp_path, tokenizer=tok, engine_factory=lambda: ScriptedEngine(max_rows=2, step_s=0.004)
+    )
+    runs = {(r["mode"], r["rate"]): r for r in result["runs"]}
+    assert len(runs) == 6 and all(r["completed"] == 8 and r["failed"] == 0 for r in runs.values())
+    for rate in (50.0, 400.0):
+        assert runs[("tau1", rate)]["mean_tau"] == 1.0 and runs[("fixed-max", rate)]["mean_tau"] == 0.75
+        assert runs[("tau1", rate)]["agreement_with_tau1"] == 1.0
+        # the scripted engine's output does not depend on τ, only its speed does
+        assert runs[("controller", rate)]["agreement_with_tau1"] == 1.0
+    assert runs[("controller", 400.0)]["mean_tau"] < 0.75  # saturated: the controller went below τ_max
+    assert runs[("controller", 400.0)]["output_tokens_per_s"] > runs[("tau1", 400.0)]["output_tokens_per_s"]
+    assert (tmp_path / "loadtest.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "loadtest.json").read_text())["runs"][0]["tau_trace"]
+    assert "controller" in format_table(result)

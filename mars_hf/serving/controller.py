@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 class ControllerConfig:
     """Operator settings of the τ controller (``mars-hf serve --tau-min/--tau-max/...``)."""
 
-    tau_min: float = field(default=0.5, metadata={"help": "Lowest τ the controller may choose."})
+    tau_min: float = field(default=0.7, metadata={"help": "Lowest τ the controller may choose."})
     tau_max: float = field(
-        default=1.0, metadata={"help": "τ at low load (1.0: lossless, one token per step)."}
+        default=0.95, metadata={"help": "τ at low load (1.0: ordinary decoding, one token per step)."}
     )
     enabled: bool = field(default=True, metadata={"help": "False: τ stays at tau_max whatever the load."})
     queue_high: int | None = field(

@@ -63,44 +63,54 @@ class Engine(Protocol):
     def num_forwards(self) -> int: ...
 
 
-_FINISH_REASONS = {
-    "eos": "stop",
-    "stop": "stop",
-    "stop_string": "stop",
-    "length": "length",
-    "max_new_tokens": "length",
-}
-
-
 class DecoderEngine:
-    """`Engine` over `mars_hf.generation.MARSBatchDecoder`: a fixed number of KV slots, reused by rows."""
+    """`Engine` over `mars_hf.generation.MARSBatchDecoder`: a fixed number of KV slots, reused by rows.
 
-    def __init__(self, model, *, max_rows: int = 8, max_length: int = 2048):
-        try:
-            from mars_hf.generation import MARSBatchDecoder
-            from mars_hf.generation import RowSettings as DecoderRowSettings
-        except ImportError as error:  # pragma: no cover - only before the step-level decoder exists
-            raise ImportError(
-                "Serving needs the step-level decoder `mars_hf.generation.MARSBatchDecoder`; update mars_hf."
-            ) from error
+    The window, mask token and padding id come from the model (``config.mars``, its generation config).
+    """
+
+    def __init__(self, model, *, max_rows: int = 8, max_length: int = 2048, cache: str = "cursor"):
+        from mars_hf.generation import MARSBatchDecoder
+        from mars_hf.generation import RowSettings as DecoderRowSettings
+
+        mars = dict(getattr(model.config, "mars", None) or {})
+        mars.update(getattr(model, "_mars_overrides", None) or {})
+        if "block_size" not in mars or "mask_token_id" not in mars:
+            raise ValueError(
+                "The model has no MARS metadata (config.mars with block_size and mask_token_id); load it with "
+                "`mars_hf.AutoMARSModelForCausalLM` or `mars-hf serve` (which adds it)."
+            )
+        generation_config = model.generation_config
+        eos = generation_config.eos_token_id
+        eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else eos
         self._row_settings_class = DecoderRowSettings
         self._fields = {field.name for field in dataclasses.fields(DecoderRowSettings)}
-        self.decoder = MARSBatchDecoder(model, max_rows=max_rows, max_length=max_length)
+        self.decoder = MARSBatchDecoder(
+            model,
+            max_rows=max_rows,
+            max_length=max_length,
+            window=int(mars["block_size"]),
+            mask_token_id=int(mars["mask_token_id"]),
+            pad_token_id=int(pad if pad is not None else 0),
+            cache=cache,
+        )
         self.max_rows = max_rows
         self.max_length = max_length
 
     def add_row(self, prompt_ids: list[int], settings: RowSettings) -> int:
-        values = {k: v for k, v in dataclasses.asdict(settings).items() if k in self._fields}
+        values = dataclasses.asdict(settings)
+        unsupported = [k for k, v in values.items() if k not in self._fields and v is not None]
+        if unsupported:
+            raise ValueError(f"{unsupported} are not supported by this server's decoder; leave them out.")
+        values = {k: v for k, v in values.items() if k in self._fields}
         return self.decoder.add_row(list(prompt_ids), self._row_settings_class(**values))
 
     def step(self) -> list[RowUpdate]:
-        updates = []
-        for update in self.decoder.step():
-            reason = update.finish_reason
-            if update.finished:
-                reason = _FINISH_REASONS.get(str(reason), str(reason) if reason else "stop")
-            updates.append(RowUpdate(update.row_id, list(update.tokens), bool(update.finished), reason))
-        return updates
+        return [
+            RowUpdate(u.row_id, list(u.tokens), bool(u.finished), u.finish_reason if u.finished else None)
+            for u in self.decoder.step()
+        ]
 
     def drop_row(self, row_id: int) -> None:
         self.decoder.drop_row(row_id)

@@ -1,0 +1,143 @@
+"""`mars-hf serve` on the real step-level decoder: outputs equal `model.generate`, row by row.
+
+A float64 tiny model (exact token equality is meaningful) served by a real uvicorn server on
+loopback; concurrent requests with different τ / verify share the batch and must each produce what
+``model.generate`` produces for that request alone. The synthetic model checks the load controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+import torch
+
+from mars_hf.generation import enable_mars
+from mars_hf.serving import BackgroundServer, ControllerConfig, ServerConfig, build_server
+from tests.tiny import tiny_model, tiny_tokenizer
+
+PROMPTS = ["the cat sat on the mat", "a dog is red", "one two three", "hello world print", "x y z and"]
+
+
+def reference(model, tok, prompt, max_new_tokens, **kwargs):
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+    )
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def served():
+    tok = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tok))
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    config = ServerConfig(
+        model_id="tiny",
+        max_rows=3,
+        max_length=96,
+        controller=ControllerConfig(tau_min=1.0, tau_max=1.0, enabled=False),
+    )
+    app, scheduler = build_server(model, tok, config)
+    with BackgroundServer(app) as server:
+        yield server, model, tok, scheduler
+
+
+def test_mixed_tau_and_verify_in_one_batch_equal_generate(served):
+    server, model, tok, scheduler = served
+    cases = [(p, setting) for p in PROMPTS for setting in (None, 0.0, 0.6, "verify")][:12]
+
+    async def one(ac, prompt, setting, stream):
+        extra = (
+            {"mars_acceptance": "verify"}
+            if setting == "verify"
+            else ({} if setting is None else {"mars_threshold": setting})
+        )
+        kwargs = dict(model="tiny", prompt=prompt, max_tokens=10, extra_body=extra)
+        if not stream:
+            out = await ac.completions.create(**kwargs)
+            return out.choices[0].text, out.usage.model_dump()
+        text, usage = "", None
+        async for chunk in await ac.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        ):
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage is not None:
+                usage = chunk.usage.model_dump()
+        return text, usage
+
+    async def main():
+        ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(ac, p, s, i % 2 == 0) for i, (p, s) in enumerate(cases)))
+
+    results = asyncio.run(main())
+    for (prompt, setting), (text, usage) in zip(cases, results):
+        greedy = reference(model, tok, prompt, 10)
+        if setting in (None, "verify"):  # τ = 1 (server default here) and verify are lossless
+            assert text == greedy, (prompt, setting)
+        else:
+            assert text == reference(model, tok, prompt, 10, mars_threshold=setting), (prompt, setting)
+        if setting == 0.0:
+            assert usage["mars_tokens_per_forward"] > 1.0  # τ = 0 accepts the whole window
+        if setting is None:
+            assert usage["mars_threshold"] == 1.0 and usage["mars_tokens_per_forward"] == 1.0
+    assert scheduler.engine.num_rows == 0  # every finished row gave its slot back
+
+
+def test_chat_stream_equals_non_stream_and_unsupported_seed_is_400(served):
+    server, model, tok, _ = served
+    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "the cat sat"}]
+    plain = c.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, extra_body={"mars_threshold": 0.5}
+    )
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, stream=True, extra_body={"mars_threshold": 0.5}
+        )
+        if ch.choices
+    )
+    assert streamed == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        c.chat.completions.create(model="tiny", messages=messages, max_tokens=4, seed=3, temperature=0.7)
+
+
+@pytest.mark.slow
+def test_synthetic_controller_lowers_tau_under_load_and_keeps_tau_max_at_low_load():
+    from mars_hf.synthetic import load_synthetic_model, synthetic_prompts
+
+    model, tok = load_synthetic_model()
+    enable_mars(model)
+    controller = ControllerConfig(tau_min=0.5, tau_max=0.95, raise_per_second=50.0)
+    app, scheduler = build_server(
+        model, tok, ServerConfig(model_id="syn", max_rows=4, max_length=192, controller=controller)
+    )
+    prompts = synthetic_prompts(16, seed=7)
+
+    async def burst(ac):
+        return await asyncio.gather(
+            *(
+                ac.chat.completions.create(
+                    model="syn", messages=[{"role": "user", "content": p}], max_tokens=40
+                )
+                for p in prompts
+            )
+        )
+
+    with BackgroundServer(app) as server:
+        c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        alone = c.chat.completions.create(
+            model="syn", messages=[{"role": "user", "content": prompts[0]}], max_tokens=40
+        )
+        assert alone.usage.model_dump()["mars_threshold"] == 0.95  # low load: τ_max
+        results = asyncio.run(
+            burst(openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0))
+        )
+    taus = [r.usage.model_dump()["mars_threshold"] for r in results]
+    assert min(taus) < 0.95  # 16 requests on 4 slots: the queue pushed τ down
+    tpf = [r.usage.model_dump()["mars_tokens_per_forward"] for r in results]
+    assert sum(tpf) / len(tpf) > 2.0  # high acceptance: several tokens per forward
