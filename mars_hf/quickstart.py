@@ -15,8 +15,13 @@ SmolLM2-135M-Instruct by default:
 6. ``results.json``, ``pareto.png`` (tokens per forward against agreement, one point per τ), a table
    on the terminal, and the trained model as a Hub-ready folder (:func:`mars_hf.hub.save_pretrained`).
 
-With LoRA the adapter is merged into the weights for evaluation and saving, so the saved checkpoint
-is a plain ``transformers`` folder (with ``config.mars`` and the mask token) that needs no PEFT.
+The default method, ``gated_lora``, trains a LoRA adapter gated to mask positions (MARS_SPEC §7) plus
+the mask row: real tokens run the base weights exactly, so stock decoding, τ = 1 and verified decoding
+are the base model's output, and the checkpoint is the adapter (megabytes), not a copy of the model.
+Plain ``lora`` is merged into the weights for evaluation and saving (a plain ``transformers`` folder).
+
+Precision and threads are chosen at start-up by measuring what this machine does fast (about a
+second): bf16 autocast only where a bf16 matmul really is faster than float32.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 
 from .data import chat_prompt_ids, self_distill
 from .evaluation import (
-    DEFAULT_THRESHOLDS,
+    DecodingRun,
     format_table,
     measure_decoding,
     run_label,
@@ -49,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 # Bump when the cached self-distillation format changes.
 CACHE_VERSION = 1
+METHODS = ("gated_lora", "mask_row", "lora", "full")
+# τ = 1 (exactly the base model with gated_lora / mask_row) and τ = 0.9; verify is added on top.
+QUICKSTART_THRESHOLDS = (1.0, 0.9)
+VERIFY_LABEL = "verify"
 
 
 @dataclasses.dataclass
@@ -76,19 +85,38 @@ class QuickstartConfig:
     )
     block_size: int = dataclasses.field(default=2, metadata={"help": "MARS block size B."})
     method: str = dataclasses.field(
-        default="mask_row",
+        default="gated_lora",
         metadata={
-            "help": "'mask_row': train only the mask token's embedding row (every other weight stays the base "
-            "model's, so τ = 1 decoding is exactly the base model); 'lora': LoRA on all linear layers + the "
-            "mask row, merged after training; 'full': every weight.",
-            "choices": ["mask_row", "lora", "full"],
+            "help": "'gated_lora': LoRA gated to mask positions + the mask row (real tokens run the base weights "
+            "exactly; saved as an adapter); 'mask_row': train only the mask token's embedding row; 'lora': LoRA "
+            "on all linear layers + the mask row, merged after training (changes one-token decoding); 'full': "
+            "every weight.",
+            "choices": list(METHODS),
         },
     )
     lora_r: int = dataclasses.field(default=32, metadata={"help": "LoRA rank."})
-    lora_alpha: int = dataclasses.field(default=64, metadata={"help": "LoRA alpha."})
+    lora_alpha: int | None = dataclasses.field(
+        default=None, metadata={"help": "LoRA alpha (default: 2 × rank)."}
+    )
+    lora_target_modules: str = dataclasses.field(
+        default="all-linear",
+        metadata={
+            "help": "LoRA target modules: 'all-linear' or a comma-separated list (e.g. q_proj,v_proj)."
+        },
+    )
     learning_rate: float | None = dataclasses.field(
         default=None,
-        metadata={"help": "Peak learning rate (default per method: mask_row 3e-2, lora 1e-3, full 1e-4)."},
+        metadata={
+            "help": "Peak learning rate (default per method: gated_lora 2e-3, mask_row 3e-2, lora 1e-3, full 1e-4)."
+        },
+    )
+    mask_targets: str = dataclasses.field(
+        default="hard",
+        metadata={
+            "help": "'hard': the self-distilled token; 'soft': the frozen base model's distribution at each "
+            "target (gated_lora / mask_row only).",
+            "choices": ["hard", "soft"],
+        },
     )
     warmup_fraction: float = dataclasses.field(
         default=0.05, metadata={"help": "Warm-up share of the budget."}
@@ -105,13 +133,28 @@ class QuickstartConfig:
         default=None,
         metadata={"help": "Weight of the clean-stream loss (default: 10 for lora/full, 0 for mask_row)."},
     )
-    bf16: bool = dataclasses.field(default=True, metadata={"help": "bf16 autocast during training."})
+    bf16: bool | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "bf16 autocast during training (default: chosen at start-up, only where a bf16 matmul is "
+            "measurably faster than float32)."
+        },
+    )
     thresholds: tuple[float, ...] = dataclasses.field(
-        default=DEFAULT_THRESHOLDS, metadata={"help": "τ values evaluated."}
+        default=QUICKSTART_THRESHOLDS, metadata={"help": "τ values evaluated."}
+    )
+    verify: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "Also evaluate verified decoding (mars_acceptance='verify', lossless), when available."
+        },
     )
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed for prompts and training."})
     num_threads: int | None = dataclasses.field(
-        default=None, metadata={"help": "torch threads (default: all)."}
+        default=None,
+        metadata={
+            "help": "torch threads (default: chosen at start-up: all cores unless fewer measure faster)."
+        },
     )
     save_checkpoint: bool = dataclasses.field(default=True, metadata={"help": "Save the trained model."})
     cache_dir: str | None = dataclasses.field(
@@ -298,6 +341,7 @@ def _tracking_callback(track_every: int, sequences, labels, thresholds, curve: l
 
 
 METHOD_DEFAULTS = {
+    "gated_lora": {"learning_rate": 2e-3, "clean_loss": "ce", "ar_weight": 0.0},
     "mask_row": {"learning_rate": 3e-2, "clean_loss": "ce", "ar_weight": 0.0},
     "lora": {"learning_rate": 1e-3, "clean_loss": "kl_to_base", "ar_weight": 10.0},
     "full": {"learning_rate": 1e-4, "clean_loss": "kl_to_base", "ar_weight": 10.0},
@@ -309,18 +353,74 @@ def resolved(config: QuickstartConfig) -> QuickstartConfig:
     if config.method not in METHOD_DEFAULTS:
         raise ValueError(f"method must be one of {sorted(METHOD_DEFAULTS)}, got {config.method!r}.")
     changes = {k: v for k, v in METHOD_DEFAULTS[config.method].items() if getattr(config, k) is None}
+    if config.lora_alpha is None:
+        changes["lora_alpha"] = 2 * config.lora_r
+    if config.mask_targets == "soft" and config.method not in ("gated_lora", "mask_row"):
+        raise ValueError(
+            "mask_targets='soft' needs a frozen clean stream (method 'gated_lora' or 'mask_row'), got "
+            f"method={config.method!r}."
+        )
     return dataclasses.replace(config, **changes)
 
 
-def _train_mask_row_only(model, mask_token_id: int) -> None:
-    """Freeze every weight except the input embedding, whose gradient is kept on the mask row only."""
-    embedding = model.get_input_embeddings().weight
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    embedding.requires_grad_(True)
-    keep = torch.zeros(embedding.shape[0], 1, dtype=embedding.dtype, device=embedding.device)
-    keep[mask_token_id] = 1
-    embedding.register_hook(lambda grad: grad * keep.to(grad.dtype))
+# --------------------------------------------------------------------------------------------------
+# Precision and threads: what this machine does fast
+# --------------------------------------------------------------------------------------------------
+def _matmul_rate(dtype: torch.dtype, seconds: float, size: tuple[int, int, int] = (64, 576, 1536)) -> float:
+    """Matmuls per second of an activation-sized product ``[m, k] @ [k, n]`` (SmolLM2's MLP shape)."""
+    m, k, n = size
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a @ b  # first call: kernel selection
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return count / (time.perf_counter() - start)
+
+
+def choose_precision_and_threads(config: QuickstartConfig, probe_seconds: float = 0.2) -> dict:
+    """Decide ``bf16`` and the torch thread count by measurement (about a second on a CPU); log the choice.
+
+    bf16 autocast is used only if a bf16 matmul runs at least 1.3× faster than float32 here (CPUs
+    without native bf16 emulate it, several times slower). Threads: all cores, unless one thread is
+    measurably faster (a machine whose cores are busy with other work). Explicit settings win.
+    """
+    info: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
+    if info["device"] == "cuda":
+        info["bf16"] = config.bf16 if config.bf16 is not None else bool(torch.cuda.is_bf16_supported())
+        info["threads"] = torch.get_num_threads()
+        info["reason"] = "CUDA: bf16 where the GPU supports it"
+        logger.info("Precision: %s (%s).", "bf16 autocast" if info["bf16"] else "float32", info["reason"])
+        return info
+    cores = torch.get_num_threads()
+    if config.num_threads:
+        threads, thread_reason = config.num_threads, "--num-threads"
+        torch.set_num_threads(threads)
+    else:
+        torch.set_num_threads(cores)
+        many = _matmul_rate(torch.float32, probe_seconds)
+        torch.set_num_threads(1)
+        one = _matmul_rate(torch.float32, probe_seconds)
+        threads = cores if many >= one else 1
+        thread_reason = f"float32 matmuls/s: {many:.0f} with {cores} threads, {one:.0f} with 1"
+        torch.set_num_threads(threads)
+    info["threads"], info["threads_reason"] = threads, thread_reason
+    fp32 = _matmul_rate(torch.float32, probe_seconds)
+    bf16 = _matmul_rate(torch.bfloat16, probe_seconds)
+    info["float32_rate"], info["bf16_rate"] = fp32, bf16
+    if config.bf16 is not None:
+        info["bf16"], info["reason"] = bool(config.bf16), "--bf16 set explicitly"
+    else:
+        info["bf16"] = bf16 >= 1.3 * fp32
+        info["reason"] = f"bf16 matmul {bf16 / fp32:.2f}× the speed of float32 on this CPU"
+    logger.info(
+        "Precision: %s (%s); threads: %d (%s).",
+        "bf16 autocast" if info["bf16"] else "float32",
+        info["reason"],
+        threads,
+        thread_reason,
+    )
+    return info
 
 
 def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: str, tracking=None):
@@ -352,28 +452,32 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
         save_strategy="no",
         report_to="none",
         seed=config.seed,
-        bf16=config.bf16,
+        bf16=bool(config.bf16),
         use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=False,
+        adapter_gating="mask" if config.method == "gated_lora" else None,
+        mask_targets=config.mask_targets,
         max_length=config.max_length,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
     peft_config = None
-    if config.method == "lora":
+    if config.method in ("lora", "gated_lora"):
         from peft import LoraConfig
 
+        targets = config.lora_target_modules
         peft_config = LoraConfig(
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
             lora_dropout=0.0,
-            target_modules="all-linear",
+            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
             task_type="CAUSAL_LM",
         )
     trainer = MARSTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )
     if config.method == "mask_row":
-        _train_mask_row_only(trainer.model, trainer.mask_token_id)
+        trainer.train_mask_row_only()
     budget = TimeBudget(
         config.budget_minutes * 60 if by_time else math.inf, warmup_fraction=config.warmup_fraction
     )
@@ -409,8 +513,72 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
     model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     if config.method == "lora":
         model = model.merge_and_unload()
+    # gated_lora stays a PeftModel: the gated adapter cannot be merged (MARS_SPEC §7).
     model.eval()  # MARSTrainer has already suppressed the mask token as an output (generation_config)
     return model, info
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------
+def verify_available() -> bool:
+    """True once mars_hf's decoder implements verified acceptance (``mars_acceptance="verify"``)."""
+    from . import generation
+
+    return "verify" in getattr(generation, "ACCEPTANCE_METRICS", ())
+
+
+def evaluate(model, tokenizer, eval_ids, config: QuickstartConfig) -> dict[str, DecodingRun]:
+    """Stock ``generate``, MARS at each τ and verified decoding, interleaved prompt by prompt.
+
+    Interleaving keeps the wall-clock comparison fair on a machine whose load changes. Verified
+    decoding proposes every mask as a draft (proposal floor 0) and keeps only what the model's own
+    next-token prediction confirms, so its output is the model's greedy output.
+    """
+    from tqdm.auto import tqdm
+
+    thresholds = [None, *config.thresholds]
+    with_verify = config.verify and verify_available()
+    if config.verify and not with_verify:
+        logger.warning("Verified decoding is not available in this mars_hf build; the verify row is skipped.")
+    runs = {}
+    bar = tqdm(
+        eval_ids,
+        desc="Evaluating stock, MARS at each τ and verify",
+        unit="prompt",
+        disable=not config.progress,
+    )
+    for index, ids in enumerate(bar):
+        measured = measure_decoding(
+            model,
+            tokenizer,
+            [ids],
+            thresholds,
+            max_new_tokens=config.max_new_tokens,
+            progress=False,
+            warmup=index == 0,
+        )
+        if with_verify:
+            verified = measure_decoding(
+                model,
+                tokenizer,
+                [ids],
+                [0.0],
+                max_new_tokens=config.max_new_tokens,
+                progress=False,
+                warmup=index == 0,
+                mars_kwargs={"mars_acceptance": "verify"},
+            )
+            run = next(iter(verified.values()))
+            run.label, run.threshold = VERIFY_LABEL, 0.0
+            measured[VERIFY_LABEL] = run
+        for label, run in measured.items():
+            if label not in runs:
+                runs[label] = DecodingRun(label, run.threshold)
+            runs[label].outputs += run.outputs
+            runs[label].num_forwards += run.num_forwards
+            runs[label].seconds += run.seconds
+    return runs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -424,7 +592,8 @@ def pareto_plot(rows: list[dict], path: str | os.PathLike, title: str = "MARS on
     import matplotlib.pyplot as plt
 
     mars_rows = sorted(
-        (row for row in rows if row["threshold"] is not None), key=lambda row: -row["threshold"]
+        (row for row in rows if row["threshold"] is not None and row["label"] != VERIFY_LABEL),
+        key=lambda row: -row["threshold"],
     )
     figure, axis = plt.subplots(figsize=(6, 4.2), dpi=120)
     xs = [row["tokens_per_forward"] for row in mars_rows]
@@ -433,6 +602,16 @@ def pareto_plot(rows: list[dict], path: str | os.PathLike, title: str = "MARS on
     for row, x, y in zip(mars_rows, xs, ys):
         axis.annotate(
             f"τ={row['threshold']:g}", (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8
+        )
+    verify = next((row for row in rows if row["label"] == VERIFY_LABEL), None)
+    if verify is not None:
+        axis.plot(
+            [verify["tokens_per_forward"]],
+            [100 * verify["agreement"]],
+            "*",
+            markersize=12,
+            color="tab:green",
+            label="verify (lossless)",
         )
     stock = next((row for row in rows if row["threshold"] is None), None)
     if stock is not None:
@@ -463,7 +642,7 @@ SUMMARY_COLUMNS = [
 def _hub_rows(rows: list[dict]) -> list[dict]:
     return [
         {
-            "tau": row["threshold"],
+            "tau": "verify" if row["label"] == VERIFY_LABEL else row["threshold"],
             "tokens_per_forward": row["tokens_per_forward"],
             "quality": row["agreement"],
             "speedup": row["speedup_vs_stock"],
@@ -492,14 +671,19 @@ def save_checkpoint(
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct" if config.model_name_or_path is None else None,
         tags=["mars-quickstart"],
         training={
-            "method": {"mask_row": "mask-token row only", "lora": "LoRA (merged) + mask row", "full": "full"}[
-                config.method
-            ],
+            "method": {
+                "gated_lora": f"LoRA r{config.lora_r} ({config.lora_target_modules}) gated to mask positions + mask row",
+                "mask_row": "mask-token row only",
+                "lora": "LoRA (merged) + mask row",
+                "full": "full",
+            }[config.method],
+            "mask_targets": config.mask_targets,
             "block_size": config.block_size,
             "learning_rate": config.learning_rate,
             "clean_loss": config.clean_loss,
             "steps": training["steps"],
             "examples": config.num_train_prompts,
+            "precision": "bf16 autocast" if config.bf16 else "float32",
             "data": "self-distilled greedy answers to mars_hf's template prompts",
         },
         results=_hub_rows(rows),
@@ -524,8 +708,8 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     config = resolved(config)
     total_start = time.monotonic()
     timings: dict[str, float] = {}
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    machine = choose_precision_and_threads(config)
+    config = dataclasses.replace(config, bf16=machine["bf16"], num_threads=machine["threads"])
     torch.manual_seed(config.seed)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -565,15 +749,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     training["teacher_forced"] = teacher_forced_acceptance(trained, *tracking, config.thresholds)
 
     start = time.monotonic()
-    runs = measure_decoding(
-        trained,
-        tokenizer,
-        eval_ids,
-        [None, *config.thresholds],
-        max_new_tokens=config.max_new_tokens,
-        progress=config.progress,
-        desc="Evaluating stock generate + MARS at each τ",
-    )
+    runs = evaluate(trained, tokenizer, eval_ids, config)
     rows = summarize_runs(runs, references=reference)
     timings["evaluate"] = time.monotonic() - start
 
@@ -584,7 +760,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
             k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()
         },
         "model": model_path,
-        "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(), **machine},
         "data": {
             "train_prompts": len(train_prompts),
             "train_tokens": int(sum(sum(1 for t in labels if t != -100) for labels in dataset["labels"])),
@@ -604,7 +780,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
                 **{
                     label: tokenizer.decode(run.outputs[i], skip_special_tokens=True)
                     for label, run in runs.items()
-                    if label in ("stock", run_label(0.9))
+                    if label in ("stock", run_label(0.9), VERIFY_LABEL)
                 },
             }
             for i, prompt in enumerate(eval_prompts[:3])
@@ -638,6 +814,9 @@ def summary(results: dict) -> str:
         f"total {timings['total'] / 60:.1f} min ("
         + ", ".join(f"{k} {v / 60:.1f}" for k, v in timings.items() if k != "total")
         + ")",
+        f"precision: {'bf16 autocast' if results['machine'].get('bf16') else 'float32'}"
+        + (f" ({results['machine']['reason']})" if results["machine"].get("reason") else "")
+        + f"; torch threads: {results['machine'].get('threads', results['machine']['torch_threads'])}",
         f"results: {Path(results['config']['output_dir']) / 'results.json'}, plot: "
         f"{Path(results['config']['output_dir']) / 'pareto.png'}"
         + (f", checkpoint: {results['checkpoint']}" if results.get("checkpoint") else ""),

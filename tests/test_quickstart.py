@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from mars_hf.quickstart import QuickstartConfig, TimeBudget, run_quickstart, summary
+from mars_hf.quickstart import QuickstartConfig, TimeBudget, run_quickstart, summary, verify_available
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -35,7 +35,7 @@ def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
     return QuickstartConfig(**{**toy, **settings})
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "mask_row"])
+@pytest.mark.parametrize("method", ["gated_lora", "lora", "full", "mask_row"])
 def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method):
     config = _toy_config(
         tiny_model_dir,
@@ -53,7 +53,13 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method):
     saved = json.loads((out / "results.json").read_text())
     assert saved["evaluation"] == json.loads(json.dumps(results["evaluation"]))
     labels = [row["label"] for row in saved["evaluation"]]
-    assert labels == ["stock", "mars@1", "mars@0.5", "mars@0"]
+    assert labels == ["stock", "mars@1", "mars@0.5", "mars@0"] + (["verify"] if verify_available() else [])
+    assert saved["machine"]["bf16"] is False  # set explicitly by the toy config
+    by_label = {row["label"]: row for row in saved["evaluation"]}
+    if method in ("gated_lora", "mask_row"):  # the base model exactly, by construction
+        assert by_label["stock"]["agreement"] == 1.0 and by_label["mars@1"]["agreement"] == 1.0
+    if "verify" in by_label:
+        assert by_label["verify"]["agreement"] == by_label["stock"]["agreement"]
     for row in saved["evaluation"]:
         assert row["tokens_per_forward"] >= 1.0 - 1e-9
         assert 0.0 <= row["agreement"] <= 1.0
@@ -69,8 +75,15 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method):
     png = (out / "pareto.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     checkpoint = out / "checkpoint"
-    assert (checkpoint / "config.json").exists()
-    assert json.loads((checkpoint / "config.json").read_text())["mars"]["block_size"] == config.block_size
+    if method == "gated_lora":  # the adapter, not a copy of the model
+        assert (
+            not (checkpoint / "config.json").exists() and (checkpoint / "adapter_model.safetensors").exists()
+        )
+        mars = json.loads((checkpoint / "mars_config.json").read_text())
+        assert mars["adapter_gating"] == "mask"
+    else:
+        mars = json.loads((checkpoint / "config.json").read_text())["mars"]
+    assert mars["block_size"] == config.block_size
     assert "stock" in summary(results) and "tokens/forward" in summary(results)
 
     # A rerun reuses the cached self-distillation and reference.
@@ -146,3 +159,25 @@ def test_trained_model_runs_in_its_own_dtype_after_bf16_training(tiny_model_dir)
     ids = torch.tensor([dataset[0]["input_ids"]])
     with torch.no_grad():
         assert torch.equal(trained(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_precision_is_chosen_by_measurement(monkeypatch, caplog):
+    """bf16 only where it measures faster; an explicit setting wins; the choice is logged."""
+    import logging
+
+    from mars_hf import quickstart
+
+    rates = {torch.float32: 100.0, torch.bfloat16: 20.0}  # a CPU without native bf16 (5x slower)
+    monkeypatch.setattr(quickstart, "_matmul_rate", lambda dtype, seconds: rates[dtype])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    threads = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="mars_hf.quickstart"):
+            info = quickstart.choose_precision_and_threads(QuickstartConfig())
+        assert info["bf16"] is False and "float32" in caplog.text and "0.20×" in caplog.text
+        rates[torch.bfloat16] = 300.0  # native bf16 (AVX512-BF16 / AMX)
+        assert quickstart.choose_precision_and_threads(QuickstartConfig())["bf16"] is True
+        assert quickstart.choose_precision_and_threads(QuickstartConfig(bf16=False))["bf16"] is False
+        assert quickstart.choose_precision_and_threads(QuickstartConfig(num_threads=1))["threads"] == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -47,7 +47,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option("seed", type=int)
     option("num_threads", type=int)
     option("cache_dir")
-    option("method", choices=["mask_row", "lora", "full"])
+    option("method", choices=["gated_lora", "mask_row", "lora", "full"])
+    option("lora_alpha", type=int)
+    option("lora_target_modules")
+    option("mask_targets", choices=["hard", "soft"])
+    option("warmup_fraction", type=float)
+    option("max_length", type=int)
+    option("track_every", type=int)
+    parser.add_argument(
+        "--bf16",
+        dest="bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast in training (default: chosen by a one-second measurement at start-up).",
+    )
+    parser.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        default=None,
+        help="Skip the verified-decoding row.",
+    )
     parser.add_argument(
         "--thresholds",
         type=_float_list,
