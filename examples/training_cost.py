@@ -8,6 +8,11 @@ Measures, on SmolLM2-135M-Instruct (the embedded model by default), one optimisa
 * ``sft-plain``  (optional) transformers' own loss, ``model(..., labels=...)``, full logits,
 * ``mars-full``  MARS with the whole noisy half (length 2L),
 * ``mars-drop``  MARS with target-free noisy blocks dropped (exact, the default),
+* ``gated-2s``   a LoRA (r32, all linear layers) gated to mask positions + the mask row, run as today's
+                 two-stream forward + backward,
+* ``gated-frozen`` the same adapter with the frozen clean stream (``MARSConfig.frozen_clean_stream``): the
+                 clean half runs without autograd, forward + backward over the noisy half only (same loss
+                 and gradients),
 
 on chat batches with long prompts (where dropping saves most) and with short prompts. It prints
 tokens/s (real tokens of the batch per second of step time) and peak memory: CUDA's peak allocation on
@@ -175,6 +180,12 @@ def measure(args_dict: dict, mode: str, regime: str, queue) -> None:
             return sft.compute_loss(model, dict(batch))
 
     else:
+        gated = mode.startswith("gated")
+        peft_config = None
+        if gated:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=32, lora_alpha=64, target_modules="all-linear", lora_dropout=0.0)
         with tempfile.TemporaryDirectory() as tmp:
             trainer = MARSTrainer(
                 model=model,
@@ -184,11 +195,15 @@ def measure(args_dict: dict, mode: str, regime: str, queue) -> None:
                     bf16=False,
                     use_cpu=device.type == "cpu",
                     block_size=args.block_size,
-                    drop_target_free_blocks=mode == "mars-drop",
+                    drop_target_free_blocks=mode != "mars-full",
                     gradient_checkpointing=False,
+                    adapter_gating="mask" if gated else None,
+                    frozen_clean_stream=mode == "gated-frozen",
+                    ar_weight=0.0 if gated else 1.0,
                 ),
                 train_dataset=Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]),
                 processing_class=tokenizer,
+                peft_config=peft_config,
             )
         mask_id = trainer.mask_token_id
         inputs = build_mars_inputs(
@@ -197,12 +212,12 @@ def measure(args_dict: dict, mode: str, regime: str, queue) -> None:
             batch["labels"],
             block_size=args.block_size,
             mask_token_id=mask_id,
-            drop_target_free_blocks=mode == "mars-drop",
+            drop_target_free_blocks=mode != "mars-full",
         )
         noisy_width = inputs.input_ids.shape[1] - inputs.clean_length
 
         def step_fn():
-            return trainer.compute_loss(model, dict(batch))
+            return trainer.compute_loss(trainer.model, dict(batch))
 
     def synchronize():
         if device.type == "cuda":
@@ -260,9 +275,9 @@ def main(argv=None) -> int:
     parser.add_argument("--regimes", default="long-prompt,short-prompt")
     parser.add_argument(
         "--modes",
-        default="sft,mars-full,mars-drop",
-        help="Subset of sft (TRL's SFTTrainer step), sft-plain (model(..., labels=...)), mars-full, mars-drop; "
-        "'sft' must be included (it is the reference).",
+        default="sft,mars-drop,gated-2s,gated-frozen",
+        help="Subset of sft (TRL's SFTTrainer step), sft-plain (model(..., labels=...)), mars-full, mars-drop, "
+        "gated-2s, gated-frozen; 'sft' must be included (it is the reference).",
     )
     parser.add_argument("--json", default=None, help="Also write the rows to this JSON file.")
     args = parser.parse_args(argv)
