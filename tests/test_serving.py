@@ -474,3 +474,23 @@ def test_loadtest_reports_every_run_and_plots(tok, tmp_path):
     assert (tmp_path / "loadtest.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "loadtest.json").read_text())["runs"][0]["tau_trace"]
     assert "controller" in format_table(result)
+
+
+def test_fault_run_answers_every_well_formed_request_once(tok):
+    from mars_hf.serving.loadtest import fault_run
+
+    report = fault_run(
+        None,
+        tok,
+        total=60,
+        max_tokens=12,
+        max_rows=4,
+        concurrency=16,
+        prompts=["the cat sat", "a dog is red"],
+        engine_factory=lambda: ScriptedEngine(max_rows=4, step_s=0.002),
+    )
+    assert report["problems"] == [], report
+    assert report["answered_exactly_once"] == report["well_formed_or_rejectable"]
+    assert report["health"]["status"] == "ok" and report["health"]["running"] == 0
+    assert report["rows_left_in_engine"] == 0
+    assert report["by_kind"].get("disconnect", 0) >= 1

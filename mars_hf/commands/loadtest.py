@@ -25,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--out", default="loadtest_out", help="Folder for loadtest.json and loadtest.png.")
+    parser.add_argument(
+        "--fault-requests",
+        type=int,
+        default=0,
+        help="Instead: a fault run of N requests mixing streams, disconnects, malformed bodies and oversized "
+        "prompts; checks every well-formed request is answered once and memory stays flat (fault.json).",
+    )
 
 
 def run(args) -> int:
@@ -44,6 +51,34 @@ def run(args) -> int:
         seed=args.seed,
         dtype=args.dtype,
     )
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    if args.fault_requests:
+        import json
+        from pathlib import Path
+
+        from mars_hf.serving.loadtest import fault_run
+        from mars_hf.serving.server import load_model
+
+        model, tokenizer = load_model(args.model, args.dtype)
+        prompts = None
+        if args.model == "synthetic":
+            from mars_hf.synthetic import synthetic_prompts
+
+            prompts = synthetic_prompts(64, seed=args.seed + 99)
+        report = fault_run(
+            model,
+            tokenizer,
+            total=args.fault_requests,
+            max_tokens=args.max_tokens,
+            max_rows=args.max_rows,
+            seed=args.seed,
+            prompts=prompts,
+        )
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "fault.json").write_text(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2))
+        ok = report["answered_exactly_once"] == report["well_formed_or_rejectable"] and not report["problems"]
+        return 0 if ok and report["health"]["status"] == "ok" else 1
     result = run_loadtest(config, args.out)
     print(format_table(result))
     print(f"Wrote {args.out}/loadtest.json and {args.out}/loadtest.png")

@@ -262,8 +262,11 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    all_rates = sorted({r["rate"] for r in runs})
     for ax in axes[:3]:
         ax.set_xscale("log")
+        ax.set_xticks(all_rates, [f"{rate:g}" for rate in all_rates])
+        ax.minorticks_off()
         ax.set_xlabel("arrival rate (requests/s)")
     axes[3].set_xlabel("seconds into the run")
     fig.tight_layout()
@@ -287,3 +290,145 @@ def format_table(result: dict) -> str:
             f"{f(r['mean_tau'], '7.3f')} {f(r['mean_tokens_per_forward'], '7.2f')} {f(r['agreement_with_tau1'], '5.2f')}"
         )
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fault run: well-formed requests mixed with disconnects, malformed bodies and oversized prompts
+# --------------------------------------------------------------------------------------------------
+
+MALFORMED = [
+    b"{not json",
+    b'{"messages": "hello"}',
+    b'{"messages": [{"role": "user", "content": "x"}], "mars_threshold": 7}',
+    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}',
+    b'{"messages": [{"role": "user", "content": "x"}], "mars_acceptance": "guess"}',
+]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def _fault_drive(
+    base_url: str, prompts: list[str], total: int, max_tokens: int, concurrency: int, seed: int
+):
+    import httpx2
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="loopback", max_retries=0, timeout=300)
+    http = httpx2.AsyncClient(timeout=300)
+    rng = random.Random(seed)
+    kinds = [rng.choice(["stream", "plain", "disconnect", "malformed", "oversized"]) for _ in range(total)]
+    answers = [0] * total
+    outcome: list[str | None] = [None] * total
+    memory = []
+    gate = asyncio.Semaphore(concurrency)
+    url = base_url + "/v1/chat/completions"
+
+    async def one(i):
+        kind, prompt = kinds[i], prompts[i % len(prompts)]
+        messages = [{"role": "user", "content": prompt}]
+        async with gate:
+            try:
+                if kind == "stream":
+                    stream = await client.chat.completions.create(
+                        model="loadtest", messages=messages, max_tokens=max_tokens, stream=True
+                    )
+                    finish = None
+                    async for chunk in stream:
+                        if chunk.choices and chunk.choices[0].finish_reason:
+                            finish = chunk.choices[0].finish_reason
+                    answers[i] += 1
+                    outcome[i] = "ok" if finish else "no finish_reason"
+                elif kind == "plain":
+                    out = await client.chat.completions.create(
+                        model="loadtest", messages=messages, max_tokens=max_tokens
+                    )
+                    answers[i] += 1
+                    outcome[i] = "ok" if out.choices[0].finish_reason else "no finish_reason"
+                elif kind == "disconnect":
+                    body = {"messages": messages, "max_tokens": max_tokens, "stream": True}
+                    async with http.stream("POST", url, json=body) as response:
+                        async for _ in response.aiter_lines():
+                            break  # first line, then hang up
+                    outcome[i] = "disconnected"
+                elif kind == "malformed":
+                    response = await http.post(
+                        url, content=rng.choice(MALFORMED), headers={"content-type": "application/json"}
+                    )
+                    answers[i] += 1
+                    outcome[i] = "ok" if response.status_code == 400 else f"status {response.status_code}"
+                else:
+                    body = {
+                        "messages": [{"role": "user", "content": " ".join([prompt] * 400)}],
+                        "max_tokens": 4,
+                    }
+                    response = await http.post(url, json=body)
+                    answers[i] += 1
+                    outcome[i] = "ok" if response.status_code == 400 else f"status {response.status_code}"
+            except Exception as error:
+                outcome[i] = f"error {type(error).__name__}"
+        if i % max(1, total // 10) == 0:
+            memory.append(round(_rss_mb(), 1))
+
+    await asyncio.gather(*(one(i) for i in range(total)))
+    await client.close()
+    await http.aclose()
+    return kinds, answers, outcome, memory
+
+
+def fault_run(
+    model,
+    tokenizer,
+    *,
+    total: int = 1000,
+    max_tokens: int = 16,
+    max_rows: int = 8,
+    concurrency: int = 32,
+    seed: int = 0,
+    prompts: list[str] | None = None,
+    engine_factory=None,
+) -> dict:
+    """Send ``total`` mixed requests; report whether every well-formed one was answered exactly once."""
+    import httpx2
+
+    config = LoadTestConfig(max_rows=max_rows, max_tokens=max_tokens, time_limit_s=600)
+    server_cfg = server_config("controller", config)
+    server_cfg.max_prompt_tokens = 256
+    engine = engine_factory() if engine_factory is not None else model
+    app, scheduler = build_server(engine, tokenizer, server_cfg)
+    prompts = prompts or GENERIC_PROMPTS
+    with BackgroundServer(app) as server:
+        rss_start = _rss_mb()
+        t0 = time.monotonic()
+        kinds, answers, outcome, memory = asyncio.run(
+            _fault_drive(server.base_url, prompts, total, max_tokens, concurrency, seed)
+        )
+        wall = time.monotonic() - t0
+        time.sleep(0.5)  # let the last cancelled rows leave at the next step
+        health = httpx2.get(server.base_url + "/health").json()
+        metrics_text = httpx2.get(server.base_url + "/metrics").text
+        rss_end = _rss_mb()
+    well_formed = [i for i, k in enumerate(kinds) if k in ("stream", "plain", "malformed", "oversized")]
+    return {
+        "requests": total,
+        "by_kind": {k: kinds.count(k) for k in sorted(set(kinds))},
+        "answered_exactly_once": sum(1 for i in well_formed if answers[i] == 1 and outcome[i] == "ok"),
+        "well_formed_or_rejectable": len(well_formed),
+        "problems": sorted({outcome[i] for i in range(total) if outcome[i] not in ("ok", "disconnected")}),
+        "health": health,
+        "rows_left_in_engine": scheduler.engine.num_rows,
+        "cancelled_rows": sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics_text.splitlines()
+            if line.startswith('mars_requests_total{outcome="cancelled"}')
+        ),
+        "rss_mb_start": round(rss_start, 1),
+        "rss_mb_samples": memory,
+        "rss_mb_end": round(rss_end, 1),
+        "wall_s": round(wall, 1),
+    }
