@@ -1,0 +1,209 @@
+"""`mars-hf gpu-check --tiny`: the JSON schema, the budget stop, and that forced acceptance yields its rates."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from mars_hf.cli import main
+from mars_hf.gpu_check import (
+    VERIFY_UNAVAILABLE,
+    Budget,
+    BudgetExceeded,
+    ForcedAcceptance,
+    build_model,
+    make_prompts,
+    ordinary_token_ids,
+)
+
+ROW_KEYS = {
+    "model",
+    "rate",
+    "batch",
+    "label",
+    "scheme",
+    "acceptance",
+    "layout",
+    "tau",
+    "window",
+    "cache_block",
+    "tokens_per_forward",
+    "predicted_tokens_per_forward",
+    "expected_tokens_per_step",
+    "tokens_per_s",
+    "speedup",
+    "efficiency",
+    "same_as_stock",
+    "num_forwards",
+    "seconds",
+    "peak_memory_mb",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_model("tiny", dtype=torch.float32, device="cpu", seed=0)
+
+
+def test_forced_logits_follow_the_pattern(tiny_model):
+    """Real tokens predict correct[p + 1] at p ~ 1; masks do where the pattern agrees, else a wrong token at
+    ~0.62 (below τ = 0.9); with the forcing off the model is the plain random model again."""
+    model = tiny_model
+    forcer = ForcedAcceptance(model, rate=0.5, seed=3)
+    try:
+        mask = model.config.mars["mask_token_id"]
+        ordinary = ordinary_token_ids(model)
+        prompt = ordinary[:6][None]
+        window = 8
+        ids = torch.cat([prompt, torch.full((1, window), mask)], dim=1)
+        positions = torch.arange(ids.shape[1])[None] + 5  # not starting at 0: positions, not indices, count
+        with torch.no_grad():
+            probs = model(input_ids=ids, position_ids=positions).logits.float().softmax(-1)[0]
+            cut = model(input_ids=ids, position_ids=positions, logits_to_keep=3).logits.float().softmax(-1)[0]
+        torch.testing.assert_close(cut, probs[-3:])
+        agree_seen = disagree_seen = 0
+        for index in range(ids.shape[1]):
+            target = int(positions[0, index]) + 1
+            correct = int(forcer.correct_cpu[target])
+            top_p, top = probs[index].max(-1)
+            if index < prompt.shape[1] or bool(forcer.agree_cpu[target]):
+                assert int(top) == correct and float(top_p) > 0.999
+                agree_seen += index >= prompt.shape[1]
+            else:
+                assert int(top) != correct and 0.55 < float(top_p) < 0.7
+                disagree_seen += 1
+        assert agree_seen and disagree_seen  # the window saw both cases
+        forcer.enabled = False
+        with torch.no_grad():
+            plain = model(input_ids=ids, position_ids=positions).logits.float().softmax(-1)[0]
+        assert float(plain.max()) < 0.5
+    finally:
+        forcer.remove()
+
+
+def test_forced_threshold_decoding_accepts_the_simulated_counts(tiny_model):
+    """The decoder's forward count equals the pattern's simulation, row by row (batch 1 and a ragged batch)."""
+    model = tiny_model
+    forcer = ForcedAcceptance(model, rate=0.7, seed=1)
+    try:
+        for batch in (1, 3):
+            inputs = make_prompts(model, batch, 12, seed=0, device="cpu")
+            out = model.generate(
+                **inputs,
+                max_new_tokens=30,
+                do_sample=False,
+                mars_threshold=0.9,
+                mars_block_size=4,
+                return_dict_in_generate=True,
+            )
+            stock = model.generate(**inputs, max_new_tokens=30, do_sample=False)
+            assert torch.equal(out.sequences, stock)
+            last = (inputs["attention_mask"].sum(1) - 1).tolist()
+            steps = forcer.simulate_steps(last, 30, 4)
+            assert out.num_forwards == max(steps)
+            expected = [int(c) for c in (out.accepted_counts > 0).sum(0)]
+            assert expected == steps
+    finally:
+        forcer.remove()
+
+
+@pytest.mark.parametrize("rate", [0.4, 0.8])
+def test_forced_pattern_has_the_chosen_rate(tiny_model, rate):
+    """Over a long run the pattern accepts 1 + r + … + r^W tokens per step (the agreements are i.i.d.)."""
+    forcer = ForcedAcceptance(tiny_model, rate=rate, seed=0)
+    try:
+        assert float(forcer.agree_cpu.float().mean()) == pytest.approx(rate, abs=0.01)
+        tokens = 20000
+        for window in (4, 8):
+            steps = forcer.simulate_steps([10, 123], tokens, window)
+            for count in steps:
+                assert tokens / count == pytest.approx(forcer.expected_tokens_per_step(window), rel=0.03)
+    finally:
+        forcer.remove()
+
+
+def test_budget_timer_interrupts():
+    budget = Budget(0.3, reserve=0.0)
+    budget.arm()
+    try:
+        with pytest.raises(BudgetExceeded):
+            for _ in range(100):
+                time.sleep(0.05)
+    finally:
+        budget.disarm()
+    with pytest.raises(BudgetExceeded):
+        budget.check()
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "check.json"
+    code = main(["gpu-check", "--tiny", "--out", str(out), *extra])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_tiny_run_schema_and_forced_rates(tmp_path, capsys):
+    start = time.monotonic()
+    result = _run(tmp_path, "--budget-seconds", "50", "--rates", "0.5,0.9", "--repeats", "1")
+    assert time.monotonic() - start < 55
+    table = capsys.readouterr().out
+    assert "DECODING" in table and "SKIPPED" in table and "TRAINING" in table
+    assert {"schema_version", "environment", "arguments", "budget", "models", "rows", "exactness"} <= set(
+        result
+    )
+    assert result["budget"]["elapsed_seconds"] <= 50
+    assert not [item for item in result["items"] if item["status"] == "error"]
+    rows = result["rows"]
+    assert rows, result["skipped"]
+    for row in rows:
+        assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+        assert row["same_as_stock"] == 1.0  # only correct tokens are ever accepted
+        assert row["peak_memory_mb"] is None  # CPU
+    cursor = [r for r in rows if r["scheme"] in ("cursor", "none")]
+    assert {r["rate"] for r in cursor if r["batch"] == 1} == {0.5, 0.9}
+    for row in cursor:
+        # exactly what the pattern implies (its long-run rate is checked in the next test)
+        assert row["tokens_per_forward"] == pytest.approx(row["predicted_tokens_per_forward"], rel=1e-9)
+    high = [r for r in cursor if r["rate"] == 0.9 and r["batch"] == 1]
+    low = [r for r in cursor if r["rate"] == 0.5 and r["batch"] == 1]
+    assert high[0]["tokens_per_forward"] > low[0]["tokens_per_forward"] + 0.5
+    stock = [r for r in rows if r["scheme"] == "stock"]
+    assert all(r["tokens_per_forward"] == 1.0 and r["speedup"] == 1.0 for r in stock)
+    # verify rows run when this build has verify, else each group says why they are missing
+    verify_rows = [r for r in rows if r["acceptance"] == "verify"]
+    if result["verify_available"]:
+        assert verify_rows
+    else:
+        assert not verify_rows
+        assert any(s["reason"] == VERIFY_UNAVAILABLE for s in result["skipped"])
+    for entry in result["skipped"]:
+        assert "failed" not in entry["reason"], entry
+    # exactness in bf16 against stock, and the training step
+    assert result["exactness"] and all(e["rows"] >= 1 for e in result["exactness"])
+    assert all(
+        e["rows_identical"] + e["near_tie_flips"] + e["other_differences"] >= e["rows"]
+        for e in result["exactness"]
+    )
+    training = {t.get("variant") or t["comparison"]: t for t in result["training"]}
+    assert training["sdpa"]["loss"] > 0 and training["sdpa"]["grad_norm"] > 0
+    if "gated frozen-clean" in training:  # issue 11's path: the same loss and gradients, computed cheaper
+        assert training["gated frozen-clean"]["frozen_clean_stream"]
+        assert not training["gated two-stream"]["frozen_clean_stream"]
+        comparison = training["gated frozen-clean vs gated two-stream"]
+        assert comparison["same_gradient_names"] and comparison["grad_rel_diff"] < 1e-5
+        assert comparison["loss_abs_diff"] < 1e-5
+
+
+def test_tiny_budget_skips_and_says_so(tmp_path):
+    start = time.monotonic()
+    result = _run(tmp_path, "--budget-seconds", "4")
+    assert time.monotonic() - start < 15
+    assert result["budget"]["elapsed_seconds"] <= 4.5
+    assert result["skipped"]
+    reasons = " ".join(s["reason"] for s in result["skipped"])
+    assert "budget" in reasons
+    names = {s["item"] for s in result["skipped"]}
+    assert any("decode" in n for n in names)
