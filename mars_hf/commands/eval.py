@@ -1,8 +1,13 @@
-"""`mars-hf eval`: HumanEval pass@1 and tokens per forward of a MARS checkpoint over a τ list.
+"""`mars-hf eval`: scores and tokens per forward of a MARS checkpoint over a τ list.
 
-Greedy, max 256 new tokens, batch 1 (as in the paper's tables), against stock `generate` on the same
-weights; with `--base-model`, also token agreement with that model's greedy output. `--held-out N`
-adds the quickstart's held-out chat prompts (never used for training) to the evaluation.
+Two modes:
+
+* `--tasks a,b` runs lm-evaluation-harness tasks (`mars_hf/lm_eval_harness.py`, model `mars-hf`):
+  stock decoding, MARS at each τ (and `--verify`), one row per task and run with lm-eval's scores and
+  tokens per forward. `humaneval_mars` ships offline; other tasks need their data (docs/lm_eval.md).
+* otherwise, the built-in loop: HumanEval pass@1 and held-out chat prompts, greedy, max 256 new
+  tokens, batch 1 (as in the paper's tables), against stock `generate` on the same weights; with
+  `--base-model`, also token agreement with that model's greedy output.
 """
 
 from __future__ import annotations
@@ -19,6 +24,48 @@ def _float_list(text: str) -> list[float]:
     return [float(value) for value in text.split(",") if value.strip()]
 
 
+def _str_list(text: str) -> list[str]:
+    return [value.strip() for value in text.split(",") if value.strip()]
+
+
+def run_tasks(args: argparse.Namespace) -> int:
+    """`--tasks`: lm-eval runs through the registered `mars-hf` model."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from mars_hf.lm_eval_harness import evaluate_tasks, format_rows
+
+    gen_kwargs = simple_parse_args_string(args.gen_kwargs) if args.gen_kwargs else {}
+    if args.max_new_tokens is not None:
+        gen_kwargs["max_gen_toks"] = args.max_new_tokens
+    limit = args.limit
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    rows = evaluate_tasks(
+        args.model,
+        args.tasks,
+        args.thresholds,
+        stock=not args.no_stock,
+        verify=args.verify,
+        limit=limit,
+        batch_size=args.batch_size,
+        num_fewshot=args.num_fewshot,
+        gen_kwargs=gen_kwargs or None,
+        include_path=args.include_path,
+        confirm_run_unsafe_code=args.confirm_run_unsafe_code,
+        apply_chat_template=args.apply_chat_template,
+        device=args.device,
+        mars_block_size=args.window,
+    )
+    print(f"\nlm-eval tasks ({args.model}; tokens/forward counts every model call, the prompt's included)")
+    print(format_rows(rows))
+    if args.output:
+        Path(args.output).write_text(
+            json.dumps({"model": args.model, "tasks": args.tasks, "rows": rows}, indent=2)
+        )
+        print(f"\nresults: {args.output}")
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model", help="MARS checkpoint: a folder (full model or LoRA adapter) or a cached Hub id."
@@ -31,7 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--thresholds", type=_float_list, default=[1.0, 0.95, 0.9, 0.8, 0.7], help="τ values."
     )
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="Per completion (paper: 256).")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="Per completion (default 256, the paper's; with --tasks: the task's own max_gen_toks).",
+    )
     parser.add_argument(
         "--humaneval-limit",
         type=int,
@@ -48,6 +100,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads.")
     parser.add_argument("--output", default=None, help="Write the results as JSON here.")
     parser.add_argument("--quiet", action="store_true", help="No progress bars.")
+    lm = parser.add_argument_group("lm-evaluation-harness (with --tasks)")
+    lm.add_argument(
+        "--tasks",
+        type=_str_list,
+        default=None,
+        help="lm-eval task names, comma-separated (e.g. humaneval_mars).",
+    )
+    lm.add_argument("--limit", type=float, default=None, help="Documents per task (N, or a fraction < 1).")
+    lm.add_argument("--batch-size", type=int, default=1, help="lm-eval batch size (left-padded batches).")
+    lm.add_argument(
+        "--num-fewshot", type=int, default=None, help="Few-shot examples (task default otherwise)."
+    )
+    lm.add_argument(
+        "--gen-kwargs",
+        default=None,
+        help="Extra generation kwargs, lm-eval syntax: 'max_gen_toks=128,top_k=1'.",
+    )
+    lm.add_argument("--include-path", default=None, help="Folder of extra task YAML files.")
+    lm.add_argument("--no-stock", action="store_true", help="Skip the stock-decoding run.")
+    lm.add_argument("--verify", action="store_true", help="Add a run with verified (lossless) MARS decoding.")
+    lm.add_argument(
+        "--apply-chat-template", action="store_true", help="Format prompts with the chat template."
+    )
+    lm.add_argument(
+        "--confirm-run-unsafe-code",
+        action="store_true",
+        help="Needed by tasks that run generated code (humaneval_mars), as in lm-eval.",
+    )
+    lm.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +153,12 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    if args.tasks:
+        if args.held_out or args.base_model:
+            raise SystemExit("--held-out / --base-model belong to the built-in loop; drop them with --tasks.")
+        return run_tasks(args)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 256
     if args.no_humaneval and not args.held_out:
         raise SystemExit("Nothing to evaluate: drop --no-humaneval or pass --held-out N.")
     model, tokenizer = load_mars_model(args.model, merge_adapter=True, dtype=torch.float32)
