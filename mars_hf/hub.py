@@ -36,6 +36,7 @@ CARD_TAGS = ["mars", "multi-token-prediction", "custom_generate", "text-generati
 CUSTOM_GENERATE_FILES = {
     "generation.py": "generate.py",
     "cache.py": "cache.py",
+    "decoder.py": "decoder.py",
     "layouts.py": "layouts.py",
     "acceptance.py": "acceptance.py",
     "gated_lora.py": "gated_lora.py",
