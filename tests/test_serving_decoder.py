@@ -85,6 +85,8 @@ def test_mixed_tau_and_verify_in_one_batch_equal_generate(served):
         if setting is None:
             assert usage["mars_threshold"] == 1.0 and usage["mars_tokens_per_forward"] == 1.0
     assert scheduler.engine.num_rows == 0  # every finished row gave its slot back
+    # no autograd graph through the KV cache (with one, every step's tensors stay alive: memory grows)
+    assert not any(layer.keys.requires_grad for layer in scheduler.engine.decoder.kv.layers)
 
 
 def test_chat_stream_equals_non_stream_and_unsupported_seed_is_400(served):
