@@ -194,6 +194,7 @@ class Scheduler:
             self._drop_cancelled_and_expired(now)
             self._admit(now)
             if not self.running:
+                self._set_tau(now)  # idle: τ keeps climbing back to τ_max
                 continue
             self._set_tau(now)
             try:
