@@ -101,7 +101,7 @@ GATED_UNAVAILABLE = "the mask-gated adapter / frozen clean stream (MARS_SPEC §7
 TRAINING_FIX = "bring their wheels (docs/gpu_check.md)"
 FLEX_NEEDS_CUDA = "flex_attention has no backward on the CPU (torch raises NotImplementedError); CUDA only"
 # Costs assumed before anything is measured (seconds); replaced by measurements as soon as there are any.
-PRIOR_FLEX_COMPILE_SECONDS = 90.0
+PRIOR_FLEX_COMPILE_SECONDS = 60.0  # compiling flex attention's forward and backward kernels
 PRIOR_MARS_STEP_FACTOR = 2.5  # a MARS step against a stock step of the same batch (more Python per step)
 PRIOR_NONE_STEP_FACTOR = 4.0  # 'none' recomputes the whole sequence every step
 PRIOR_BUILD_SECONDS_PER_BILLION = {"cuda": 8.0, "cpu": 60.0}
@@ -426,6 +426,7 @@ class _Synchronized:
     def __init__(self, model):
         self.model = model
         self.cuda = next(model.parameters()).is_cuda
+        self.drafts = None  # (proposed, accepted) of the last generation, when it reports them (verify)
 
     def generate(self, *args, **kwargs):
         if self.cuda:
@@ -433,6 +434,11 @@ class _Synchronized:
         output = self.model.generate(*args, **kwargs)
         if self.cuda:
             torch.cuda.synchronize()
+        proposed = getattr(output, "drafts_proposed", None)
+        accepted = getattr(output, "drafts_accepted", None)
+        self.drafts = (
+            None if proposed is None or accepted is None else (int(proposed.sum()), int(accepted.sum()))
+        )
         return output
 
 
@@ -636,29 +642,26 @@ class GPUCheck:
 
     def _plan(self, shape: str, index: int) -> list:
         """``(name, runner)`` of one model's item groups in priority order: the first (paper-like) rate at
-        every batch size; exactness (first model only) and training; then the other rates."""
+        the first two batch sizes; exactness (first model only) and training, the paths no CPU test
+        reaches; the first rate at the other batch sizes; then the other rates."""
         args = self.args
-        rates = list(args.rates)
-        plan = []
-        if "decode" in args.parts:
-            plan += [
-                (
-                    f"{shape}: decode rate={rates[0]:g} batch={b}",
-                    partial(self._decode_item, shape, rates[0], b),
-                )
-                for b in args.batch_sizes
+        decode = "decode" in args.parts
+        first, rest = list(args.rates[:1]), list(args.rates[1:])
+        batches = list(args.batch_sizes)
+
+        def decoding(rates, batch_sizes):
+            return [
+                (f"{shape}: decode rate={rate:g} batch={b}", partial(self._decode_item, shape, rate, b))
+                for rate in (rates if decode else [])
+                for b in batch_sizes
             ]
+
+        plan = decoding(first, batches[:2])
         if index == 0 and "exactness" in args.parts:
             plan.append((f"{shape}: exactness", partial(self._exactness_item, shape)))
         if shape in args.models[: args.train_models] and "training" in args.parts:
             plan.append((f"{shape}: training", partial(self._training_items, shape)))
-        if "decode" in args.parts:
-            plan += [
-                (f"{shape}: decode rate={rate:g} batch={b}", partial(self._decode_item, shape, rate, b))
-                for rate in rates[1:]
-                for b in args.batch_sizes
-            ]
-        return plan
+        return plan + decoding(first, batches[2:]) + decoding(rest, batches)
 
     def _release(self, shape: str) -> None:
         entry = self.models.pop(shape, None)
@@ -770,6 +773,7 @@ class GPUCheck:
         counter = ForwardCounter(model)
         measurements = {c: [] for c in configurations}
         peaks = {c: None for c in configurations}
+        drafts: dict = {}
         failed: dict = {}
         try:
             for repeat in range(args.warmup + args.repeats):
@@ -795,6 +799,7 @@ class GPUCheck:
                         continue
                     peak = _peak_memory_mb(self.device)
                     if timed:
+                        drafts[configuration] = generator.drafts
                         measurements[configuration].append(measurement)
                         if peak is not None:
                             peaks[configuration] = max(peaks[configuration] or 0.0, peak)
@@ -821,6 +826,12 @@ class GPUCheck:
                 if configuration.scheme == "stock"
                 else forcer.expected_tokens_per_step(args.window),
                 predicted_tokens_per_forward=self._predicted_tpf(configuration, steps, batch),
+            )
+            proposed, accepted = drafts.get(configuration) or (None, None)
+            row.update(
+                drafts_proposed=proposed,
+                drafts_accepted=accepted,
+                draft_acceptance=accepted / proposed if proposed else None,
             )
             if stock_step and row["num_forwards"]:
                 kind = configuration.label.split(" ")[0] if configuration.scheme != "stock" else "stock"
@@ -1184,7 +1195,7 @@ def format_table(result: dict) -> str:
     ]
     header = (
         f"{'model':<13} {'rate':>4} {'batch':>5} {'configuration':<24} {'tok/fwd':>7} {'pred.':>5} "
-        f"{'tok/s':>8} {'speedup':>7} {'effic.':>6} {'=stock':>6} {'peak MiB':>8}"
+        f"{'tok/s':>8} {'speedup':>7} {'effic.':>6} {'=stock':>6} {'drafts':>6} {'peak MiB':>8}"
     )
     lines += [header, "-" * len(header)]
     previous = None
@@ -1197,12 +1208,14 @@ def format_table(result: dict) -> str:
             f"{row['model']:<13} {row['rate']:>4.2f} {row['batch']:>5} {row['label']:<24} "
             f"{row['tokens_per_forward']:>7.2f} {_fmt(row['predicted_tokens_per_forward'], '.2f'):>5} "
             f"{row['tokens_per_s']:>8.1f} {row['speedup']:>6.2f}x {row['efficiency']:>6.2f} "
-            f"{row['same_as_stock']:>6.2f} {_fmt(row['peak_memory_mb'], '.0f'):>8}"
+            f"{row['same_as_stock']:>6.2f} {_fmt(row.get('draft_acceptance'), '.2f'):>6} "
+            f"{_fmt(row['peak_memory_mb'], '.0f'):>8}"
         )
     lines += [
         "tok/fwd = generated / (batch x forwards, the prompt's included); pred. = what the forced pattern "
         "implies (exact for cursor/none); speedup = tokens/s vs stock generate; effic. = speedup / "
-        "(tok/fwd / stock tok/fwd), the MARS_SPEC §4 cost factor; =stock = share of rows equal to stock.",
+        "(tok/fwd / stock tok/fwd), the MARS_SPEC §4 cost factor; =stock = share of rows equal to stock; "
+        "drafts = verify's accepted / proposed drafts.",
         "",
         "EXACTNESS (unforced random model, greedy, vs stock generate)",
     ]

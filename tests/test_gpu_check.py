@@ -176,6 +176,8 @@ def test_tiny_run_schema_and_forced_rates(tmp_path, capsys):
     verify_rows = [r for r in rows if r["acceptance"] == "verify"]
     if result["verify_available"]:
         assert verify_rows
+        for row in verify_rows:
+            assert row["draft_acceptance"] is None or 0.0 <= row["draft_acceptance"] <= 1.0
     else:
         assert not verify_rows
         assert any(s["reason"] == VERIFY_UNAVAILABLE for s in result["skipped"])
