@@ -1,20 +1,21 @@
-"""`MARSBlockCache`: a KV cache for MARS decoding (MARS_SPEC §3).
+"""`MARSBlockCache`: a KV cache whose rows have lengths of their own (MARS_SPEC §3).
 
-Every MARS step forwards some real tokens followed by ``W`` mask tokens, then throws the mask
-entries away (they are not valid for the tokens accepted there). With the stock ``DynamicCache`` each
-``update`` concatenates, i.e. reallocates and copies the whole cache, and each ``crop`` slices it.
-Here every layer writes into a pre-allocated buffer that grows geometrically, so:
+Every MARS step forwards some real tokens, maybe drafts, and mask tokens; afterwards only a prefix of
+what each row fed is valid (mask entries never are; rejected drafts are not), and rows of a batch keep
+different numbers of tokens. A ``DynamicCache`` shares one length across the batch, so an uneven batch
+leaves *holes* in it that every later forward must mask and attend over. Here each row writes its new
+entries at its own offset, so a row's entries are always contiguous and exactly its real tokens:
 
-- ``update`` is an in-place copy of the new entries (no whole-cache reallocation per step);
-- discarding the last ``k`` entries (``crop(-k)``) only moves a length counter.
+- the decoder calls ``begin_forward(offsets, width)`` before a forward: row ``r`` writes its ``width``
+  new entries at columns ``offsets[r] …`` (whatever lies there past the row's valid length is stale);
+- the decoder, not the cache, remembers each row's valid length: keeping or discarding entries is a
+  number it stores, never a copy;
+- every layer writes into a pre-allocated buffer that grows geometrically, in place;
+- ``move_row`` copies one row onto another's place, so a server can keep its live rows in slots
+  ``0 … n-1`` (rows join and leave between steps; memory stays bounded by the slots).
 
-The cache also keeps the per-row bookkeeping a batch needs: rows accept different numbers of
-tokens, so a committed chunk can contain *holes* (columns of one row that hold no real token).
-The 2D attention mask hides them; position ids follow the real tokens only. ``stage`` returns the
-attention mask and position ids for the next forward, ``commit`` keeps a prefix of what was staged.
-
-This file depends on torch and transformers only (it ships as a checkpoint's
-``custom_generate/cache.py``).
+The attention mask the decoder passes hides each row's columns past its own length. This file depends
+on torch and transformers only (it ships as a checkpoint's ``custom_generate/cache.py``).
 """
 
 from __future__ import annotations
@@ -23,42 +24,46 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 
-class MARSCacheLayer(DynamicLayer):
-    """A full-attention layer cache backed by a growable buffer: in-place appends, O(1) crops."""
+class _WritePlan:
+    """Where the rows of the next forward write: ``offsets`` per row, or one shared ``offset``."""
 
-    def __init__(self, capacity: int | None = None, **kwargs):
+    __slots__ = ("first", "rows", "width", "offset", "offsets", "index", "end")
+
+    def __init__(self, offsets: list[int], width: int, device: torch.device, first_row: int = 0):
+        self.first = first_row
+        self.rows = len(offsets)
+        self.width = width
+        first = offsets[0]
+        self.offset = first if all(o == first for o in offsets) else None
+        self.end = max(offsets) + width
+        self.offsets = offsets
+        self.index = None
+        if self.offset is None:
+            start = torch.tensor(offsets, device=device)
+            self.index = start[:, None] + torch.arange(width, device=device)[None, :]
+
+
+class MARSCacheLayer(DynamicLayer):
+    """One layer's keys/values: ``[rows, heads, capacity, dim]`` buffers written at per-row offsets."""
+
+    def __init__(self, capacity: int | None = None, max_rows: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.capacity_hint = capacity
-        self.length = 0
+        self.max_rows = max_rows
+        self.plan: _WritePlan | None = None
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         # Counters that tests use to prove nothing is copied per step.
         self.num_allocations = 0
         self.num_copied_entries = 0
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.dtype = key_states.dtype
-        self.is_initialized = True
-        capacity = max(self.capacity_hint or 0, 2 * key_states.shape[-2], 16)
-        self._allocate(capacity, key_states, value_states)
-
-    def _allocate(self, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, key_dim = key_states.shape
-        new_keys = key_states.new_empty((batch, heads, capacity, key_dim))
-        new_values = value_states.new_empty((batch, value_states.shape[1], capacity, value_states.shape[-1]))
-        if self._key_buffer is not None and self.length:
-            new_keys[:, :, : self.length].copy_(self._key_buffer[:, :, : self.length])
-            new_values[:, :, : self.length].copy_(self._value_buffer[:, :, : self.length])
-            self.num_copied_entries += self.length
-        self._key_buffer, self._value_buffer = new_keys, new_values
-        self.num_allocations += 1
-
-    # ``keys``/``values`` are read-only views of the live part of the buffers, computed on access so
-    # that a crop is only a counter move (the base class assigns them; those assignments are ignored).
+    # ``keys``/``values`` are views of the buffers up to the last forward's end, computed on access
+    # (the base class assigns them; those assignments are ignored).
     @property
     def keys(self):
-        return None if self._key_buffer is None else self._key_buffer[:, :, : self.length]
+        if self._key_buffer is None or self.plan is None:
+            return None
+        return self._key_buffer[self.plan.first : self.plan.first + self.plan.rows, :, : self.plan.end]
 
     @keys.setter
     def keys(self, value):
@@ -66,7 +71,9 @@ class MARSCacheLayer(DynamicLayer):
 
     @property
     def values(self):
-        return None if self._value_buffer is None else self._value_buffer[:, :, : self.length]
+        if self._value_buffer is None or self.plan is None:
+            return None
+        return self._value_buffer[self.plan.first : self.plan.first + self.plan.rows, :, : self.plan.end]
 
     @values.setter
     def values(self, value):
@@ -76,36 +83,74 @@ class MARSCacheLayer(DynamicLayer):
     def capacity(self) -> int:
         return 0 if self._key_buffer is None else self._key_buffer.shape[-2]
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+        rows = max(self.max_rows or 0, self.plan.first + key_states.shape[0])
+        capacity = max(self.capacity_hint or 0, 2 * self.plan.end, 16)
+        self._allocate(rows, capacity, key_states, value_states)
+
+    def _allocate(self, rows: int, capacity: int, key_states, value_states) -> None:
+        _, heads, _, key_dim = key_states.shape
+        # Zeros, not empty: a row attends over columns up to the longest row's end, and an additive mask
+        # cannot hide NaN that uninitialised memory may hold (NaN + min is NaN).
+        new_keys = key_states.new_zeros((rows, heads, capacity, key_dim))
+        new_values = value_states.new_zeros((rows, value_states.shape[1], capacity, value_states.shape[-1]))
+        if self._key_buffer is not None:
+            old_rows, _, old_capacity, _ = self._key_buffer.shape
+            new_keys[:old_rows, :, :old_capacity].copy_(self._key_buffer)
+            new_values[:old_rows, :, :old_capacity].copy_(self._value_buffer)
+            self.num_copied_entries += old_capacity
+        self._key_buffer, self._value_buffer = new_keys, new_values
+        self.num_allocations += 1
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        plan = self.plan
+        if plan is None or plan.rows != key_states.shape[0] or plan.width != key_states.shape[-2]:
+            raise RuntimeError(
+                "MARSBlockCache is written by the MARS decoder, which calls `begin_forward` before each "
+                "forward; use a DynamicCache for ordinary forwards."
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        new = key_states.shape[-2]
-        end = self.length + new
-        if end > self.capacity:
+        last_row = plan.first + plan.rows
+        if plan.end > self.capacity or last_row > self._key_buffer.shape[0]:
             # Geometric growth: amortised O(1) per entry, never a reallocation per step.
-            self._allocate(max(end, 2 * self.capacity), key_states, value_states)
-        self._key_buffer[:, :, self.length : end].copy_(key_states)
-        self._value_buffer[:, :, self.length : end].copy_(value_states)
-        self.length = end
-        return self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+            rows = max(last_row, self._key_buffer.shape[0])
+            self._allocate(rows, max(plan.end, 2 * self.capacity), key_states, value_states)
+        keys = self._key_buffer[plan.first : last_row]
+        values = self._value_buffer[plan.first : last_row]
+        if plan.offset is not None:
+            keys[:, :, plan.offset : plan.offset + plan.width].copy_(key_states)
+            values[:, :, plan.offset : plan.offset + plan.width].copy_(value_states)
+        else:
+            row = torch.arange(plan.rows, device=plan.index.device)[:, None]
+            keys[row, :, plan.index] = key_states.transpose(1, 2)
+            values[row, :, plan.index] = value_states.transpose(1, 2)
+        return keys[:, :, : plan.end], values[:, :, : plan.end]
+
+    def move_row(self, source: int, target: int, length: int) -> None:
+        if self._key_buffer is not None and source != target and length:
+            self._key_buffer[target, :, :length].copy_(self._key_buffer[source, :, :length])
+            self._value_buffer[target, :, :length].copy_(self._value_buffer[source, :, :length])
 
     def get_seq_length(self) -> int:
-        return self.length
+        """Entries before the next forward's writes (the shared offset when rows are aligned)."""
+        if self.plan is None:
+            return 0
+        return self.plan.offset if self.plan.offset is not None else self.plan.end - self.plan.width
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` entries (a counter move; the buffer is reused)."""
-        if tokens_to_remove > 0:
-            raise ValueError("MARSCacheLayer.crop takes a negative number of entries to remove.")
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        self.length = max(0, self.length + tokens_to_remove)
+        raise NotImplementedError(
+            "MARSBlockCache rows have lengths of their own, kept by the MARS decoder; it is not cropped."
+        )
 
     def reset(self) -> None:
-        self.length = 0
         self._key_buffer = self._value_buffer = None
+        self.plan = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -122,120 +167,75 @@ class MARSCacheLayer(DynamicLayer):
             self._value_buffer = self._value_buffer.repeat_interleave(repeats, dim=0)
 
 
-class MARSRowState:
-    """Per-row attention mask and real-token count for a batch whose rows advance unevenly.
-
-    Kept apart from the KV tensors so that the uncached reference path (``mars_cache="none"``) and
-    caches of other types compute masks and positions exactly the same way.
-    """
-
-    def __init__(self, batch_size: int, device: torch.device, capacity: int = 64):
-        self.batch_size = batch_size
-        self.device = device
-        self._mask = torch.ones((batch_size, max(capacity, 16)), dtype=torch.long, device=device)
-        self.committed = 0  # committed columns (real tokens and holes)
-        self.staged = 0  # columns of the last staged chunk
-        self.real_counts = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.has_holes = False  # Python flag: lets an all-valid batch skip the mask entirely
-        self._staged_valid: torch.Tensor | None = None
-
-    def _ensure(self, columns: int) -> None:
-        if columns > self._mask.shape[1]:
-            grown = torch.ones(
-                (self.batch_size, max(columns, 2 * self._mask.shape[1])), dtype=torch.long, device=self.device
-            )
-            grown[:, : self.committed].copy_(self._mask[:, : self.committed])
-            self._mask = grown
-
-    def stage(self, num_columns: int, valid: torch.Tensor | None = None):
-        """Stage a chunk of ``num_columns`` columns (``valid``: bool ``[batch, num_columns]``, None = all real).
-
-        Returns ``(attention_mask, position_ids)`` for the forward: the 2D mask over committed + staged
-        columns (None when nothing is hidden anywhere) and positions that count real tokens only.
-        """
-        end = self.committed + num_columns
-        self._ensure(end)
-        if valid is None:
-            self._mask[:, self.committed : end].fill_(1)
-            offsets = torch.arange(num_columns, device=self.device)
-            position_ids = self.real_counts[:, None] + offsets[None, :]
-        else:
-            self._mask[:, self.committed : end].copy_(valid)
-            self.has_holes = self.has_holes or not bool(valid.all())
-            before = valid.long().cumsum(1) - 1
-            position_ids = (self.real_counts[:, None] + before).clamp_(min=0)
-        self.staged = num_columns
-        self._staged_valid = valid
-        attention_mask = self._mask[:, :end] if self.has_holes else None
-        return attention_mask, position_ids
-
-    def commit(self, num_columns: int) -> None:
-        """Keep the first ``num_columns`` staged columns as part of the sequence; forget the rest."""
-        if num_columns > self.staged:
-            raise ValueError(f"cannot commit {num_columns} columns, only {self.staged} were staged.")
-        if num_columns:
-            if self._staged_valid is None:
-                self.real_counts += num_columns
-            else:
-                self.real_counts += self._staged_valid[:, :num_columns].sum(1)
-        self.committed += num_columns
-        self.staged = 0
-        self._staged_valid = None
+def unsupported_layer_types(config) -> list[str]:
+    """Layer kinds of ``config`` other than full attention (MARS caches only hold full-attention KV)."""
+    text_config = config.get_text_config(decoder=True)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types:
+        return sorted({t for t in layer_types if t != "full_attention"})
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+        return ["sliding_attention"]
+    return []
 
 
 class MARSBlockCache(DynamicCache):
-    """KV cache for MARS decoding, in the ``DynamicCache`` family.
+    """KV cache for MARS decoding, in the ``DynamicCache`` family, with per-row lengths.
 
-    Supports both schemes of MARS_SPEC §3 through two calls around each forward:
-    ``stage(num_columns, valid)`` (mask + positions for ``[real tokens ; holes ; masks]``) and
-    ``commit(num_columns)`` (keep a prefix of the chunk in the cache, drop the rest in O(1)).
-    ``cursor`` commits every real column each step; ``block`` commits ``C`` columns at a time.
+    The MARS decoder drives it: ``begin_forward(offsets, width)`` before each forward says where each
+    row's new entries go; each row's valid length is the decoder's to keep. ``move_row`` compacts
+    rows (a server's slots).
 
     Args:
         config: the model config (one buffer layer per decoder layer is created up front).
-        capacity: entries to pre-allocate per layer (e.g. prompt + max_new_tokens + window); the buffer
-            grows geometrically when it is exceeded.
+        capacity: entries to pre-allocate per row and layer (e.g. prompt + max_new_tokens + window);
+            the buffer grows geometrically when it is exceeded.
+        max_rows: rows to allocate (default: the first forward's batch).
     """
 
-    def __init__(self, config=None, capacity: int | None = None):
-        layers = None
+    def __init__(self, config=None, capacity: int | None = None, max_rows: int | None = None):
         if config is not None:
-            text_config = config.get_text_config(decoder=True)
-            layer_types = getattr(text_config, "layer_types", None)
-            if layer_types:
-                unsupported = sorted({t for t in layer_types if t != "full_attention"})
-            elif getattr(text_config, "sliding_window", None) and getattr(
-                text_config, "use_sliding_window", True
-            ):
-                unsupported = ["sliding_attention"]
-            else:
-                unsupported = []
+            unsupported = unsupported_layer_types(config)
             if unsupported:
                 raise ValueError(
                     f"MARSBlockCache only supports full-attention layers; this model has {unsupported} layers. "
                     "Decode with `mars_cache='none'` instead."
                 )
-            layers = [MARSCacheLayer(capacity) for _ in range(text_config.num_hidden_layers)]
-        if layers is None:
-            Cache.__init__(self, layer_class_to_replicate=lambda: MARSCacheLayer(capacity))
+            layers = config.get_text_config(decoder=True).num_hidden_layers
+            Cache.__init__(self, layers=[MARSCacheLayer(capacity, max_rows) for _ in range(layers)])
         else:
-            Cache.__init__(self, layers=layers)
+            Cache.__init__(self, layer_class_to_replicate=lambda: MARSCacheLayer(capacity, max_rows))
         self.capacity = capacity
-        self.rows: MARSRowState | None = None
+        self.max_rows = max_rows
+        self._plan: _WritePlan | None = None
 
-    def init_rows(self, batch_size: int, device: torch.device) -> MARSRowState:
-        self.rows = MARSRowState(batch_size, device, capacity=(self.capacity or 64))
-        return self.rows
+    def begin_forward(self, offsets: list[int], width: int, device: torch.device, first_row: int = 0) -> None:
+        """The next forward feeds ``width`` columns for rows ``first_row …``; the ``r``-th of them
+        writes at ``offsets[r]``."""
+        self._plan = _WritePlan(list(offsets), width, device, first_row)
+        for layer in self.layers:
+            layer.plan = self._plan
 
-    def stage(self, num_columns: int, valid: torch.Tensor | None = None):
-        return self.rows.stage(num_columns, valid)
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # A cache built without a config creates its layers on first use; they need the plan too.
+        while len(self.layers) <= layer_idx:
+            self.layers.append(self.layer_class_to_replicate())
+        self.layers[layer_idx].plan = self._plan
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def commit(self, num_columns: int) -> None:
-        """Keep the first ``num_columns`` columns of the last forward's chunk; drop the rest."""
-        drop = self.rows.staged - num_columns
-        self.rows.commit(num_columns)
-        if drop:
-            self.crop(-drop)
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` entries of row ``source`` onto row ``target`` in every layer."""
+        for layer in self.layers:
+            layer.move_row(source, target, length)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if not self.layers:
+            return 0 if self._plan is None else (self._plan.offset or 0)
+        return self.layers[layer_idx].get_seq_length()
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(
+            "MARSBlockCache rows have lengths of their own, kept by the MARS decoder; it is not cropped."
+        )
 
     @property
     def num_allocations(self) -> int:
@@ -244,3 +244,76 @@ class MARSBlockCache(DynamicCache):
     @property
     def num_copied_entries(self) -> int:
         return sum(getattr(layer, "num_copied_entries", 0) for layer in self.layers)
+
+
+# ------------------------------------------------------------------------------------------------
+# How the cache is kept: which rows decide in a step and how many fed tokens each keeps (§3)
+# ------------------------------------------------------------------------------------------------
+
+
+class CursorScheme:
+    """Commit every verified token a row fed, every step (the cache follows each row's cursor)."""
+
+    name = "cursor"
+    uses_cache = True
+
+    def begin_step(self, uncommitted: list[int]) -> None:
+        pass
+
+    def participates(self, uncommitted: int) -> bool:
+        return True
+
+    def keep(self, prefilled: bool, verified_fed: int) -> int:
+        return verified_fed
+
+
+class BlockScheme:
+    """The paper's scheme: the prompt is committed at once, then ``C`` tokens at a time.
+
+    Between commits a row re-feeds every token since its last commit; a row whose uncommitted tokens
+    reach ``C`` waits (takes no decision) until every row has, and one step then commits ``C`` for all.
+    """
+
+    name = "block"
+    uses_cache = True
+
+    def __init__(self, block: int):
+        self.block = block
+        self.commit_step = False
+
+    def begin_step(self, uncommitted: list[int]) -> None:
+        self.commit_step = bool(uncommitted) and min(uncommitted) >= self.block
+
+    def participates(self, uncommitted: int) -> bool:
+        return self.commit_step or uncommitted < self.block
+
+    def keep(self, prefilled: bool, verified_fed: int) -> int:
+        if not prefilled:
+            return verified_fed
+        return self.block if self.commit_step else 0
+
+
+class NoCacheScheme:
+    """Recompute everything every step (the reference the cached schemes must equal)."""
+
+    name = "none"
+    uses_cache = False
+
+    def begin_step(self, uncommitted: list[int]) -> None:
+        pass
+
+    def participates(self, uncommitted: int) -> bool:
+        return True
+
+    def keep(self, prefilled: bool, verified_fed: int) -> int:
+        return 0
+
+
+def make_scheme(name: str, block: int):
+    if name == "cursor":
+        return CursorScheme()
+    if name == "block":
+        return BlockScheme(block)
+    if name == "none":
+        return NoCacheScheme()
+    raise ValueError(f"`mars_cache` must be one of ('cursor', 'block', 'none'), got {name!r}.")

@@ -1,1 +1,171 @@
-"""What a MARS step feeds and where its predictions sit. Being written (issue 10)."""
+"""What one MARS step feeds for a row, and where that row's predictions sit (MARS_SPEC §2, §5, §6).
+
+A row feeds, after the entries it already holds in the cache:
+
+- ``fresh``: real tokens whose keys/values are not cached yet (the prompt at the first step; the
+  tokens accepted at the last step afterwards — an accepted token must be run once as a real token);
+- ``drafts``: tokens proposed by the masks at the last step and not yet verified (verified decoding,
+  §6; none for threshold acceptance, which accepts mask predictions directly);
+- groups of ``W`` mask tokens. ``linear``: one group after the drafts (useful only if every draft is
+  kept). ``quadratic``: group ``k`` after the first ``k`` drafts, for every ``k``, seeing the prefix and
+  those drafts only, its position ids continuing from its anchor — so whatever prefix is accepted,
+  fresh drafts conditioned on exactly that prefix are ready (the §5 layout; a separate draft model's
+  tokens could stand in for ``drafts`` unchanged).
+
+``plan_row`` says which columns hold what; ``pack`` stacks the rows of a step into model inputs.
+This file depends on torch only (it ships in a checkpoint's ``custom_generate/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("linear", "quadratic")
+_REAL = -1  # group id of fresh/draft columns
+_PADDING = -2  # group id of columns that only fill a row up to the step's width
+
+
+@dataclass
+class RowPlan:
+    """One row's columns in one step (chunk-relative column indices).
+
+    Attributes:
+        tokens: ids fed, in column order.
+        positions: position id of each column, relative to the row's first fed position.
+        group: per column, ``-1`` for fresh/draft tokens, else the id ``k`` of its mask group.
+        visible_real: per column, how many leading real columns (fresh + drafts) it may attend to.
+        check_columns: ``check_columns[j]`` holds the model's next-token prediction after the fresh
+            tokens and the first ``j`` drafts (``len(drafts) + 1`` entries).
+        group_columns: ``group_columns[k]``, the ``W`` mask columns whose predictions follow the
+            prefix that keeps ``k`` drafts (mask ``i`` predicts offset ``i + 2`` past that prefix).
+    """
+
+    tokens: list[int]
+    positions: list[int]
+    group: list[int]
+    visible_real: list[int]
+    check_columns: list[int]
+    group_columns: dict[int, list[int]]
+
+    @property
+    def causal(self) -> bool:
+        """True when plain causal attention is exactly this plan's visibility (at most one mask group,
+        which then follows every real column)."""
+        return len(self.group_columns) <= 1
+
+
+def plan_row(
+    fresh: list[int],
+    drafts: list[int],
+    window: int,
+    mask_token_id: int,
+    layout: str,
+    *,
+    lead: int = 0,
+    pad_token_id: int = 0,
+) -> RowPlan:
+    """The columns of a row feeding ``lead`` padding columns (a left-padded prompt's), ``fresh`` real
+    tokens, ``drafts`` and masks in ``layout``."""
+    if not fresh:
+        raise ValueError("a MARS step must feed at least one real token per row")
+    real = fresh + drafts
+    tokens = [pad_token_id] * lead + real
+    positions = [0] * lead + list(range(len(real)))
+    group = [_PADDING] * lead + [_REAL] * len(real)
+    visible = [0] * lead + list(range(lead + 1, lead + len(real) + 1))  # causal among real columns
+    check = list(range(lead + len(fresh) - 1, lead + len(real)))
+    groups: dict[int, list[int]] = {}
+    if window:
+        anchors = range(len(drafts) + 1) if layout == "quadratic" else [len(drafts)]
+        for k in anchors:
+            start = len(tokens)
+            prefix = len(fresh) + k  # real tokens this group sees
+            tokens += [mask_token_id] * window
+            positions += range(prefix, prefix + window)
+            group += [k] * window
+            visible += [lead + prefix] * window
+            groups[k] = list(range(start, start + window))
+    return RowPlan(tokens, positions, group, visible, check, groups)
+
+
+def idle_plan(pad_token_id: int) -> RowPlan:
+    """A row that takes no decision this step (it waits for a block commit): one padding column."""
+    return RowPlan([pad_token_id], [0], [_PADDING], [0], [], {})
+
+
+@dataclass
+class PackedStep:
+    """Model inputs for one step of ``n`` rows, ``width`` columns each."""
+
+    input_ids: torch.Tensor  # [n, width]
+    position_ids: torch.Tensor  # [n, width]
+    attention_mask: torch.Tensor | None  # 2D [n, cached + width], additive 4D, or None (all visible)
+    width: int
+
+
+def pack(
+    plans: list[RowPlan],
+    cached: list[int],
+    leads: list[int],
+    *,
+    min_width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    pad_token_id: int,
+) -> PackedStep:
+    """Stack the rows' plans (left-aligned, padded at the end) on top of their cached entries.
+
+    Row ``r`` writes its columns at cache offset ``cached[r]``; its first ``leads[r]`` cache columns
+    are a left-padded prompt's padding, never attended. When every row has the same number of cached
+    entries and a causal plan, the layout is stock ``generate``'s and a 2D padding mask is passed (the
+    model builds the causal mask itself, exactly as for stock decoding); otherwise an additive 4D mask
+    gives each query its row's real cached entries plus the columns its plan lets it see. Padding
+    columns see only themselves (finite, never read; nothing real attends to them).
+    """
+    width = max(min_width, max(len(p.tokens) for p in plans))
+    n = len(plans)
+    ids = [p.tokens + [pad_token_id] * (width - len(p.tokens)) for p in plans]
+    positions = [
+        [real + q for q in p.positions] + [real + len(p.positions)] * (width - len(p.positions))
+        for p, real in zip(plans, (max(c - lead, 0) for c, lead in zip(cached, leads)))
+    ]
+    input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+    position_ids = torch.tensor(positions, dtype=torch.long, device=device)
+    prefix = max(cached)
+    total = prefix + width
+    key = torch.arange(total, device=device)
+    lead_t = torch.tensor(leads, dtype=torch.long, device=device)
+    lengths = [len(p.tokens) for p in plans]
+    aligned = all(c == prefix for c in cached)
+    if aligned and all(p.causal for p in plans):
+        if not any(leads) and all(length == width for length in lengths):
+            return PackedStep(input_ids, position_ids, None, width)
+        end = torch.tensor(lengths, dtype=torch.long, device=device) + prefix
+        mask = ((key[None, :] >= lead_t[:, None]) & (key[None, :] < end[:, None])).long()
+        return PackedStep(input_ids, position_ids, mask, width)
+
+    group = torch.tensor(
+        [p.group + [_PADDING] * (width - len(p.group)) for p in plans], dtype=torch.long, device=device
+    )
+    visible = torch.tensor(
+        [p.visible_real + [0] * (width - len(p.visible_real)) for p in plans], dtype=torch.long, device=device
+    )
+    column = torch.arange(width, device=device)
+    # the chunk part, [n, query, key]
+    key_is_real = group[:, None, :] == _REAL
+    sees_real = key_is_real & (column[None, None, :] < visible[:, :, None])
+    same_group = (group[:, :, None] == group[:, None, :]) & (group[:, :, None] >= 0)
+    sees_mask = same_group & (column[None, None, :] <= column[None, :, None])
+    chunk = sees_real | sees_mask | torch.eye(width, dtype=torch.bool, device=device)[None]
+    # the cached part: row r's queries see its cached entries from its lead on
+    offsets = torch.tensor(cached, dtype=torch.long, device=device)
+    relative = key[None, :] - offsets[:, None]  # key column relative to the row's chunk, [n, total]
+    in_chunk = (relative >= 0) & (relative < width)
+    gathered = chunk.gather(2, relative.clamp(0, width - 1)[:, None, :].expand(n, width, total))
+    cached_key = (relative < 0) & (key[None, :] >= lead_t[:, None])
+    allowed = cached_key[:, None, :] | (in_chunk[:, None, :] & gathered)
+    mask = torch.zeros((n, 1, width, total), dtype=dtype, device=device)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    return PackedStep(input_ids, position_ids, mask, width)

@@ -1,4 +1,4 @@
-"""`MARSBlockCache`: in-place growth, O(1) discard, per-row holes, and the size bound of MARS_SPEC §3."""
+"""`MARSBlockCache`: per-row offsets, in-place growth, no holes, and the size bound of MARS_SPEC §3."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config
-from transformers.cache_utils import DynamicLayer
 
-from mars_hf.cache import MARSBlockCache, MARSCacheLayer, MARSRowState
+from mars_hf.cache import BlockScheme, MARSBlockCache, MARSCacheLayer
 from tests.test_generation import PROMPTS, SCHEMES, _batch, _generated, peaked_model
 from tests.tiny import tiny_tokenizer
 
@@ -19,39 +18,46 @@ def tok():
     return tiny_tokenizer()
 
 
-def test_layer_matches_dynamic_layer_through_updates_and_crops():
+def test_rows_write_at_their_own_offsets():
+    """Each row's entries land at its own offset; the returned view is every row up to the longest end."""
     torch.manual_seed(0)
-    ours, stock = MARSCacheLayer(capacity=4), DynamicLayer()
-    for new, crop in [(5, 0), (3, -2), (7, -7), (1, 0), (6, -3), (9, -1)]:
-        keys, values = (
-            torch.randn(2, 3, new, 8, dtype=torch.float64),
-            torch.randn(2, 3, new, 8, dtype=torch.float64),
-        )
-        k1, v1 = ours.update(keys, values)
-        k2, v2 = stock.update(keys, values)
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
-        ours.crop(crop)
-        stock.crop(crop)
-        assert ours.get_seq_length() == stock.get_seq_length()
-        assert torch.equal(ours.keys, stock.keys)
-    assert ours.num_allocations <= 1 + math.ceil(math.log2(40 / 4))
+    cache = MARSBlockCache(capacity=4, max_rows=3)
+    reference = torch.zeros(3, 2, 64, 5, dtype=torch.float64)
+    lengths = [0, 0, 0]
+    for width, keep in [(6, [6, 4, 6]), (3, [1, 3, 2]), (2, [2, 0, 1]), (9, [9, 9, 9])]:
+        keys = torch.randn(3, 2, width, 5, dtype=torch.float64)
+        cache.begin_forward(lengths, width, torch.device("cpu"))
+        k, v = cache.update(keys, keys * 2, 0)
+        for r in range(3):
+            reference[r, :, lengths[r] : lengths[r] + width] = keys[r]
+        end = max(lengths) + width
+        for r in range(3):  # the row's valid entries and the ones just written
+            assert torch.equal(k[r, :, : lengths[r] + width], reference[r, :, : lengths[r] + width])
+            assert torch.equal(v[r, :, : lengths[r] + width], 2 * reference[r, :, : lengths[r] + width])
+        assert k.shape[2] == end
+        lengths = [n + kept for n, kept in zip(lengths, keep)]
+    layer = cache.layers[0]
+    assert isinstance(layer, MARSCacheLayer)
+    assert layer.num_allocations <= 1 + math.ceil(math.log2(layer.capacity / 4))
+    # a row moved onto another's slot carries its entries
+    cache.move_row(2, 0, lengths[2])
+    cache.begin_forward([lengths[2], lengths[1]], 1, torch.device("cpu"))
+    k, _ = cache.update(
+        torch.zeros(2, 2, 1, 5, dtype=torch.float64), torch.zeros(2, 2, 1, 5, dtype=torch.float64), 0
+    )
+    assert torch.equal(k[0, :, : lengths[2]], reference[2, :, : lengths[2]])
+    with pytest.raises(NotImplementedError, match="not cropped"):
+        cache.crop(3)
 
 
-def test_row_state_positions_follow_real_tokens():
-    rows = MARSRowState(batch_size=2, device=torch.device("cpu"))
-    # prompt: row 0 left-padded by two
-    mask, positions = rows.stage(4, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool))
-    assert positions.tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
-    rows.commit(4)
-    # a chunk [tokens ; hole ; 2 masks]: row 0 fed 1 token (a hole), row 1 fed 2
-    valid = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
-    mask, positions = rows.stage(4, valid)
-    assert positions.tolist() == [[2, 2, 3, 4], [4, 5, 6, 7]]
-    assert mask.tolist() == [[0, 0, 1, 1, 1, 0, 1, 1], [1] * 8]
-    rows.commit(2)  # keep the real columns, drop the two masks
-    assert rows.real_counts.tolist() == [3, 6] and rows.committed == 6
-    mask, positions = rows.stage(1)
-    assert positions.tolist() == [[3], [6]] and mask.shape == (2, 7)
+def test_block_scheme_commits_c_at_a_time():
+    scheme = BlockScheme(3)
+    assert scheme.keep(prefilled=False, verified_fed=7) == 7  # the prompt at once
+    scheme.begin_step([1, 4])
+    assert not scheme.commit_step and scheme.participates(1) and not scheme.participates(4)
+    assert scheme.keep(prefilled=True, verified_fed=2) == 0
+    scheme.begin_step([3, 5])
+    assert scheme.commit_step and scheme.participates(5) and scheme.keep(prefilled=True, verified_fed=5) == 3
 
 
 def _instrument(model):
@@ -63,13 +69,7 @@ def _instrument(model):
         if isinstance(cache, MARSBlockCache):
             layer = cache.layers[0]
             pointer = layer._key_buffer.data_ptr() if layer._key_buffer is not None else None
-            records.append(
-                {
-                    "entries": cache.get_seq_length() + kwargs["input_ids"].shape[1],
-                    "mask": kwargs.get("attention_mask"),
-                    "pointer": pointer,
-                }
-            )
+            records.append({"entries": cache._plan.end, "pointer": pointer})
 
     return records, model.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -96,14 +96,11 @@ def test_cache_size_bound_and_no_per_step_copy(scheme, window, tok):
         handle.remove()
     assert len(records) == out.num_forwards > 2
     generated = int(out.accepted_counts.sum(0).max())
-    holes_seen = 0
+    # no holes: a forward attends over at most the longest row's tokens, one window of masks and the
+    # CPU padding columns (MARS_SPEC §3's bound, without the holes a shared-length cache accumulates)
     for record in records:
-        if record["mask"] is not None:
-            # holes: hidden columns after the (left-padded) prompt, for the row with most of them
-            holes_seen = max(holes_seen, int((record["mask"][:, prompt_length:] == 0).sum(1).max()))
-        assert record["entries"] <= prompt_length + generated + holes_seen + window
-    if scheme == "cursor":
-        assert holes_seen > 0, "rows must accept different counts for this test to mean anything"
+        assert record["entries"] <= prompt_length + generated + window + 4
+    assert len({tuple(step.tolist()) for step in out.accepted_counts}) > 1  # rows advanced unevenly
     # one buffer per layer, allocated once and written in place: no per-step copy or reallocation
     cache = out.cache
     assert isinstance(cache, MARSBlockCache)
@@ -136,8 +133,7 @@ def test_buffer_grows_geometrically(tok):
 
 
 @pytest.mark.parametrize(
-    "make_cache",
-    [lambda config: MARSBlockCache(config), lambda config: MARSBlockCache(), lambda config: DynamicCache()],
+    "make_cache", [lambda config: MARSBlockCache(config), lambda config: MARSBlockCache()]
 )
 def test_user_supplied_caches_give_the_same_tokens(make_cache, tok):
     model = peaked_model("qwen3")
@@ -145,14 +141,20 @@ def test_user_supplied_caches_give_the_same_tokens(make_cache, tok):
     expected = model.generate(
         **encoded, max_new_tokens=14, do_sample=False, mars_threshold=0.5, mars_cache="none"
     )
+    cache = make_cache(model.config)
     out = model.generate(
-        **encoded, max_new_tokens=14, do_sample=False, mars_threshold=0.5, cache=make_cache(model.config)
+        **encoded,
+        max_new_tokens=14,
+        do_sample=False,
+        mars_threshold=0.5,
+        cache=cache,
+        return_dict_in_generate=True,
     )
-    assert torch.equal(out, expected)
+    assert torch.equal(out.sequences, expected) and out.cache is cache
     with pytest.raises(ValueError, match="empty cache"):
-        filled = DynamicCache()
-        model(**encoded, cache=filled, use_cache=True)
-        model.generate(**encoded, max_new_tokens=4, mars_threshold=0.5, cache=filled)
+        model.generate(**encoded, max_new_tokens=4, mars_threshold=0.5, cache=cache)
+    with pytest.raises(ValueError, match="cannot be cropped per row"):
+        model.generate(**encoded, max_new_tokens=4, mars_threshold=0.5, cache=DynamicCache())
 
 
 @pytest.mark.parametrize("cache_block", [1, 2, 5, 16])
