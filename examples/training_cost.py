@@ -37,6 +37,16 @@ float32, no gradient checkpointing, median of 3 steps). Relative to TRL's SFT st
     short-prompt  mars-full    95     95    37.7       1.37x    2232 (1.27x)
     short-prompt  mars-drop    95     51    29.3       1.06x    1806 (1.03x)
 
+Gated adapter, measured 2026-12-01 on an AVX2 CPU without native bf16 (2 cores shared by five engineers, load
+average 6-8, 1 torch thread, nice 10; batch 4, B=2, float32, short prompts, median of 2 steps after a warm-up;
+absolute times are slow, the ratios are the point):
+
+    data          step           s/step   vs SFT
+    short-prompt  sft             40.5     1.00x
+    short-prompt  mars-drop       47.6     1.18x
+    short-prompt  gated-2s        48.7     1.20x
+    short-prompt  gated-frozen    29.2     0.72x   (0.60x of the same adapter's two-stream step)
+
 MARS costs less than the paper's ~2x here because its LM head only scores target columns, while both
 SFT steps score every position (on CPU), and SmolLM2's 49k-vocabulary head is a large share of a
 135M model's step.
