@@ -72,7 +72,23 @@ class QuickstartConfig:
     num_train_prompts: int = dataclasses.field(
         default=320, metadata={"help": "Self-distilled training prompts."}
     )
-    num_eval_prompts: int = dataclasses.field(default=16, metadata={"help": "Held-out evaluation prompts."})
+    num_eval_prompts: int = dataclasses.field(
+        default=12, metadata={"help": "Held-out evaluation prompts (at most; see eval_minutes)."}
+    )
+    distill_minutes: float | None = dataclasses.field(
+        default=5.0,
+        metadata={
+            "help": "Self-distillation time budget: answer training prompts batch by batch until it is spent "
+            "(at least one batch; cached batches are free). None: all num_train_prompts."
+        },
+    )
+    eval_minutes: float | None = dataclasses.field(
+        default=9.0,
+        metadata={
+            "help": "Evaluation time budget: held-out prompts are evaluated one by one until it is spent (at "
+            "least 4). None: all num_eval_prompts."
+        },
+    )
     max_new_tokens: int = dataclasses.field(
         default=128, metadata={"help": "Response length limit for self-distillation and evaluation."}
     )
@@ -229,6 +245,43 @@ def cached_self_distill(model, tokenizer, prompts, *, model_path, config: Quicks
     if not target.exists():
         tmp.replace(target)
     return dataset, False
+
+
+def budgeted_self_distill(model, tokenizer, prompts, *, model_path, config: QuickstartConfig):
+    """:func:`cached_self_distill` batch by batch until ``config.distill_minutes`` are spent.
+
+    Each batch is cached on its own, so a rerun reuses every batch already answered (and a longer
+    budget extends the set). Returns ``(dataset, all_batches_were_cached)``.
+    """
+    from datasets import concatenate_datasets
+
+    size = max(1, config.distill_batch_size)
+    chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+    budget = math.inf if config.distill_minutes is None else config.distill_minutes * 60
+    start = time.monotonic()
+    parts, all_cached = [], True
+    for index, chunk in enumerate(chunks):
+        if index and time.monotonic() - start >= budget:
+            logger.info(
+                "Self-distillation budget (%.1f min) spent: %d of %d training prompts answered.",
+                config.distill_minutes,
+                sum(len(part) for part in parts),
+                len(prompts),
+            )
+            break
+        part, cached = cached_self_distill(
+            model, tokenizer, chunk, model_path=model_path, config=dataclasses.replace(config, progress=False)
+        )
+        parts.append(part)
+        all_cached &= cached
+        if config.progress:
+            logger.info(
+                "Self-distillation: %d/%d prompts (%.1f min)",
+                sum(len(p) for p in parts),
+                len(prompts),
+                (time.monotonic() - start) / 60,
+            )
+    return concatenate_datasets(parts), all_cached
 
 
 def cached_reference(model, tokenizer, prompt_ids, *, model_path, prompts, config: QuickstartConfig):
@@ -542,6 +595,8 @@ def evaluate(model, tokenizer, eval_ids, config: QuickstartConfig) -> dict[str, 
     if config.verify and not with_verify:
         logger.warning("Verified decoding is not available in this mars_hf build; the verify row is skipped.")
     runs = {}
+    budget = math.inf if config.eval_minutes is None else config.eval_minutes * 60
+    start = time.monotonic()
     bar = tqdm(
         eval_ids,
         desc="Evaluating stock, MARS at each τ and verify",
@@ -549,6 +604,14 @@ def evaluate(model, tokenizer, eval_ids, config: QuickstartConfig) -> dict[str, 
         disable=not config.progress,
     )
     for index, ids in enumerate(bar):
+        if index >= 4 and time.monotonic() - start >= budget:
+            logger.info(
+                "Evaluation budget (%.1f min) spent: %d of %d held-out prompts evaluated.",
+                config.eval_minutes,
+                index,
+                len(eval_ids),
+            )
+            break
         measured = measure_decoding(
             model,
             tokenizer,
@@ -653,7 +716,13 @@ def _hub_rows(rows: list[dict]) -> list[dict]:
 
 
 def save_checkpoint(
-    model, tokenizer, folder: Path, rows: list[dict], config: QuickstartConfig, training: dict
+    model,
+    tokenizer,
+    folder: Path,
+    rows: list[dict],
+    config: QuickstartConfig,
+    training: dict,
+    num_prompts: int | None = None,
 ):
     """Hub-ready folder through :func:`mars_hf.hub.save_pretrained` (plain ``save_pretrained`` without it)."""
     try:
@@ -664,6 +733,7 @@ def save_checkpoint(
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         return
+    num_prompts = config.num_eval_prompts if num_prompts is None else num_prompts
     hub.save_pretrained(
         model,
         tokenizer,
@@ -688,7 +758,7 @@ def save_checkpoint(
         },
         results=_hub_rows(rows),
         results_description=(
-            f"Greedy decoding of {config.num_eval_prompts} held-out template prompts (max {config.max_new_tokens} "
+            f"Greedy decoding of {num_prompts} held-out template prompts (max {config.max_new_tokens} "
             "new tokens, batch 1, CPU); quality = token agreement with the base model's greedy output."
         ),
         quality_metric="agreement with base greedy",
@@ -725,7 +795,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     eval_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in eval_prompts]
 
     start = time.monotonic()
-    dataset, distill_cached = cached_self_distill(
+    dataset, distill_cached = budgeted_self_distill(
         model, tokenizer, train_prompts, model_path=model_path, config=config
     )
     timings["self_distill"] = time.monotonic() - start
@@ -750,7 +820,8 @@ def run_quickstart(config: QuickstartConfig) -> dict:
 
     start = time.monotonic()
     runs = evaluate(trained, tokenizer, eval_ids, config)
-    rows = summarize_runs(runs, references=reference)
+    evaluated = len(runs["stock"].outputs)
+    rows = summarize_runs(runs, references=reference[:evaluated])
     timings["evaluate"] = time.monotonic() - start
 
     checkpoint_dir = output_dir / "checkpoint"
@@ -762,10 +833,11 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         "model": model_path,
         "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(), **machine},
         "data": {
-            "train_prompts": len(train_prompts),
+            "train_prompts": len(dataset),
+            "train_prompts_requested": len(train_prompts),
             "train_tokens": int(sum(sum(1 for t in labels if t != -100) for labels in dataset["labels"])),
             "ended_with_eos": int(sum(dataset["ends_with_eos"])),
-            "eval_prompts": len(eval_prompts),
+            "eval_prompts": evaluated,
             "self_distill_cached": distill_cached,
             "reference_cached": reference_cached,
         },
@@ -783,7 +855,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
                     if label in ("stock", run_label(0.9), VERIFY_LABEL)
                 },
             }
-            for i, prompt in enumerate(eval_prompts[:3])
+            for i, prompt in enumerate(eval_prompts[: min(3, evaluated)])
         ],
     }
     # Results and plot first, so a failing save loses nothing measured.
@@ -791,7 +863,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     pareto_plot(rows, output_dir / "pareto.png")
     if config.save_checkpoint:
         start = time.monotonic()
-        save_checkpoint(trained, tokenizer, checkpoint_dir, rows, config, training)
+        save_checkpoint(trained, tokenizer, checkpoint_dir, rows, config, training, num_prompts=evaluated)
         timings["save"] = time.monotonic() - start
         timings["total"] = time.monotonic() - total_start
         (output_dir / "results.json").write_text(json.dumps(results, indent=2))

@@ -181,3 +181,29 @@ def test_precision_is_chosen_by_measurement(monkeypatch, caplog):
         assert quickstart.choose_precision_and_threads(QuickstartConfig(num_threads=1))["threads"] == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_distillation_and_evaluation_stay_inside_their_budgets(tiny_model_dir, tmp_path):
+    """A spent budget stops after the first batch / the first 4 prompts; a rerun reuses cached batches."""
+    config = _toy_config(
+        tiny_model_dir,
+        tmp_path,
+        num_train_prompts=6,
+        distill_batch_size=2,
+        distill_minutes=0.0,
+        num_eval_prompts=5,
+        eval_minutes=0.0,
+        max_steps=1,
+        method="gated_lora",
+        lora_r=4,
+        thresholds=(1.0,),
+    )
+    results = run_quickstart(config)
+    assert results["data"]["train_prompts"] == 2 and results["data"]["train_prompts_requested"] == 6
+    assert len(results["samples"]) == 3 and results["data"]["eval_prompts"] == 4
+    assert all(row["num_tokens"] > 0 for row in results["evaluation"])
+    again = run_quickstart(QuickstartConfig(**{**config.__dict__, "distill_minutes": None}))
+    assert not again["data"]["self_distill_cached"]  # the other two batches were new
+    assert run_quickstart(QuickstartConfig(**{**config.__dict__, "distill_minutes": None}))["data"][
+        "self_distill_cached"
+    ]

@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option("model_name_or_path", metavar="MODEL")
     option("output_dir")
     option("budget_minutes", type=float)
+    option("distill_minutes", type=float)
+    option("eval_minutes", type=float)
     option("max_steps", type=int)
     option("num_train_prompts", type=int)
     option("num_eval_prompts", type=int)
