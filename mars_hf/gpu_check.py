@@ -448,11 +448,16 @@ class _Synchronized:
 
 
 class Budget:
-    """Wall-clock budget with a hard deadline: `check` between runs, and a timer that interrupts."""
+    """Wall-clock budget with a hard deadline: `check` between runs, and a timer that interrupts.
+
+    The timer's exception is raised when the main thread next runs Python, so a single long C++ call
+    (one forward or backward: milliseconds on a GPU, seconds for a large model on a CPU) finishes first.
+    """
 
     def __init__(self, seconds: float, reserve: float | None = None, start: float | None = None):
         self.seconds = float(seconds)
-        reserve = min(1.0, 0.05 * self.seconds) if reserve is None else reserve  # writing the JSON
+        # Room for the JSON and for the one C++ call (a forward, a backward) an interrupt has to wait for.
+        reserve = min(3.0, 0.05 * self.seconds) if reserve is None else reserve
         self.start = time.monotonic() if start is None else start
         self.deadline = self.start + max(0.0, self.seconds - reserve)
         self._timer = False
