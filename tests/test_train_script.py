@@ -1,4 +1,4 @@
-"""`examples/train_mars.py` and `mars-hf train`: end to end on a tiny saved model and a JSONL file."""
+"""`examples/train_mars.py` and `mars-hf train` (recipes, `accelerate launch`): end to end on a tiny saved model."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_hf.cli import main as cli_main
-from mars_hf.commands.train import load_example_script
+from mars_hf.commands import train as train_command
+from mars_hf.commands.train import load_example_script, split_arguments
 from tests.tiny import tiny_model, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,17 +113,126 @@ def test_bad_block_size_from_the_command_line(model_dir, jsonl, tmp_path):
         load_example_script().cli([*argv, "--use_cpu"])
 
 
-@pytest.mark.slow
-def test_accelerate_launch_two_cpu_processes(model_dir, jsonl, tmp_path):
-    out = tmp_path / "ddp"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT)]
-    command += common_args(model_dir, jsonl, out)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "mars/noisy_loss" in result.stdout + result.stderr
+def write_recipe(path, model_dir, jsonl, **overrides):
+    """A `--config` recipe file (TrlParser YAML): the same keys as the command-line options."""
+    recipe = {
+        "model_name_or_path": str(model_dir), "dataset_name": str(jsonl), "block_size": 3, "max_steps": 4,
+        "per_device_train_batch_size": 2, "learning_rate": 0.01, "logging_steps": 1, "report_to": "none",
+        "bf16": False, "save_strategy": "no", "seed": 7, **overrides,
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def loss_curve(folder):
+    history = json.loads((folder / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def test_config_file_trains_in_process_and_command_line_wins(model_dir, jsonl, tmp_path):
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml", model_dir, jsonl, max_steps=1, output_dir=str(tmp_path / "x")
+    )
+    out = tmp_path / "from_config"
+    assert (
+        cli_main(
+            ["train", "--config", str(recipe), "--output_dir", str(out), "--max_steps", "2", "--use_cpu"]
+        )
+        == 0
+    )
+    assert len(loss_curve(out)) == 2  # the command line's max_steps, the recipe's logging_steps
     assert json.loads((out / "config.json").read_text())["mars"]["block_size"] == 3
+
+
+def test_launch_arguments_are_split_like_trl(model_dir, jsonl, tmp_path):
+    """Unknown options (the command line's and a recipe's) go to `accelerate launch`, the rest to the script."""
+    recipe = write_recipe(tmp_path / "recipe.yaml", model_dir, jsonl, num_processes=2)
+    argv = [
+        "--config",
+        str(recipe),
+        "--accelerate_config",
+        "zero2",
+        "--block_size",
+        "2",
+        "--main_process_port",
+        "0",
+    ]
+    launch_args, script_args = split_arguments(argv)
+    zero2 = Path(train_command.__file__).parents[1] / "accelerate_configs" / "zero2.yaml"
+    assert launch_args == ["--config_file", str(zero2), "--num_processes", "2", "--main_process_port", "0"]
+    assert script_args == ["--config", str(recipe), "--block_size", "2"]
+    seen = []
+    train_command.launch(launch_args, script_args, launch_command_fn=seen.append)
+    assert seen[0].config_file == str(zero2) and seen[0].num_processes == 2
+    assert seen[0].training_script == str(train_command.script_path())
+    assert seen[0].training_script_args == script_args
+    with pytest.raises(ValueError, match="multi_cpu"):
+        split_arguments(["--config", str(recipe), "--accelerate_config", "no_such_config"])
+
+
+@pytest.mark.parametrize("name", train_command.BUNDLED_CONFIGS)
+def test_bundled_accelerate_configs_load(name):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    config = ClusterConfig.from_yaml_file(
+        str(train_command.resolve_accelerate_config(["--accelerate_config", name])[1])
+    )
+    assert config.num_machines == 1 and config.num_processes >= 2
+    assert config.mixed_precision == ("no" if name == "multi_cpu" else "bf16")
+    if name == "zero2":
+        assert config.distributed_type == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == 2
+    if name == "fsdp":
+        assert config.distributed_type == "FSDP" and config.fsdp_config["fsdp_version"] == 2
+
+
+def run_train(argv, tmp_path, name):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "mars_hf.cli", "train", *argv]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"{name}: {result.stderr[-4000:]}"
+    return result
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_give_the_one_process_loss_curve(model_dir, tmp_path):
+    """Same data, seed and global batch (2 rows x 2 processes = 2 rows x 2 accumulation steps): same losses."""
+    jsonl = tmp_path / "distinct.jsonl"
+    words = (
+        "the cat sat on mat is red blue green one two three four five six seven yes no hello world".split()
+    )
+    rows = []
+    for i in range(16):  # 16 distinct examples of different lengths (so data order and padding matter)
+        user = " ".join(words[(i + k) % len(words)] for k in range(2 + i % 4))
+        answer = " ".join(words[(3 * i + k) % len(words)] for k in range(1 + i % 6))
+        rows.append(
+            {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+        )
+    jsonl.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    recipe = write_recipe(tmp_path / "recipe.yaml", model_dir, jsonl)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli_main(["train", "--config", str(recipe), "--output_dir", str(one), "--gradient_accumulation_steps", "2",
+                     "--use_cpu"]) == 0  # fmt: skip
+    result = run_train(["--config", str(recipe), "--output_dir", str(two), "--accelerate_config", "multi_cpu",
+                        "--use_cpu"], tmp_path, "2 processes")  # fmt: skip
+    assert "mars/noisy_loss" in result.stdout + result.stderr
+    curve_one, curve_two = loss_curve(one), loss_curve(two)
+    assert len(curve_one) == len(curve_two) == 4
+    assert curve_two == pytest.approx(curve_one, rel=1e-4)
+    assert curve_one[-1] < curve_one[0]  # it trains
+    assert json.loads((two / "config.json").read_text())["mars"]["block_size"] == 3
+
+
+@pytest.mark.slow
+def test_processes_that_do_not_join_one_group_are_refused(model_dir, jsonl, tmp_path):
+    """torchrun on a machine without GPUs and without --use_cpu: every process would train alone."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the processes do join one group")
+    recipe = write_recipe(tmp_path / "recipe.yaml", model_dir, jsonl, max_steps=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "mars_hf.cli", "train", "--config", str(recipe), "--output_dir", str(tmp_path / "o"),
+               "--accelerate_config", "multi_cpu"]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode != 0 and "--use_cpu" in result.stderr
 
 
 @pytest.mark.slow

@@ -31,8 +31,9 @@ python examples/train_mars.py \
     --output_dir model-MARS-LoRA
 ```
 
-# Several processes (CPU or GPU)
+# A recipe file, several processes (bundled accelerate configs: multi_cpu, multi_gpu, zero2, fsdp)
 ```bash
+mars-hf train --config recipe.yaml --accelerate_config zero2 --num_processes 8
 accelerate launch --num_processes 2 examples/train_mars.py --model_name_or_path embedded ...
 ```
 
@@ -67,6 +68,14 @@ def main(script_args, training_args, model_args):
     from mars_hf.embedded_model import resolve_model_path
 
     logger = get_logger(__name__)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training_args.world_size != launched:
+        # torchrun started several processes, but they did not join one group (no GPU and no
+        # `--use_cpu`): each would train alone on the whole data set.
+        raise ValueError(
+            f"{launched} processes were launched but each sees a world size of {training_args.world_size}. "
+            "On a machine without GPUs pass `--use_cpu` (e.g. `mars-hf train ... --accelerate_config multi_cpu --use_cpu`)."
+        )
 
     model_path = str(resolve_model_path(model_args.model_name_or_path))  # None / "embedded": SmolLM2
     logger.info(f"Training {model_path} with MARS (block_size={training_args.block_size}).")
@@ -101,6 +110,8 @@ def main(script_args, training_args, model_args):
     trainer.accelerator.print("Training completed.")
 
     trainer.save_model(training_args.output_dir)
+    if trainer.is_world_process_zero():  # the loss curve, also when no checkpoint was saved
+        trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
@@ -121,11 +132,16 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str 
     return TrlParser(dataclass_types, prog=prog)
 
 
-def cli(argv: list[str] | None = None):
+def cli(argv: list[str] | None = None, *, fail_with_unknown_args: bool = True):
     parser = make_parser(prog="train_mars.py")
-    script_args, training_args, model_args = parser.parse_args_and_config(argv, fail_with_unknown_args=True)
+    script_args, training_args, model_args = parser.parse_args_and_config(
+        argv, fail_with_unknown_args=fail_with_unknown_args
+    )
     return main(script_args, training_args, model_args)
 
 
 if __name__ == "__main__":
-    cli()
+    # Started by `accelerate launch` (e.g. from `mars-hf train --accelerate_config ...`): keys of a recipe
+    # file that are launch options (num_processes, ...) were accelerate's; unknown command-line options
+    # still fail.
+    cli(fail_with_unknown_args=False)
