@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from .bench import BenchConfiguration, ForwardCounter, _summarise, run_once
+from .bench import BenchConfiguration, ForwardCounter, _summarise, count_generated_tokens, run_once
 
 logger = logging.getLogger(__name__)
 
@@ -871,6 +871,8 @@ class GPUCheck:
                 estimate = (
                     args.exactness_new_tokens * step * (1 + sum(self._factor(c) for c in configurations))
                 )
+                single = self.step_seconds.get((shape, 1), step)
+                estimate += args.exactness_new_tokens * single * batch if batch > 1 else 0.0
             self._run_item(
                 f"{shape}: exactness batch={batch}", estimate, self._exactness, shape, batch, configurations
             )
@@ -888,12 +890,20 @@ class GPUCheck:
         try:
             inputs = make_prompts(model, batch, args.prompt_length, args.seed + 1, self.device)
             prompt_length = inputs["input_ids"].shape[1]
+            eos = [int(model.generation_config.eos_token_id)]
             generator = _Synchronized(model)
+
+            def new_tokens(sequences, start=prompt_length):
+                new = sequences[:, start:]
+                lengths = count_generated_tokens(new, eos).tolist()
+                return [row[:n] for row, n in zip(new.tolist(), lengths)]
+
             stock_config = greedy_generation_config(model, args.exactness_new_tokens, output_logits=True)
             stock = generator.generate(**inputs, generation_config=stock_config)
-            stock_tokens = stock.sequences[:, prompt_length:].tolist()
+            stock_tokens = new_tokens(stock.sequences)
             stock_logits = torch.stack(stock.logits, dim=1).float()  # [batch, new, vocab]
             config = greedy_generation_config(model, args.exactness_new_tokens)
+            record = dict(model=shape, batch=batch, dtype=args.dtype, new_tokens=args.exactness_new_tokens)
             for configuration in configurations:
                 self.budget.check()
                 try:
@@ -908,51 +918,40 @@ class GPUCheck:
                         f"failed: {type(error).__name__}: {error}",
                     )
                     continue
-                tokens = output.sequences[:, prompt_length:].tolist()
+                comparison = compare_with_stock(stock_tokens, new_tokens(output.sequences), stock_logits)
                 self.result["exactness"].append(
-                    self._compare(shape, batch, configuration, stock_tokens, tokens, stock_logits)
+                    dict(
+                        record,
+                        label=configuration.label,
+                        acceptance=configuration.acceptance,
+                        layout=configuration.layout,
+                        tau=configuration.tau,
+                        **comparison,
+                    )
+                )
+            if batch > 1:  # the baseline: stock itself, each row decoded alone (other kernels, same math)
+                alone = []
+                for row in range(batch):
+                    self.budget.check()
+                    keep = inputs["attention_mask"][row].bool()
+                    ids = inputs["input_ids"][row, keep][None]
+                    output = generator.generate(
+                        input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
+                    )
+                    alone += new_tokens(output.sequences, ids.shape[1])
+                comparison = compare_with_stock(stock_tokens, alone, stock_logits)
+                self.result["exactness"].append(
+                    dict(
+                        record,
+                        label="stock, each row alone",
+                        acceptance=None,
+                        layout=None,
+                        tau=None,
+                        **comparison,
+                    )
                 )
         finally:
             forcer.enabled = True
-
-    def _compare(self, shape, batch, configuration, stock_tokens, tokens, stock_logits) -> dict:
-        identical, flips, other, prefix = 0, [], [], []
-        for row, (a, b) in enumerate(zip(stock_tokens, tokens)):
-            length = min(len(a), len(b))
-            first = next((t for t in range(length) if a[t] != b[t]), None)
-            if first is None and len(a) == len(b):
-                identical += 1
-                prefix.append(1.0)
-                continue
-            if first is None:  # one stopped earlier (EOS) with the same prefix
-                first = length
-            prefix.append(first / max(len(a), 1))
-            if first >= len(a) or first >= len(b):
-                other.append({"row": row, "position": first, "gap": None})
-                continue
-            logits = stock_logits[row, first]
-            gap = float(logits[a[first]] - logits[b[first]])
-            magnitude = float(logits[a[first]].abs().clamp(min=1e-3))
-            tolerance = 4 * 2.0 ** (math.floor(math.log2(magnitude)) - 7)
-            entry = {"row": row, "position": first, "gap": gap, "tie_tolerance": tolerance}
-            (flips if abs(gap) <= tolerance else other).append(entry)
-        return {
-            "model": shape,
-            "batch": batch,
-            "label": configuration.label,
-            "acceptance": configuration.acceptance,
-            "layout": configuration.layout,
-            "tau": configuration.tau,
-            "dtype": self.args.dtype,
-            "new_tokens": self.args.exactness_new_tokens,
-            "rows_identical": identical,
-            "rows": len(stock_tokens),
-            "agreement": identical / max(len(stock_tokens), 1),
-            "mean_agreeing_prefix": statistics.mean(prefix) if prefix else None,
-            "near_tie_flips": len(flips),
-            "other_differences": len(other),
-            "differences": flips + other,
-        }
 
     # ---------------------------------------------------------------------------------- training
     def _training_items(self, shape: str) -> None:
@@ -960,7 +959,7 @@ class GPUCheck:
         two-stream path (MARS_SPEC §7, when this build has it): loss/gradient agreement and step time."""
         missing = _missing_modules(("trl", "datasets", "peft"))
         if missing:
-            self.skip(f"{shape}: training", f"needs {', '.join(missing)} (not installed): {TRAINING_FIX}")
+            self.skip(f"{shape}: training", f"cannot import {', '.join(missing)}: {TRAINING_FIX}")
             return
         state: dict = {}
         estimate = None
@@ -1156,10 +1155,56 @@ class GPUCheck:
         )
 
 
-def _missing_modules(names) -> list[str]:
-    import importlib.util
+def compare_with_stock(stock_tokens, tokens, stock_logits, spacings: int = 4) -> dict:
+    """Compare each row's tokens with stock greedy's (both cut after EOS).
 
-    return [name for name in names if importlib.util.find_spec(name) is None]
+    A differing row is judged at its first differing token ``t`` by stock's logit gap between its own
+    token and the other run's there: within ``spacings`` bf16 spacings (2^(e - 7), e the exponent of
+    stock's logit) it is a near-tie flip, which floating-point differences between kernels explain;
+    a larger gap, or a run that merely stopped earlier or later, counts as another difference.
+    """
+    identical, flips, other, prefix = 0, [], [], []
+    for row, (a, b) in enumerate(zip(stock_tokens, tokens)):
+        length = min(len(a), len(b))
+        first = next((t for t in range(length) if a[t] != b[t]), None)
+        if first is None and len(a) == len(b):
+            identical += 1
+            prefix.append(1.0)
+            continue
+        first = length if first is None else first
+        prefix.append(first / max(len(a), 1))
+        if first >= length:
+            other.append({"row": row, "position": first, "gap": None, "tie_tolerance": None})
+            continue
+        logits = stock_logits[row, first]
+        gap = float(logits[a[first]] - logits[b[first]])
+        magnitude = max(abs(float(logits[a[first]])), 1e-3)
+        tolerance = spacings * 2.0 ** (math.floor(math.log2(magnitude)) - 7)
+        entry = {"row": row, "position": first, "gap": gap, "tie_tolerance": tolerance}
+        (flips if abs(gap) <= tolerance else other).append(entry)
+    rows = len(stock_tokens)
+    return {
+        "rows": rows,
+        "rows_identical": identical,
+        "agreement": identical / max(rows, 1),
+        "mean_agreeing_prefix": statistics.mean(prefix) if prefix else None,
+        "near_tie_flips": len(flips),
+        "other_differences": len(other),
+        "differences": flips + other,
+    }
+
+
+def _missing_modules(names) -> list[str]:
+    """Modules that cannot be imported, with the reason (a present but broken package counts too)."""
+    import importlib
+
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # ImportError, or a dependency's own failure (e.g. too old pyarrow)
+            missing.append(f"{name} ({type(error).__name__}: {error})")
+    return missing
 
 
 def _gated_training_available() -> bool:

@@ -15,6 +15,7 @@ from mars_hf.gpu_check import (
     BudgetExceeded,
     ForcedAcceptance,
     build_model,
+    compare_with_stock,
     make_prompts,
     ordinary_token_ids,
 )
@@ -125,6 +126,21 @@ def test_forced_pattern_has_the_chosen_rate(tiny_model, rate):
         forcer.remove()
 
 
+def test_compare_with_stock_tells_near_ties_from_real_differences():
+    logits = torch.zeros(4, 3, 10)
+    logits[:, 1, 5] = 3.0  # stock picks 5 at position 1
+    logits[1, 1, 6] = 3.0 - 2**-6  # row 1: token 6 within one bf16 spacing of it (spacing 2^-6 at 3.0)
+    logits[2, 1, 7] = 1.0  # row 2: token 7 far below
+    stock = [[1, 5, 2], [1, 5, 2], [1, 5, 2], [1, 5, 2]]
+    other = [[1, 5, 2], [1, 6, 4], [1, 7, 4], [1, 5]]  # identical, near tie, real difference, stopped early
+    result = compare_with_stock(stock, other, logits)
+    assert result["rows_identical"] == 1 and result["rows"] == 4
+    assert result["near_tie_flips"] == 1 and result["other_differences"] == 2
+    flips = [d for d in result["differences"] if d["row"] == 1]
+    assert flips[0]["position"] == 1 and flips[0]["gap"] == pytest.approx(2**-6)
+    assert compare_with_stock(stock, other, logits, spacings=0)["near_tie_flips"] == 0
+
+
 def test_budget_timer_interrupts():
     budget = Budget(0.3, reserve=0.0)
     budget.arm()
@@ -185,6 +201,7 @@ def test_tiny_run_schema_and_forced_rates(tmp_path, capsys):
         assert "failed" not in entry["reason"], entry
     # exactness in bf16 against stock, and the training step
     assert result["exactness"] and all(e["rows"] >= 1 for e in result["exactness"])
+    assert any(e["label"] == "stock, each row alone" for e in result["exactness"])
     assert all(
         e["rows_identical"] + e["near_tie_flips"] + e["other_differences"] >= e["rows"]
         for e in result["exactness"]
