@@ -381,15 +381,8 @@ def verify_available() -> bool:
 
     from . import generation
 
-    metrics = set(getattr(generation, "ACCEPTANCE_METRICS", ()))
-    try:
-        from . import acceptance
-
-        metrics |= set(getattr(acceptance, "ACCEPTANCE_METRICS", ()) or getattr(acceptance, "METRICS", ()))
-    except ImportError:  # pragma: no cover - the module exists in every build of this package
-        pass
     parameters = inspect.signature(generation.mars_generate).parameters
-    return "verify" in metrics and ("mars_layout" in parameters or "mars_layout" in generation._MARS_KWARGS)
+    return "verify" in getattr(generation, "ACCEPTANCE_METRICS", ()) and "mars_layout" in parameters
 
 
 def decoding_configurations(args: GPUCheckArguments) -> list[BenchConfiguration]:
@@ -404,7 +397,7 @@ def decoding_configurations(args: GPUCheckArguments) -> list[BenchConfiguration]
 
 
 def greedy_generation_config(model, max_new_tokens: int, output_logits: bool = False):
-    """The model's generation config made greedy, of exactly ``max_new_tokens``, returning a dict."""
+    """The model's generation config made greedy, of exactly ``max_new_tokens``, with a dict output."""
     import copy
 
     config = copy.deepcopy(model.generation_config)
