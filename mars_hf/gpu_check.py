@@ -624,6 +624,9 @@ class GPUCheck:
         unknown = set(args.parts) - {"decode", "exactness", "training"}
         if unknown:
             raise ValueError(f"Unknown part(s) {sorted(unknown)}; choose from decode, exactness, training.")
+        unknown = [m for m in args.models if m not in MODEL_SHAPES]
+        if unknown:
+            raise ValueError(f"Unknown model shape(s) {unknown}; choose from {list(MODEL_SHAPES)}.")
         self._write()
         for index, shape in enumerate(args.models):
             plan = self._plan(shape, index)
