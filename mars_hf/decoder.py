@@ -308,6 +308,7 @@ class MARSBatchDecoder:
                     pad_token_id=self.pad_token_id,
                 )
             )
+        checked = [len(r.drafts) if (d and r.verify) else 0 for r, d in zip(rows, deciding)]
         logits, where = self._forward(rows, plans, deciding, first)
         threshold_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify]
         verify_rows = [i for i, r in enumerate(rows) if deciding[i] and r.verify]
@@ -322,7 +323,6 @@ class MARSBatchDecoder:
                 updates.append(RowUpdate(row.row_id, [], row.finished, "length" if row.finished else None))
                 continue
             tokens, verified_fed, kept_drafts, reason = outcome[i]
-            proposed = len(row.drafts) if row.verify else 0
             row.committed += self.scheme.keep(row.prefilled, verified_fed)
             row.prefilled = True
             row.tokens += tokens
@@ -331,7 +331,7 @@ class MARSBatchDecoder:
             row.finished = reason is not None
             if row.finished:
                 row.drafts, row.proposal = [], None
-            updates.append(RowUpdate(row.row_id, tokens, row.finished, reason, proposed, kept_drafts))
+            updates.append(RowUpdate(row.row_id, tokens, row.finished, reason, checked[i], kept_drafts))
         if not self.scheme.uses_cache:
             for row in rows:
                 row.committed = 0

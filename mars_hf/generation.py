@@ -29,6 +29,7 @@ from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
     StoppingCriteriaList,
+    StopStringCriteria,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -535,9 +536,29 @@ def _route_to_mars(model, args, kwargs, values=None):
     _refuse_rerouting(kwargs, kwargs.get("generation_config"))
     kwargs.pop("custom_generate", None)
     kwargs.pop("trust_remote_code", None)
+    _stop_strings_as_criteria(model, args, kwargs)
     kwargs.update({key: value for key, value in values.items() if value is not None})
     kwargs["mars_streamer"] = kwargs.pop("streamer", None)
     return GenerationMixin.generate(model, *args, custom_generate=mars_generate, **kwargs)
+
+
+def _stop_strings_as_criteria(model, args, kwargs) -> None:
+    """Turn stop strings into a stopping criterion here: transformers drops the ``tokenizer`` keyword
+    before calling a custom decoding function, so it could not build the criterion itself."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    call_config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None)
+    stop_strings = kwargs.get("stop_strings")
+    for config in (call_config, getattr(model, "generation_config", None)):
+        if stop_strings is None and config is not None:
+            stop_strings = getattr(config, "stop_strings", None)
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise ValueError("Stop strings need the model's tokenizer: pass `tokenizer=` to `generate`.")
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    kwargs["stop_strings"] = None  # also overrides a generation config's
 
 
 def _stock(model, args, kwargs):
@@ -555,15 +576,19 @@ def _attach_shipped_adapter(model) -> None:
     """In a checkpoint's ``custom_generate/``: apply the gated adapter stored beside it, if any.
 
     A gated-adapter checkpoint (MARS_SPEC §7) is an adapter on a base model; plain transformers loads
-    the base, and this applies the adapter and the trained mask row from the checkpoint folder (the
-    parent of ``custom_generate/``). Inside the mars_hf package this does nothing: its loaders do it.
+    the base, and this applies the adapter and the trained mask row from the checkpoint (the
+    ``custom_generate=`` argument of the running ``generate`` call: transformers runs a *copy* of this
+    file from its module cache, so the checkpoint is not this file's parent). Inside the mars_hf
+    package this does nothing: its loaders do it.
     """
     here = Path(__file__).resolve().parent
     if here.name != "custom_generate":
         return
-    from .gated_lora import attach_shipped_adapter
+    from .gated_lora import attach_shipped_adapter, find_custom_generate_checkpoint
 
-    attach_shipped_adapter(model, here.parent)
+    checkpoint = find_custom_generate_checkpoint()
+    if checkpoint is not None:
+        attach_shipped_adapter(model, checkpoint)
 
 
 def generate(model, *args, **kwargs):
