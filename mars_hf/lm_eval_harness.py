@@ -105,11 +105,14 @@ class MARSLM(HFLM):
     ``merge_adapter`` (merge a LoRA adapter into its base, default true).
     """
 
+    instances: list[MARSLM] = []
+
     def __init__(self, pretrained="embedded", merge_adapter: bool = True, dtype="float32", **kwargs):
         from .embedded_model import resolve_model_path
         from .mask_token import suppress_mask_token
         from .modeling import load_mars_model
 
+        MARSLM.instances.append(self)  # so that `cli_evaluate` can print their statistics
         self.mars_defaults = {key: kwargs.pop(key) for key in MARS_GENERATE_KWARGS if key in kwargs}
         self.mars_stats: dict[str, DecodingStats] = {}
         self._stats_key = "default"
@@ -208,14 +211,23 @@ class MARSLM(HFLM):
         return [*eos, self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else eos
 
 
-def task_manager(include_path=None):
-    """An lm-eval ``TaskManager`` that also knows the tasks shipped in ``mars_hf/lm_eval_tasks``."""
+def task_manager(include_path=None, tasks=None):
+    """An lm-eval ``TaskManager`` that also knows the tasks shipped in ``mars_hf/lm_eval_tasks``.
+
+    With ``tasks`` given and all of them found there or in ``include_path``, lm-eval's thousands of
+    built-in task files are not indexed (that scan dominates a small evaluation).
+    """
     from lm_eval.tasks import TaskManager
 
     paths = [str(TASKS_DIR)]
     if include_path:
         paths += [include_path] if isinstance(include_path, str | Path) else list(include_path)
-    return TaskManager(include_path=[str(p) for p in paths])
+    paths = [str(p) for p in paths]
+    if tasks:
+        local = TaskManager(include_path=paths, include_defaults=False)
+        if all(task in local.all_tasks for task in tasks):
+            return local
+    return TaskManager(include_path=paths)
 
 
 def cli_evaluate(argv: list[str] | None = None) -> None:
@@ -228,6 +240,12 @@ def cli_evaluate(argv: list[str] | None = None) -> None:
 
     sys.argv = ["lm-eval", *argv]
     lm_eval_cli()
+    for lm in MARSLM.instances:
+        for task, stats in lm.mars_stats.items():
+            print(
+                f"mars-hf {task}: {stats.tokens_per_forward:.3f} tokens per forward "
+                f"({stats.num_tokens} tokens in {stats.num_forwards} forwards, {stats.num_generations} generations)"
+            )
 
 
 if __name__ == "__main__":
@@ -274,7 +292,7 @@ def evaluate_tasks(
     runs += [(f"mars@{tau:g}", float(tau), {"mars_threshold": float(tau)}) for tau in thresholds]
     if verify:
         runs.append(("verify", None, {"mars_acceptance": "verify"}))
-    manager = task_manager(include_path)
+    manager = task_manager(include_path, tasks)
     rows = []
     for label, tau, settings in runs:
         lm.mars_defaults = {**base, **settings}

@@ -6,6 +6,7 @@ cut at the first stop string the way lm-eval cuts its outputs.
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -156,7 +157,7 @@ def test_humaneval_task_ships_offline_and_scores_canonical_solutions():
         right = [[problem["prompt"] + problem["canonical_solution"]]]
         assert utils.pass_at_1([tests], right) == 1.0
         assert utils.pass_at_1([tests], [[problem["prompt"] + "    return None\n"]]) == 0.0
-    assert "humaneval_mars" in task_manager().all_tasks
+    assert "humaneval_mars" in task_manager(tasks=["humaneval_mars"]).all_tasks
 
 
 def test_mars_hf_eval_tasks_humaneval_on_tiny_model(checkpoint, tmp_path, capsys):
@@ -200,3 +201,19 @@ def test_embedded_model_humaneval_a_few_problems(tmp_path):
     assert rows["mars@1"]["pass_at_1,create_test"] == rows["stock"]["pass_at_1,create_test"]
     assert rows["mars@1"]["tokens_per_forward"] == 1.0
     assert rows["mars@0.5"]["tokens_per_forward"] >= 1.0
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line_with_the_registered_model(checkpoint, capsys):
+    """`python -m mars_hf.lm_eval_harness run ...`: lm-eval's own CLI, MARS gen_kwargs, tokens per forward printed."""
+    from mars_hf.lm_eval_harness import cli_evaluate
+
+    cli_evaluate(["--tasks-dir"])
+    assert capsys.readouterr().out.strip() == str(TASKS_DIR)
+    cli_evaluate(["run", "--model", "mars-hf", "--model_args", f"pretrained={checkpoint},dtype=float64",
+                  "--tasks", "humaneval_mars", "--include_path", str(TASKS_DIR), "--limit", "1",
+                  "--gen_kwargs", "mars_threshold=0.0,max_gen_toks=4", "--confirm_run_unsafe_code",
+                  "--device", "cpu"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "pass_at_1" in out and "humaneval_mars" in out
+    assert re.search(r"mars-hf humaneval_mars: [0-9.]+ tokens per forward", out)

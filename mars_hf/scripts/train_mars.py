@@ -15,7 +15,7 @@ python examples/train_mars.py \
     --dataset_name data/train.jsonl \
     --block_size 4 \
     --learning_rate 5e-6 \
-    --lr_scheduler_type cosine --warmup_ratio 0.03 \
+    --lr_scheduler_type cosine --warmup_steps 0.03 \
     --num_train_epochs 1 \
     --per_device_train_batch_size 8 \
     --output_dir SmolLM2-135M-MARS
