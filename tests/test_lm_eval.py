@@ -74,6 +74,18 @@ def test_batched_left_padded_generation_equals_direct_generate(lm, tau):
     assert len({len(lm.tok_encode(p)) for p in PROMPTS}) > 1  # the batch really was padded
 
 
+@pytest.mark.parametrize("batch_size", [1, len(PROMPTS)])
+def test_verified_decoding_through_lm_eval_is_stock_greedy(checkpoint, batch_size):
+    """mars_acceptance=verify (lossless): the same text as stock decoding, stop strings and padding included."""
+    lm = MARSLM(pretrained=str(checkpoint), dtype="float64", device="cpu", batch_size=batch_size)
+    gen = {"until": ["dog", "blue"], "max_gen_toks": 9, "do_sample": False}
+    stock = lm.generate_until(requests(gen, task="stock"))
+    assert lm.generate_until(requests({**gen, "mars_acceptance": "verify"}, task="verify")) == stock
+    assert stock == [direct(lm, p, 9, ["dog", "blue"])[0] for p in PROMPTS]
+    verify = lm.mars_stats["verify"]
+    assert verify.num_generations == len(PROMPTS) and verify.tokens_per_forward >= 1.0
+
+
 def test_tau_one_equals_stock_decoding_through_lm_eval(lm):
     gen = {"until": ["sat"], "max_gen_toks": 8, "do_sample": False}
     assert lm.generate_until(requests({**gen, "mars_threshold": 1.0})) == lm.generate_until(requests(gen))
@@ -130,10 +142,11 @@ def test_offline_local_json_task_end_to_end(checkpoint, tmp_path):
     )
     out = tmp_path / "results.json"
     argv = ["eval", str(checkpoint), "--tasks", "tiny_words", "--include-path", str(tasks), "--thresholds", "1.0,0.0",
-            "--batch-size", "2", "--output", str(out)]  # fmt: skip
+            "--batch-size", "2", "--verify", "--output", str(out)]  # fmt: skip
     assert cli_main(argv) == 0
     rows = {row["label"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"stock", "mars@1", "mars@0"}
+    assert set(rows) == {"stock", "mars@1", "mars@0", "verify"}
+    assert rows["verify"]["exact_match,none"] == rows["stock"]["exact_match,none"]
     assert all(
         row["documents"] == len(PROMPTS) and 0.0 <= row["exact_match,none"] <= 1.0 for row in rows.values()
     )
