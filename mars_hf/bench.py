@@ -60,23 +60,35 @@ class BenchConfiguration:
     tau: float | None = None
     window: int | None = None
     cache_block: int | None = None
+    layout: str | None = None  # set for verified decoding (mars_acceptance="verify"), which has no τ
+
+    @property
+    def verify(self) -> bool:
+        return self.layout is not None
+
+    @property
+    def rule(self) -> str:
+        """The acceptance column: τ, or the verify layout."""
+        if self.verify:
+            return f"v-{self.layout[:4]}"
+        return "-" if self.tau is None else f"{self.tau:.2f}"
 
     @property
     def label(self) -> str:
         if self.scheme == "stock":
             return "stock"
-        label = f"{self.scheme} tau={self.tau:g} W={self.window}"
+        label = f"{self.scheme} verify-{self.layout}" if self.verify else f"{self.scheme} tau={self.tau:g}"
+        label += f" W={self.window}"
         return label + (f" C={self.cache_block}" if self.cache_block is not None else "")
 
     def generate_kwargs(self, acceptance: str) -> dict:
         if self.scheme == "stock":
             return {}
-        kwargs = {
-            "mars_threshold": self.tau,
-            "mars_block_size": self.window,
-            "mars_acceptance": acceptance,
-            "mars_cache": self.scheme,
-        }
+        kwargs = {"mars_block_size": self.window, "mars_cache": self.scheme}
+        if self.verify:
+            kwargs.update(mars_acceptance="verify", mars_layout=self.layout)
+        else:
+            kwargs.update(mars_threshold=self.tau, mars_acceptance=acceptance)
         if self.cache_block is not None:
             kwargs["mars_cache_block"] = self.cache_block
         return kwargs
@@ -94,9 +106,11 @@ def build_configurations(
     cache_blocks=("W", 16, 32),
     acceptance: str = "probability",
     one_token_schemes=("cursor",),
+    verify_layouts=(),
 ) -> list[BenchConfiguration]:
     """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
-    (τ ≥ 1) the schemes all do the same work, so only ``one_token_schemes`` run there."""
+    (τ ≥ 1) the schemes all do the same work, so only ``one_token_schemes`` run there. Each of
+    ``verify_layouts`` adds verified decoding (cursor scheme) for every window."""
     unknown = set(schemes) - set(SCHEMES)
     if unknown:
         raise ValueError(f"Unknown scheme(s) {sorted(unknown)}; choose from {list(SCHEMES)}.")
@@ -114,6 +128,9 @@ def build_configurations(
                 blocks = sorted({int(window) if str(c).upper() == "W" else int(c) for c in cache_blocks})
                 for block in blocks:
                     configurations.append(BenchConfiguration(scheme, float(tau), int(window), block))
+    for window in windows:
+        for layout in verify_layouts:
+            configurations.append(BenchConfiguration("cursor", None, int(window), None, layout))
     return list(dict.fromkeys(configurations))
 
 
@@ -341,7 +358,11 @@ class BenchArguments:
     one_token_schemes: list[str] = field(
         default_factory=lambda: ["cursor"], metadata={"help": "Schemes run at τ ≥ 1 (one-token mode)."}
     )
-    acceptance: str = field(default="probability", metadata={"help": "MARS acceptance metric."})
+    acceptance: str = field(default="probability", metadata={"help": "MARS acceptance metric of the τ rows."})
+    verify_layouts: list[str] = field(
+        default_factory=lambda: ["linear", "quadratic"],
+        metadata={"help": "Verified-decoding layouts to add (lossless; `[]` for none)."},
+    )
     max_new_tokens: int = field(default=64, metadata={"help": "New tokens per row (greedy)."})
     repeats: int = field(default=3, metadata={"help": "Timed repeats per configuration (median)."})
     warmup: int = field(default=1, metadata={"help": "Untimed runs per configuration first."})
@@ -355,7 +376,13 @@ def run_benchmark(
     from tqdm.auto import tqdm
 
     configurations = build_configurations(
-        args.taus, args.windows, args.schemes, args.cache_blocks, args.acceptance, args.one_token_schemes
+        args.taus,
+        args.windows,
+        args.schemes,
+        args.cache_blocks,
+        args.acceptance,
+        args.one_token_schemes,
+        args.verify_layouts,
     )
     if "stock" not in args.schemes:
         raise ValueError(
@@ -434,6 +461,10 @@ def _summarise(batch_size, batches, measurements, model_name) -> list[dict]:
             "tau": configuration.tau,
             "window": configuration.window,
             "scheme": configuration.scheme,
+            "acceptance": "verify"
+            if configuration.verify
+            else ("stock" if configuration.scheme == "stock" else None),
+            "layout": configuration.layout,
             "cache_block": configuration.cache_block,
             "num_batches": len(batches),
             "prompt_tokens": prompt_tokens,
@@ -510,7 +541,7 @@ def _add_cost_model(model, inputs, rows, args) -> dict:
 def format_table(result: dict) -> str:
     """A plain-text table of the rows (one block per batch size) and the measured step costs."""
     header = (
-        f"{'batch':>5} {'tau':>5} {'W':>3} {'scheme':<7} {'C':>3} {'tok/fwd':>7} {'fwds':>5} {'tok/s':>8} "
+        f"{'batch':>5} {'tau':>6} {'W':>3} {'scheme':<7} {'C':>3} {'tok/fwd':>7} {'fwds':>5} {'tok/s':>8} "
         f"{'speedup':>7} {'(best)':>6} {'effic.':>6} {'step':>6} {'cost':>5} {'pred.':>6} {'=stock':>6}"
     )
     lines = [f"model: {result['model']}  ({_describe_environment(result)})", header, "-" * len(header)]
@@ -520,7 +551,7 @@ def format_table(result: dict) -> str:
             lines.append("")
         previous_batch = row["batch"]
         lines.append(
-            f"{row['batch']:>5} {_fmt(row['tau'], '.2f'):>5} {_fmt(row['window'], 'd'):>3} {row['scheme']:<7} "
+            f"{row['batch']:>5} {_rule(row):>6} {_fmt(row['window'], 'd'):>3} {row['scheme']:<7} "
             f"{_fmt(row['cache_block'], 'd'):>3} {row['tokens_per_forward']:>7.2f} {row['num_forwards']:>5} "
             f"{row['tokens_per_s']:>8.1f} {row['speedup']:>6.2f}x {row['speedup_best']:>5.2f}x {row['efficiency']:>6.2f} "
             f"{row.get('step_tokens', float('nan')):>6.1f} {row.get('step_cost', float('nan')):>5.2f} "
@@ -534,7 +565,8 @@ def format_table(result: dict) -> str:
         "after the prompt, mean over the run (n + W for cursor; the open block + W for block; the whole "
         "sequence, uncached, for none); cost = that forward's measured time (fastest of the cost repeats) "
         "/ a 1-token cached forward; pred. = MARS_SPEC §4 cost-model speedup = relative tok/fwd / cost; "
-        "=stock = share of rows whose output equals stock generate."
+        "=stock = share of rows whose output equals stock generate (measured, also for verify); "
+        "tau v-line / v-quad = verified decoding (mars_acceptance='verify'), linear / quadratic layout."
     )
     for batch, costs in result["costs"].items():
         cached = ", ".join(f"{k}:{v:.2f}" for k, v in costs["cached_step_cost"].items())
@@ -545,6 +577,12 @@ def format_table(result: dict) -> str:
             line += f"; uncached L-token forward / 1-token cached: {full}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _rule(row) -> str:
+    if row.get("layout"):
+        return f"v-{row['layout'][:4]}"
+    return _fmt(row["tau"], ".2f")
 
 
 def _fmt(value, spec):

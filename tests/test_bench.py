@@ -98,8 +98,14 @@ def tiny_result():
 
 def test_bench_rows_and_fields(tiny_result):
     _, _, args, result = tiny_result
-    configurations = build_configurations(args.taus, args.windows, cache_blocks=args.cache_blocks)
+    configurations = build_configurations(
+        args.taus, args.windows, cache_blocks=args.cache_blocks, verify_layouts=args.verify_layouts
+    )
     assert len(result["rows"]) == len(configurations) * len(args.batch_sizes)
+    verify_rows = [row for row in result["rows"] if row["acceptance"] == "verify"]
+    assert {row["layout"] for row in verify_rows} == {"linear", "quadratic"}
+    # verified decoding is lossless, and the bench measures it (it compares every row with stock)
+    assert all(row["same_as_stock"] == 1.0 and row["tau"] is None for row in verify_rows)
     fields = {
         "model",
         "batch",
@@ -243,11 +249,13 @@ def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
     out = capsys.readouterr().out
     json_line = next(line for line in out.splitlines() if line.startswith("JSON: "))
     result = json.loads(json_line[len("JSON: ") :])
-    assert [(r["scheme"], r["tau"]) for r in result["rows"]] == [
-        ("stock", None),
-        ("cursor", 1.0),
-        ("cursor", 0.5),
-        ("block", 0.5),
+    assert [(r["scheme"], r["tau"], r["layout"]) for r in result["rows"]] == [
+        ("stock", None, None),
+        ("cursor", 1.0, None),
+        ("cursor", 0.5, None),
+        ("block", 0.5, None),
+        ("cursor", None, "linear"),
+        ("cursor", None, "quadratic"),
     ]
     assert result["num_prompts"] == len(PROMPTS)
     assert "stock" in output_file.read_text() and '"rows"' in output_file.read_text()

@@ -150,6 +150,21 @@ def test_show_chunks_is_faithful(saved_model, capsys, tau):
         assert generated > 2 * forwards  # several tokens per forward really were accepted
 
 
+def test_show_chunks_with_verified_decoding(saved_model, capsys):
+    """--acceptance verify prints exactly the ordinary greedy text, chunked by forward."""
+    prompts = ["hello world", "one two three four"]
+    base = ["generate", *prompts, "--model", str(saved_model), "--max-new-tokens", "10", "--dtype", "float64"]
+    assert main(base + ["--tau", "1.0"]) == 0
+    greedy = capsys.readouterr().out
+    for layout in ("linear", "quadratic"):
+        assert main(base + ["--acceptance", "verify", "--layout", layout]) == 0
+        assert capsys.readouterr().out == greedy
+        assert main(base + ["--acceptance", "verify", "--layout", layout, "--show-chunks", "--no-color"]) == 0
+        body, _, summary = capsys.readouterr().out.rpartition("\n[")
+        assert body.replace("|", "").rstrip("\n") == greedy.replace("|", "").rstrip("\n")
+        assert "verify," in summary and "drafts kept" in summary
+
+
 def test_sampling_is_reproducible_with_a_seed(saved_model, capsys):
     args = [
         "generate",

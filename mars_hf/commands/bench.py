@@ -53,7 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["cursor"],
         help="Schemes also run at τ >= 1, where MARS decodes one token per forward (default cursor).",
     )
-    parser.add_argument("--acceptance", choices=["probability", "entropy", "margin"], default="probability")
+    parser.add_argument(
+        "--acceptance",
+        choices=["probability", "entropy", "margin"],
+        default="probability",
+        help="Acceptance metric of the τ rows.",
+    )
+    parser.add_argument(
+        "--verify-layouts",
+        type=_words,
+        default=["linear", "quadratic"],
+        help="Verified-decoding rows to add (lossless, cursor scheme): subset of linear,quadratic; 'none' for none.",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="Timed repeats per configuration (median).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs per configuration first.")
@@ -101,6 +112,7 @@ def run(args) -> int:
         cache_blocks=args.cache_blocks,
         one_token_schemes=args.one_token_schemes,
         acceptance=args.acceptance,
+        verify_layouts=[layout for layout in args.verify_layouts if layout != "none"],
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         warmup=args.warmup,

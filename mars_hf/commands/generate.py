@@ -41,9 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--acceptance",
-        choices=["probability", "entropy", "margin"],
+        choices=["probability", "entropy", "margin", "verify"],
         default="probability",
-        help="Confidence metric compared with τ.",
+        help="Confidence metric compared with τ, or 'verify': lossless verified decoding (the masks' "
+        "predictions are drafts the model checks; output = ordinary decoding; --tau is then a proposal floor).",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=["linear", "quadratic"],
+        default=None,
+        help="Draft layout of --acceptance verify (default per device: linear on CPU).",
     )
     parser.add_argument(
         "--cache", choices=["cursor", "block", "none"], default=None, help="MARS KV-cache scheme."
@@ -207,7 +214,8 @@ def run(args) -> int:
         args.model, block_size=args.window or args.block_size, dtype=args.dtype
     )
     tau = args.tau
-    if tau is None:
+    verify = args.acceptance == "verify"
+    if tau is None and not verify:
         if args.acceptance != "probability":
             print(f"--acceptance {args.acceptance} needs an explicit --tau.", file=sys.stderr)
             return 2
@@ -221,9 +229,10 @@ def run(args) -> int:
         "do_sample": args.do_sample,
         "return_dict_in_generate": True,
         "pad_token_id": tokenizer.pad_token_id,
-        "mars_threshold": tau,
         "mars_acceptance": args.acceptance,
     }
+    if tau is not None:
+        generate_kwargs["mars_threshold"] = tau
     for name, value in (
         ("temperature", args.temperature),
         ("top_k", args.top_k),
@@ -231,6 +240,7 @@ def run(args) -> int:
         ("mars_block_size", args.window),
         ("mars_cache", args.cache),
         ("mars_cache_block", args.cache_block),
+        ("mars_layout", args.layout),
     ):
         if value is not None:
             generate_kwargs[name] = value
@@ -255,6 +265,11 @@ def run(args) -> int:
         print(
             f"\n[{forwards} forwards, {generated} tokens, {per_forward:.2f} tokens per forward"
             + (f" per sequence, batch {len(rows)}" if len(rows) > 1 else "")
-            + f"; tau={tau:g}]"
+            + (
+                f"; verify, {int(output.drafts_accepted.sum())} of {int(output.drafts_proposed.sum())} drafts kept"
+                if verify
+                else f"; tau={tau:g}"
+            )
+            + "]"
         )
     return 0
