@@ -94,7 +94,7 @@ class QuickstartConfig:
     )
     distill_batch_size: int = dataclasses.field(default=16, metadata={"help": "Prompts per generate call."})
     budget_minutes: float = dataclasses.field(
-        default=13.0, metadata={"help": "Training time budget (minutes)."}
+        default=12.0, metadata={"help": "Training time budget (minutes)."}
     )
     max_steps: int | None = dataclasses.field(
         default=None, metadata={"help": "Train exactly this many steps instead of a time budget."}
