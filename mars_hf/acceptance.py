@@ -69,7 +69,9 @@ class ScoreProcessing:
         if not processors:
             return scores
         placeholder = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        return processors(placeholder, scores)
+        for processor in processors:  # not LogitsProcessorList.__call__: it inspects signatures per call
+            scores = processor(placeholder, scores)
+        return scores
 
     def free(self, scores: torch.Tensor) -> torch.Tensor:
         """All processors at once; only valid when every processor is position-free."""
@@ -104,17 +106,20 @@ def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return scores.argmax(dim=-1)
 
 
-def confidence_passes(
-    scores: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor, metric: str
-) -> torch.Tensor:
-    """Whether each prediction's confidence passes its τ (``tau``: float64, one per prediction)."""
+def confidence(scores: torch.Tensor, tokens: torch.Tensor, metric: str) -> torch.Tensor:
+    """Each prediction's confidence under ``metric``, as float64 (compared with τ by ``passes``)."""
     probs = torch.softmax(scores, dim=-1)
     if metric == "probability":
-        return probs.gather(-1, tokens[:, None]).squeeze(-1).double() >= tau
+        return probs.gather(-1, tokens[:, None]).squeeze(-1).double()
     if metric == "entropy":
-        return torch.special.entr(probs).sum(-1).double() <= tau
+        return torch.special.entr(probs).sum(-1).double()
     top2 = probs.topk(2, dim=-1).values
-    return (top2[:, 0] - top2[:, 1]).double() >= tau
+    return (top2[:, 0] - top2[:, 1]).double()
+
+
+def passes(value: float, tau: float, metric: str) -> bool:
+    """p(chosen) >= τ, p1 - p2 >= τ, or H <= τ."""
+    return value <= tau if metric == "entropy" else value >= tau
 
 
 def threshold_count(passed: list[bool], limit: int) -> int:

@@ -30,8 +30,9 @@ from .acceptance import (
     ACCEPTANCE_RULES,
     ScoreProcessing,
     choose,
-    confidence_passes,
+    confidence,
     cut_at_floor,
+    passes,
     threshold_count,
     verify_greedy,
     verify_sampled,
@@ -360,11 +361,10 @@ class MARSBatchDecoder:
             pad_token_id=self.pad_token_id,
         )
         keep = sorted(needed)
-        # the LM head on fewer than min_rows rows takes the same slow path: keep some padding logits too
-        spare = [c for c in range(step.width - 1, -1, -1) if c not in needed]
-        while len(keep) * len(rows) < min_rows and spare:
-            keep.append(spare.pop())
-        keep.sort()
+        if len(keep) * len(rows) < min_rows:
+            # the LM head on fewer than min_rows rows takes the same slow path: keep padding logits too
+            spare = [c for c in range(step.width - 1, -1, -1) if c not in needed]
+            keep = sorted(keep + spare[: -(-min_rows // len(rows)) - len(keep)])
         where = {c: i for i, c in enumerate(keep)}
         if keep == list(range(step.width - len(keep), step.width)):
             logits_to_keep = len(keep)
@@ -387,6 +387,10 @@ class MARSBatchDecoder:
     @staticmethod
     def _gather(logits, where, entries):
         """``[len(entries), vocab]`` float32 logits of (row-in-step, column) pairs."""
+        if logits.shape[0] == 1:  # one row: a slice when the columns are consecutive (the usual case)
+            first = where[entries[0][1]]
+            if all(where[c] == first + k for k, (_, c) in enumerate(entries)):
+                return logits[0, first : first + len(entries)].float()
         rows = torch.tensor([i for i, _ in entries], device=logits.device)
         columns = torch.tensor([where[c] for _, c in entries], device=logits.device)
         return logits[rows, columns].float()
@@ -395,8 +399,9 @@ class MARSBatchDecoder:
     def _decide_threshold(self, rows, plans, members, logits, where):
         """Prediction 0 and the masks' predictions; keep while confident (MARS_SPEC §2)."""
         outcome = {}
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample)):
-            processing, do_sample = rows[group[0]].processing, rows[group[0]].do_sample
+        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, r.metric)):
+            first = rows[group[0]]
+            processing, do_sample, metric = first.processing, first.do_sample, first.metric
             entries, spans = [], []
             for i in group:
                 plan = plans[i]
@@ -409,19 +414,12 @@ class MARSBatchDecoder:
                 tokens = choose(scores, do_sample)
             else:
                 scores, tokens = self._choose_in_order(rows, group, spans, raw, processing, do_sample)
-            tau = torch.tensor(
-                [rows[i].tau for i, (_, count) in zip(group, spans) for _ in range(count)],
-                dtype=torch.float64,
-                device=raw.device,
-            )
-            passed_all, tokens_all = [], tokens.tolist()
-            for metric in {rows[i].metric for i in group}:
-                passed_all.append((metric, confidence_passes(scores, tokens, tau, metric).tolist()))
-            passed_by_metric = dict(passed_all)
+            # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
+            chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
             for i, (start, count) in zip(group, spans):
                 row = rows[i]
-                chosen = tokens_all[start : start + count]
-                passed = passed_by_metric[row.metric][start : start + count]
+                chosen = [int(t) for t in chosen_all[start : start + count]]
+                passed = [passes(v, row.tau, metric) for v in values[start : start + count]]
                 limit = min(count, row.settings.max_new_tokens - row.generated)
                 n = threshold_count(passed, limit)
                 kept, reason = self._stops(row, chosen[:n])

@@ -410,6 +410,8 @@ def mars_generate(
     if streamer is not None and not prompt_already_streamed:
         streamer.put(input_ids.cpu())
 
+    # prefix-dependent processors and stop criteria read the accepted tokens back from the buffer
+    needs_buffer = not processing.position_free or len(other_criteria) > 0
     generated: list[list[int]] = [[] for _ in range(batch_size)]
     per_step: list[tuple[list[int], list[int], list[int]]] = []
     while max_new and decoder.num_rows:
@@ -427,7 +429,7 @@ def mars_generate(
             )
             if update.finished:
                 decoder.drop_row(b)
-        if places:
+        if places and needs_buffer:
             rows = torch.tensor([b for b, _ in places], device=sequences.device)
             columns = torch.tensor([c for _, c in places], device=sequences.device)
             sequences[rows, columns] = torch.tensor(
