@@ -16,6 +16,8 @@ _LAZY = {
     "MARSGenerationMixin": "mars_hf.generation",
     "MARSGenerateOutput": "mars_hf.generation",
     "enable_mars": "mars_hf.generation",
+    "MARSBatchDecoder": "mars_hf.decoder",
+    "RowSettings": "mars_hf.decoder",
     "MARSBlockCache": "mars_hf.cache",
     "AutoMARSModelForCausalLM": "mars_hf.modeling",
     "add_mask_token": "mars_hf.mask_token",

@@ -99,10 +99,10 @@ class ScoreProcessing:
         return out
 
 
-def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+def choose(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of ``scores``: sampled from the softmax, or the argmax."""
     if do_sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator).squeeze(1)
     return scores.argmax(dim=-1)
 
 
@@ -138,7 +138,9 @@ def verify_greedy(drafts: list[int], model_tokens: list[int]) -> int:
     return kept
 
 
-def verify_sampled(drafts: list[int], proposal: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
+def verify_sampled(
+    drafts: list[int], proposal: torch.Tensor, target: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[int, int]:
     """Speculative sampling (MARS_SPEC §6): ``(drafts kept, the token that follows them)``.
 
     ``proposal[j]`` is the distribution draft ``j`` was drawn from, ``target[j]`` the model's processed
@@ -148,13 +150,13 @@ def verify_sampled(drafts: list[int], proposal: torch.Tensor, target: torch.Tens
     """
     for j, draft in enumerate(drafts):
         p, q = target[j, draft], proposal[j, draft]
-        if float(torch.rand((), device=target.device)) * float(q) < float(p):
+        if float(torch.rand((), device=target.device, generator=generator)) * float(q) < float(p):
             continue
         residual = (target[j] - proposal[j]).clamp_(min=0)
         if float(residual.sum()) <= 0:  # p == q: the rejection has probability 0; guard rounding
             residual = target[j].clone()
-        return j, int(torch.multinomial(residual / residual.sum(), 1))
-    return len(drafts), int(torch.multinomial(target[len(drafts)], 1))
+        return j, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(target[len(drafts)], 1, generator=generator))
 
 
 def cut_at_floor(tokens: list[int], confidences: list[float], floor: float) -> list[int]:

@@ -66,6 +66,8 @@ class RowSettings:
         do_sample / temperature / top_k / top_p: sampling, as in ``GenerationConfig``; ignored when
             ``logits_processor`` is given.
         logits_processor: processors for this row alone (position-free ones only; a server's rows).
+        seed: a seed for this row's own random generator (sampling is then reproducible per row,
+            whatever else the batch holds); None uses torch's global generator, like ``generate``.
     """
 
     threshold: float | None = None
@@ -77,6 +79,7 @@ class RowSettings:
     top_k: int = 0
     top_p: float = 1.0
     logits_processor: LogitsProcessorList | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -108,6 +111,10 @@ class _Row:
         self.floor = floor
         self.eos = frozenset(settings.eos_token_ids)
         self.do_sample = settings.do_sample
+        self.generator = None
+        if settings.seed is not None and settings.do_sample:
+            self.generator = torch.Generator(device=processing_device(processing))
+            self.generator.manual_seed(int(settings.seed))
         self.processing = processing
         self.batch_index = batch_index  # row of ``processing.sequences`` (the stock ``input_ids`` layout)
         self.lead = lead  # left-padding columns of the prompt fed to the model (and kept in the cache)
@@ -399,9 +406,12 @@ class MARSBatchDecoder:
     def _decide_threshold(self, rows, plans, members, logits, where):
         """Prediction 0 and the masks' predictions; keep while confident (MARS_SPEC §2)."""
         outcome = {}
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, r.metric)):
+        for group in _groups(
+            rows, members, lambda r: (id(r.processing), r.do_sample, r.metric, id(r.generator))
+        ):
             first = rows[group[0]]
             processing, do_sample, metric = first.processing, first.do_sample, first.metric
+            generator = first.generator
             entries, spans = [], []
             for i in group:
                 plan = plans[i]
@@ -411,9 +421,11 @@ class MARSBatchDecoder:
             raw = self._gather(logits, where, entries)
             if processing.position_free:
                 scores = processing.free(raw)
-                tokens = choose(scores, do_sample)
+                tokens = choose(scores, do_sample, generator)
             else:
-                scores, tokens = self._choose_in_order(rows, group, spans, raw, processing, do_sample)
+                scores, tokens = self._choose_in_order(
+                    rows, group, spans, raw, processing, do_sample, generator
+                )
             # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
             chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
             for i, (start, count) in zip(group, spans):
@@ -428,7 +440,7 @@ class MARSBatchDecoder:
                 outcome[i] = (kept, fed, 0, reason)
         return outcome
 
-    def _choose_in_order(self, rows, group, spans, raw, processing, do_sample):
+    def _choose_in_order(self, rows, group, spans, raw, processing, do_sample, generator=None):
         """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1``."""
         scores = torch.empty_like(raw)
         tokens = torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
@@ -440,7 +452,7 @@ class MARSBatchDecoder:
                 [rows[i].batch_index for i, _ in active],
                 [rows[i].column + j for i, _ in active],
             )
-            chosen = choose(picked, do_sample)
+            chosen = choose(picked, do_sample, generator)
             scores[flat] = picked
             tokens[flat] = chosen
             self._write(processing, [(rows[i], rows[i].column + j) for i, _ in active], chosen.tolist())
@@ -450,8 +462,9 @@ class MARSBatchDecoder:
     def _decide_verify(self, rows, plans, members, logits, where):
         """Check last step's drafts against the model's own choices; propose new drafts (§6)."""
         outcome = {}
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample)):
+        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, id(r.generator))):
             processing, do_sample = rows[group[0]].processing, rows[group[0]].do_sample
+            generator = rows[group[0]].generator
             entries, spans = [], []
             for i in group:
                 spans.append((len(entries), len(plans[i].check_columns)))
@@ -476,7 +489,9 @@ class MARSBatchDecoder:
             for i, (start, count) in zip(group, spans):
                 row = rows[i]
                 if do_sample:
-                    kept, token = verify_sampled(row.drafts, row.proposal, target[start : start + count])
+                    kept, token = verify_sampled(
+                        row.drafts, row.proposal, target[start : start + count], generator
+                    )
                 else:
                     kept = verify_greedy(row.drafts, own[start : start + count])
                     token = own[start + kept]
@@ -492,10 +507,12 @@ class MARSBatchDecoder:
                 else:
                     row.drafts, row.proposal = [], None
             if followers:
-                self._propose(rows, plans, followers, logits, where, processing, do_sample, outcome)
+                self._propose(
+                    rows, plans, followers, logits, where, processing, do_sample, generator, outcome
+                )
         return outcome
 
-    def _propose(self, rows, plans, followers, logits, where, processing, do_sample, outcome):
+    def _propose(self, rows, plans, followers, logits, where, processing, do_sample, generator, outcome):
         """New drafts from the mask group that follows the kept prefix."""
         entries = []
         for i, kept in followers:
@@ -503,7 +520,7 @@ class MARSBatchDecoder:
         scores = processing.for_drafts(self._gather(logits, where, entries))
         if do_sample:
             proposal = torch.softmax(scores, -1)
-            tokens = torch.multinomial(proposal, 1).squeeze(1)
+            tokens = torch.multinomial(proposal, 1, generator=generator).squeeze(1)
             confidence = proposal.gather(-1, tokens[:, None]).squeeze(1)
         else:
             proposal = None
@@ -554,6 +571,11 @@ def _groups(rows, members, key):
     for i in members:
         groups.setdefault(key(rows[i]), []).append(i)
     return list(groups.values())
+
+
+def processing_device(processing: ScoreProcessing) -> str:
+    """Where a row's random draws happen: its token buffer's device, else the CPU (the host draws)."""
+    return processing.sequences.device if processing.sequences is not None else "cpu"
 
 
 def _sampling_processors(settings: RowSettings) -> LogitsProcessorList:

@@ -432,3 +432,33 @@ def test_verify_on_the_embedded_model_left_padded_with_stop_strings():
                 **common,
             )
             assert torch.equal(out.sequences, stock), (layout, kwargs.keys())
+
+
+def test_a_row_seed_makes_its_samples_independent_of_the_batch(tok):
+    model = peaked_model("llama")
+    window, mask = model.config.mars["block_size"], model.config.mars["mask_token_id"]
+    prompts = [tok(p).input_ids for p in PROMPTS]
+
+    def run(companions, seed):
+        decoder = MARSBatchDecoder(
+            model, max_rows=3, max_length=64, window=window, mask_token_id=mask, pad_token_id=2
+        )
+        row = decoder.add_row(
+            prompts[0],
+            RowSettings(acceptance="verify", do_sample=True, temperature=1.3, max_new_tokens=16, seed=seed),
+        )
+        for prompt in companions:
+            decoder.add_row(prompt, RowSettings(threshold=0.5, do_sample=True, max_new_tokens=16))
+        tokens, done = [], False
+        while not done:
+            for update in decoder.step():
+                if update.row_id == row:
+                    tokens += update.tokens
+                    done = update.finished
+        return tokens
+
+    torch.manual_seed(0)
+    alone = run([], seed=5)
+    torch.manual_seed(1)
+    assert run(prompts[1:3], seed=5) == alone
+    assert any(run([], seed=s) != alone for s in (6, 7, 8))  # the seed really drives the draws
