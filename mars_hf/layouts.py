@@ -122,7 +122,8 @@ def pack(
     entries and a causal plan, the layout is stock ``generate``'s and a 2D padding mask is passed (the
     model builds the causal mask itself, exactly as for stock decoding); otherwise an additive 4D mask
     gives each query its row's real cached entries plus the columns its plan lets it see. Padding
-    columns see only themselves (finite, never read; nothing real attends to them).
+    columns see the cached entries and themselves only (finite, never read; nothing real attends to
+    them).
     """
     width = max(min_width, max(len(p.tokens) for p in plans))
     n = len(plans)
