@@ -165,3 +165,203 @@ def cut_at_floor(tokens: list[int], confidences: list[float], floor: float) -> l
     while kept < len(tokens) and confidences[kept] >= floor:
         kept += 1
     return tokens[:kept]
+
+
+# ------------------------------------------------------------------------------------------------
+# Applying the rules to the rows of one step
+# ------------------------------------------------------------------------------------------------
+
+
+class StepDecisions:
+    """Turn one forward's logits into each row's kept tokens (threshold or verify, greedy or sampled).
+
+    Rows that share processors, sampling and metric decide together (one gather, one softmax, one
+    host transfer). A row is the decoder's row state: it exposes ``tokens``, ``committed``,
+    ``drafts`` / ``proposal``, its settings and ``processing``; plans come from ``layouts``.
+    """
+
+    def __init__(self, logits, where, *, window: int, stopping_criteria=None, score_records=None):
+        self.logits = logits
+        self.where = where  # chunk column -> index in ``logits``' second dimension
+        self.window = window
+        self.stopping_criteria = stopping_criteria
+        self.score_records = score_records
+
+    def gather(self, entries):
+        """``[len(entries), vocab]`` float32 logits of (row-in-step, column) pairs."""
+        logits, where = self.logits, self.where
+        if logits.shape[0] == 1:  # one row: a slice when the columns are consecutive (the usual case)
+            first = where[entries[0][1]]
+            if all(where[c] == first + k for k, (_, c) in enumerate(entries)):
+                return logits[0, first : first + len(entries)].float()
+        rows = torch.tensor([i for i, _ in entries], device=logits.device)
+        columns = torch.tensor([where[c] for _, c in entries], device=logits.device)
+        return logits[rows, columns].float()
+
+    # ----------------------------------------------------------------------- threshold acceptance
+    def threshold(self, rows, plans, members):
+        """Prediction 0 and the masks' predictions; keep while confident (MARS_SPEC §2)."""
+        outcome = {}
+        for group in _groups(
+            rows, members, lambda r: (id(r.processing), r.do_sample, r.metric, id(r.generator))
+        ):
+            first = rows[group[0]]
+            processing, do_sample, metric = first.processing, first.do_sample, first.metric
+            generator = first.generator
+            entries, spans = [], []
+            for i in group:
+                plan = plans[i]
+                columns = plan.check_columns[:1] + (plan.group_columns.get(0, []) if rows[i].window else [])
+                spans.append((len(entries), len(columns)))
+                entries += [(i, c) for c in columns]
+            raw = self.gather(entries)
+            if processing.position_free:
+                scores = processing.free(raw)
+                tokens = choose(scores, do_sample, generator)
+            else:
+                scores, tokens = self._choose_in_order(
+                    rows, group, spans, raw, processing, do_sample, generator
+                )
+            # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
+            chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
+            for i, (start, count) in zip(group, spans):
+                row = rows[i]
+                chosen = [int(t) for t in chosen_all[start : start + count]]
+                passed = [passes(v, row.tau, metric) for v in values[start : start + count]]
+                limit = min(count, row.settings.max_new_tokens - row.generated)
+                n = threshold_count(passed, limit)
+                kept, reason = self.stops(row, chosen[:n])
+                self.record(row, scores[start : start + len(kept)], raw[start : start + len(kept)])
+                fed = len(row.tokens) - row.committed
+                outcome[i] = (kept, fed, 0, reason)
+        return outcome
+
+    def _choose_in_order(self, rows, group, spans, raw, processing, do_sample, generator=None):
+        """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1``."""
+        scores = torch.empty_like(raw)
+        tokens = torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
+        for j in range(max(count for _, count in spans)):
+            active = [(i, start + j) for i, (start, count) in zip(group, spans) if j < count]
+            flat = [k for _, k in active]
+            picked = processing.at_prefixes(
+                raw[flat],
+                [rows[i].batch_index for i, _ in active],
+                [rows[i].column + j for i, _ in active],
+            )
+            chosen = choose(picked, do_sample, generator)
+            scores[flat] = picked
+            tokens[flat] = chosen
+            self.write(processing, [(rows[i], rows[i].column + j) for i, _ in active], chosen.tolist())
+        return scores, tokens
+
+    # -------------------------------------------------------------------------- verified acceptance
+    def verify(self, rows, plans, members):
+        """Check last step's drafts against the model's own choices; propose new drafts (§6)."""
+        outcome = {}
+        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, id(r.generator))):
+            processing, do_sample = rows[group[0]].processing, rows[group[0]].do_sample
+            generator = rows[group[0]].generator
+            entries, spans = [], []
+            for i in group:
+                spans.append((len(entries), len(plans[i].check_columns)))
+                entries += [(i, c) for c in plans[i].check_columns]
+            raw = self.gather(entries)
+            if processing.position_free:
+                scores = processing.free(raw)
+            else:  # check j sees the fresh tokens and drafts 0 … j-1
+                for i in group:
+                    row = rows[i]
+                    self.write(
+                        processing, [(row, row.column + j) for j in range(len(row.drafts))], row.drafts
+                    )
+                batch_rows, lengths = [], []
+                for i, (_, count) in zip(group, spans):
+                    batch_rows += [rows[i].batch_index] * count
+                    lengths += [rows[i].column + j for j in range(count)]
+                scores = processing.at_prefixes(raw, batch_rows, lengths)
+            own = None if do_sample else scores.argmax(-1).tolist()
+            target = torch.softmax(scores, -1) if do_sample else None
+            followers = []
+            for i, (start, count) in zip(group, spans):
+                row = rows[i]
+                if do_sample:
+                    kept, token = verify_sampled(
+                        row.drafts, row.proposal, target[start : start + count], generator
+                    )
+                else:
+                    kept = verify_greedy(row.drafts, own[start : start + count])
+                    token = own[start + kept]
+                new = row.drafts[:kept] + [token]
+                new = new[: row.settings.max_new_tokens - row.generated]
+                final, reason = self.stops(row, new)
+                self.record(row, scores[start : start + len(final)], raw[start : start + len(final)])
+                fed = len(row.tokens) - row.committed  # fresh tokens, all verified
+                outcome[i] = (final, fed + min(kept, len(final)), min(kept, len(final)), reason)
+                has_group = kept in plans[i].group_columns
+                if reason is None and len(final) == len(new) and has_group:
+                    followers.append((i, kept))
+                else:
+                    row.drafts, row.proposal = [], None
+            if followers:
+                self._propose(rows, plans, followers, processing, do_sample, generator, outcome)
+        return outcome
+
+    def _propose(self, rows, plans, followers, processing, do_sample, generator, outcome):
+        """New drafts from the mask group that follows the kept prefix."""
+        entries = []
+        for i, kept in followers:
+            entries += [(i, c) for c in plans[i].group_columns[kept]]
+        scores = processing.for_drafts(self.gather(entries))
+        if do_sample:
+            proposal = torch.softmax(scores, -1)
+            tokens = torch.multinomial(proposal, 1, generator=generator).squeeze(1)
+            confidence = proposal.gather(-1, tokens[:, None]).squeeze(1)
+        else:
+            proposal = None
+            confidence, tokens = torch.softmax(scores, -1).max(-1)
+        tokens, confidence = tokens.tolist(), confidence.tolist()
+        for n, (i, _) in enumerate(followers):
+            row = rows[i]
+            start, width = n * self.window, self.window
+            accepted_now = len(outcome[i][0])
+            room = row.settings.max_new_tokens - row.generated - accepted_now - 1
+            drafts = cut_at_floor(tokens[start : start + width], confidence[start : start + width], row.floor)
+            row.drafts = drafts[: max(room, 0)]
+            row.proposal = proposal[start : start + len(row.drafts)] if proposal is not None else None
+
+    # ------------------------------------------------------------------------------ stops, records
+    def stops(self, row, tokens):
+        """Cut ``tokens`` right after an EOS or where a stopping criterion fires; say why."""
+        for j, token in enumerate(tokens):
+            if token in row.eos:
+                return tokens[: j + 1], "stop"
+        if self.stopping_criteria and tokens:
+            self.write(row.processing, [(row, row.column + j) for j in range(len(tokens))], tokens)
+            buffer = row.processing.sequences
+            for j in range(len(tokens)):
+                done = self.stopping_criteria(buffer[:, : row.column + j + 1], None)
+                if bool(done[row.batch_index]):
+                    return tokens[: j + 1], "stop"
+        return tokens, None
+
+    @staticmethod
+    def write(processing, places, tokens):
+        """Write provisional tokens into the stock-layout buffer (for prefix-dependent processors)."""
+        if processing.sequences is None or not places:
+            return
+        rows = torch.tensor([row.batch_index for row, _ in places], device=processing.sequences.device)
+        columns = torch.tensor([c for _, c in places], device=processing.sequences.device)
+        values = torch.tensor(tokens, dtype=torch.long, device=processing.sequences.device)
+        processing.sequences[rows, columns] = values
+
+    def record(self, row, scores, logits):
+        if self.score_records is not None and scores.shape[0]:
+            self.score_records.append((row.row_id, row.generated, scores, logits))
+
+
+def _groups(rows, members, key):
+    """Row indices grouped by ``key(row)`` (rows sharing processors and sampling decide together)."""
+    groups: dict = {}
+    for i in members:
+        groups.setdefault(key(rows[i]), []).append(i)
+    return list(groups.values())
