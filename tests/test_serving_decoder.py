@@ -89,7 +89,7 @@ def test_mixed_tau_and_verify_in_one_batch_equal_generate(served):
     assert not any(layer.keys.requires_grad for layer in scheduler.engine.decoder.kv.layers)
 
 
-def test_chat_stream_equals_non_stream_and_unsupported_seed_is_400(served):
+def test_chat_stream_equals_non_stream_and_a_seed_reproduces_samples(served):
     server, model, tok, _ = served
     c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "the cat sat"}]
@@ -104,8 +104,15 @@ def test_chat_stream_equals_non_stream_and_unsupported_seed_is_400(served):
         if ch.choices
     )
     assert streamed == plain.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="seed"):
-        c.chat.completions.create(model="tiny", messages=messages, max_tokens=4, seed=3, temperature=0.7)
+    sampled = [
+        c.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, seed=3, temperature=1.5, extra_body=extra
+        )
+        .choices[0]
+        .message.content
+        for extra in ({"mars_acceptance": "verify"}, {"mars_acceptance": "verify"})
+    ]
+    assert sampled[0] == sampled[1]  # a row's seed drives its own generator
 
 
 @pytest.mark.slow
