@@ -26,6 +26,7 @@ from mars_hf.config import MARSConfig
 from mars_hf.generation import enable_mars
 from mars_hf.modeling import load_mars_model
 from mars_hf.trainer import MARSTrainer
+from tests.test_hub import bare_venv  # noqa: F401, F811 - session fixture: a venv with torch + transformers only
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -487,3 +488,54 @@ def test_find_custom_generate_checkpoint_reads_the_callers_argument():
 
     assert generate(custom_generate="someone/repo") == "someone/repo"
     assert inner() is None
+
+
+BARE_VENV_GATED = textwrap.dedent(
+    """
+    import importlib.util, json, sys
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, base, batch = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    missing = {name: importlib.util.find_spec(name) is None for name in ("mars_hf", "peft", "trl")}
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    inputs = {key: torch.tensor(value) for key, value in batch.items()}
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    common = dict(max_new_tokens=12, do_sample=False)
+    greedy = model.generate(**inputs, **common).tolist()
+    out = {"missing": missing, "greedy": greedy}
+    out["tau"] = model.generate(**inputs, custom_generate=folder, trust_remote_code=True, mars_threshold=0.5, **common).tolist()
+    out["verify"] = model.generate(
+        **inputs, custom_generate=folder, trust_remote_code=True, mars_acceptance="verify", **common
+    ).tolist()
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_gated_checkpoint_through_custom_generate_in_a_bare_venv(trained_gated, tmp_path, bare_venv):  # noqa: F811
+    """torch + transformers only: the base model + custom_generate=<gated checkpoint> decodes like mars_hf."""
+    peft_model, tokenizer, base_dir, folder, _ = trained_gated
+    enable_mars(peft_model.get_base_model())
+    inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
+    common = dict(max_new_tokens=12, do_sample=False)
+    expected_tau = peft_model.generate(**inputs, mars_threshold=0.5, **common).tolist()
+    base_greedy = peft_model.generate(**inputs, **common).tolist()
+    (tmp_path / "run.py").write_text(BARE_VENV_GATED)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    batch = json.dumps({key: value.tolist() for key, value in inputs.items()})
+    run = subprocess.run(
+        [str(bare_venv), str(tmp_path / "run.py"), str(folder), str(base_dir), batch],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["missing"] == {"mars_hf": True, "peft": True, "trl": True}
+    assert result["tau"] == expected_tau
+    assert result["verify"] == base_greedy == result["greedy"]
