@@ -32,6 +32,8 @@ COVERED_BY = {
         "tests/test_hub.py", "test_cli_dry_run_prints_exactly_the_files_written"),
     "mars-hf push SmolLM2-135M-MARS --repo-id your-name/SmolLM2-135M-MARS-blk4 --private": (
         "tests/test_hub.py", "test_cli_push_passes_its_options_to_the_hub_api"),
+    "mars-hf serve ": ("tests/test_serving_cli.py", "test_serve_command_answers_verify_and_tau_requests_and_shuts_down"),
+    "mars-hf bench ": ("tests/test_bench.py", "test_bench_cli_on_a_saved_tiny_model"),
 }  # fmt: skip
 
 
