@@ -6,19 +6,9 @@ import argparse
 import json
 import logging
 
+from mars_hf.commands.comma_lists import floats, ints, words
+
 HELP = "Benchmark stock generate against MARS decoding (none/cursor/block caches) in one process."
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _words(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,27 +19,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "has no config.mars); 'synthetic' is the tiny model trained on mars_hf.synthetic's counting language.",
     )
     parser.add_argument(
-        "--batch-sizes", type=_ints, default=[1, 4, 8], help="Comma-separated (default 1,4,8)."
+        "--batch-sizes", type=ints, default=[1, 4, 8], help="Comma-separated (default 1,4,8)."
     )
     parser.add_argument(
-        "--taus", type=_floats, default=[1.0, 0.9], help="MARS thresholds τ (default 1.0,0.9)."
+        "--taus", type=floats, default=[1.0, 0.9], help="MARS thresholds τ (default 1.0,0.9)."
     )
-    parser.add_argument("--windows", type=_ints, default=[4], help="MARS windows W (default 4).")
+    parser.add_argument("--windows", type=ints, default=[4], help="MARS windows W (default 4).")
     parser.add_argument(
         "--schemes",
-        type=_words,
+        type=words,
         default=["stock", "none", "cursor", "block"],
         help="Subset of stock,none,cursor,block.",
     )
     parser.add_argument(
         "--cache-blocks",
-        type=_words,
+        type=words,
         default=["W", "16", "32"],
         help="Block sizes C of 'block' (W = the window).",
     )
     parser.add_argument(
         "--one-token-schemes",
-        type=_words,
+        type=words,
         default=["cursor"],
         help="Schemes also run at τ >= 1, where MARS decodes one token per forward (default cursor).",
     )
@@ -61,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--verify-layouts",
-        type=_words,
+        type=words,
         default=["linear", "quadratic"],
         help="Verified-decoding rows to add (lossless, cursor scheme): subset of linear,quadratic; 'none' for none.",
     )

@@ -6,22 +6,12 @@ import argparse
 import json
 import logging
 
+from mars_hf.commands.comma_lists import floats, ints, words
+
 HELP = (
     "Prepared GPU check: stock generate vs MARS (cursor/block/none/verify) on random Qwen2.5-shaped models with "
     "forced acceptance, bf16 exactness, flex vs sdpa training; stops itself within --budget-seconds."
 )
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _words(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,16 +27,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Tiny shapes on the CPU (same items and JSON; what the tests run).",
     )
-    parser.add_argument("--models", type=_words, default=None, help="Model shapes, in priority order.")
-    parser.add_argument("--batch-sizes", type=_ints, default=None, help="Comma-separated batch sizes.")
-    parser.add_argument("--rates", type=_floats, default=None, help="Forced mask agreement rates.")
+    parser.add_argument("--models", type=words, default=None, help="Model shapes, in priority order.")
+    parser.add_argument("--batch-sizes", type=ints, default=None, help="Comma-separated batch sizes.")
+    parser.add_argument("--rates", type=floats, default=None, help="Forced mask agreement rates.")
     parser.add_argument("--window", type=int, default=None, help="MARS window W.")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--prompt-length", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None, help="Timed repeats per configuration (median).")
     parser.add_argument("--train-models", type=int, default=None, help="Train-check the first N shapes.")
     parser.add_argument(
-        "--parts", type=_words, default=None, help="Subset of decode,exactness,training (default: all)."
+        "--parts", type=words, default=None, help="Subset of decode,exactness,training (default: all)."
     )
     parser.add_argument("--device", default=None, help="Default: cuda if available, else cpu.")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU).")
