@@ -87,7 +87,9 @@ class RowUpdate:
 class _Row:
     """One row's decoding state."""
 
-    def __init__(self, row_id, prompt, settings, window, processing, batch_index, lead, buffer_lead, floor):
+    def __init__(
+        self, row_id, prompt, settings, window, processing, batch_index, lead, buffer_lead, floor, device
+    ):
         self.row_id = row_id
         self.tokens = list(prompt)  # real tokens: the prompt, then everything accepted
         self.prompt_length = len(prompt)
@@ -103,7 +105,7 @@ class _Row:
         self.do_sample = settings.do_sample
         self.generator = None
         if settings.seed is not None and settings.do_sample:
-            self.generator = torch.Generator(device=processing_device(processing))
+            self.generator = torch.Generator(device=device)  # where its logits are
             self.generator.manual_seed(int(settings.seed))
         self.processing = processing
         self.batch_index = batch_index  # row of ``processing.sequences`` (the stock ``input_ids`` layout)
@@ -140,8 +142,8 @@ class MARSBatchDecoder:
         cache: ``"cursor"``, ``"block"`` (with ``cache_block`` = C) or ``"none"``.
         layout: verify's draft layout, ``"linear"`` or ``"quadratic"`` (default per device type).
         kv_cache: a ``MARSBlockCache`` to use (e.g. the caller's), else one is created.
-        sequences / stopping_criteria: ``generate``'s token buffer and its non-EOS stopping criteria,
-            checked token by token inside a step (rows then carry ``batch_index`` into the buffer).
+        stopping_criteria: ``generate``'s non-EOS stopping criteria, checked token by token inside a step
+            on the rows' token buffer (``ScoreProcessing.sequences``, indexed by each row's ``batch_index``).
     """
 
     def __init__(
@@ -225,7 +227,9 @@ class MARSBatchDecoder:
         self._next_id = max(self._next_id, row_id + 1)
         floor = float(settings.threshold) if (verify and settings.threshold is not None) else 0.0
         fed_lead = lead if self.scheme.uses_cache else 0  # without a cache, padding is simply not fed
-        row = _Row(row_id, prompt, settings, self.window, processing, batch_index, fed_lead, lead, floor)
+        row = _Row(
+            row_id, prompt, settings, self.window, processing, batch_index, fed_lead, lead, floor, self.device
+        )
         if settings.max_new_tokens <= 0:
             row.finished = True
         self.joining.append(row)
@@ -234,11 +238,10 @@ class MARSBatchDecoder:
     @torch.no_grad()
     def drop_row(self, row_id: int) -> None:
         """Forget a row (finished or cancelled); its KV slot is reused."""
-        for queue in (self.joining,):
-            for i, row in enumerate(queue):
-                if row.row_id == row_id:
-                    del queue[i]
-                    return
+        for i, row in enumerate(self.joining):
+            if row.row_id == row_id:
+                del self.joining[i]
+                return
         for slot, row in enumerate(self.rows):
             if row.row_id == row_id:
                 last = len(self.rows) - 1
@@ -387,11 +390,6 @@ class MARSBatchDecoder:
             return_dict=True,
         )
         return outputs.logits, where
-
-
-def processing_device(processing: ScoreProcessing) -> str:
-    """Where a row's random draws happen: its token buffer's device, else the CPU (the host draws)."""
-    return processing.sequences.device if processing.sequences is not None else "cpu"
 
 
 def _sampling_processors(settings: RowSettings) -> LogitsProcessorList:
