@@ -301,16 +301,22 @@ def _load_adapter(
             name_or_path,
             MARS_MASK_ROWS_FILE,
         )
-    model = PeftModel.from_pretrained(model, folder, is_trainable=False)
     if gated:
-        from .gated_lora import gate_peft_model
+        # The torch-only gate (what custom_generate/ runs): forward hooks on the plain model. PEFT's
+        # wrapper decodes ~3.5x slower here (its trainable-token head rebuilds the output matrix every
+        # forward); the two agree to float64 round-off (tests/test_gated_lora.py).
+        from .gated_lora import attach_shipped_adapter
 
-        gate_peft_model(model, int(mars["mask_token_id"]))
+        attach_shipped_adapter(model, folder)
         logger.info(
-            "%s is a LoRA adapter gated to mask positions; it stays an adapter (cannot be merged).",
+            "%s is a LoRA adapter gated to mask positions: applied as forward hooks (it cannot be merged; "
+            "to train it further, load it with peft and mars_hf.gated_lora.gate_peft_model).",
             name_or_path,
         )
-    elif merge_adapter:
+        model.eval()
+        return model, tokenizer, mars
+    model = PeftModel.from_pretrained(model, folder, is_trainable=False)
+    if merge_adapter:
         model = model.merge_and_unload()
     model.eval()
     return model, tokenizer, mars

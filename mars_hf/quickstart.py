@@ -581,6 +581,17 @@ def verify_available() -> bool:
     return "verify" in getattr(generation, "ACCEPTANCE_METRICS", ())
 
 
+def _reload_gated(peft_model, tokenizer, model_path: str):
+    """The trained gated adapter, saved and applied to a fresh base model the way users load it."""
+    from . import hub
+    from .modeling import load_mars_model
+
+    with tempfile.TemporaryDirectory(prefix="mars_gated_") as folder:
+        hub.save_pretrained(peft_model, tokenizer, folder, base_model=None, overwrite=True)
+        model, _ = load_mars_model(folder, base_model_name_or_path=str(model_path), dtype=torch.float32)
+    return model.eval()
+
+
 def evaluate(model, tokenizer, eval_ids, config: QuickstartConfig) -> dict[str, DecodingRun]:
     """Stock ``generate``, MARS at each τ and verified decoding, interleaved prompt by prompt.
 
@@ -819,6 +830,11 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     training["teacher_forced"] = teacher_forced_acceptance(trained, *tracking, config.thresholds)
 
     start = time.monotonic()
+    to_save = trained
+    if config.method == "gated_lora":
+        # Evaluate what ships: the saved adapter on the base model, gated by forward hooks (as
+        # custom_generate/ and hub.load apply it); PEFT's wrapper decodes several times slower.
+        trained = _reload_gated(trained, tokenizer, model_path)
     runs = evaluate(trained, tokenizer, eval_ids, config)
     evaluated = len(runs["stock"].outputs)
     rows = summarize_runs(runs, references=reference[:evaluated])
@@ -863,7 +879,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     pareto_plot(rows, output_dir / "pareto.png")
     if config.save_checkpoint:
         start = time.monotonic()
-        save_checkpoint(trained, tokenizer, checkpoint_dir, rows, config, training, num_prompts=evaluated)
+        save_checkpoint(to_save, tokenizer, checkpoint_dir, rows, config, training, num_prompts=evaluated)
         timings["save"] = time.monotonic() - start
         timings["total"] = time.monotonic() - total_start
         (output_dir / "results.json").write_text(json.dumps(results, indent=2))
