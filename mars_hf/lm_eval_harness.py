@@ -102,12 +102,13 @@ class MARSLM(HFLM):
 
     Model args beyond ``HFLM``'s: ``mars_threshold``, ``mars_acceptance``, ``mars_block_size``,
     ``mars_cache``, ``mars_cache_block`` (defaults for every generation; ``--gen_kwargs`` win) and
-    ``merge_adapter`` (merge a LoRA adapter into its base, default true).
+    ``merge_adapter`` (merge a LoRA adapter into its base; default "auto": every adapter but a
+    mask-gated one, which cannot be merged).
     """
 
     instances: list[MARSLM] = []
 
-    def __init__(self, pretrained="embedded", merge_adapter: bool = True, dtype="float32", **kwargs):
+    def __init__(self, pretrained="embedded", merge_adapter="auto", dtype="float32", **kwargs):
         from .embedded_model import resolve_model_path
         from .mask_token import suppress_mask_token
         from .modeling import load_mars_model

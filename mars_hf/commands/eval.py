@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_new_tokens = 256
     if args.no_humaneval and not args.held_out:
         raise SystemExit("Nothing to evaluate: drop --no-humaneval or pass --held-out N.")
-    model, tokenizer = load_mars_model(args.model, merge_adapter=True, dtype=torch.float32)
+    model, tokenizer = load_mars_model(args.model, merge_adapter="auto", dtype=torch.float32)
     model.eval()
     suppress_mask_token(model)
     base = None
