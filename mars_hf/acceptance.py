@@ -122,6 +122,12 @@ def passes(value: float, tau: float, metric: str) -> bool:
     return value <= tau if metric == "entropy" else value >= tau
 
 
+def one_token_per_step(metric: str, tau: float | None) -> bool:
+    """τ >= 1 with the probability or margin metric can only keep prediction 0 (MARS_SPEC §2): such a
+    row needs no masks at all. Never true for verify, whose τ is a proposal floor."""
+    return metric in ("probability", "margin") and tau is not None and tau >= 1.0
+
+
 def threshold_count(passed: list[bool], limit: int) -> int:
     """Prediction 0 always; then predictions while they pass; at most ``limit``."""
     count = min(1, limit)

@@ -246,6 +246,9 @@ class MARSBlockCache(DynamicCache):
         return sum(getattr(layer, "num_copied_entries", 0) for layer in self.layers)
 
 
+CACHE_SCHEMES = ("cursor", "block", "none")
+
+
 # ------------------------------------------------------------------------------------------------
 # How the cache is kept: which rows decide in a step and how many fed tokens each keeps (§3)
 # ------------------------------------------------------------------------------------------------
@@ -316,4 +319,4 @@ def make_scheme(name: str, block: int):
         return BlockScheme(block)
     if name == "none":
         return NoCacheScheme()
-    raise ValueError(f"`mars_cache` must be one of ('cursor', 'block', 'none'), got {name!r}.")
+    raise ValueError(f"`mars_cache` must be one of {CACHE_SCHEMES}, got {name!r}.")

@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, StepDecisions
+from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, StepDecisions, one_token_per_step
 from .cache import MARSBlockCache, make_scheme
 from .layouts import LAYOUTS, idle_plan, pack, plan_row
 
@@ -97,8 +97,7 @@ class _Row:
         self.verify = settings.acceptance == "verify"
         self.metric = settings.acceptance
         tau = settings.threshold
-        one_token = not self.verify and settings.acceptance in ("probability", "margin") and tau >= 1.0
-        self.window = 0 if one_token else window
+        self.window = 0 if one_token_per_step(settings.acceptance, tau) else window
         self.tau = float(tau) if tau is not None else 0.0
         self.floor = floor
         self.eos = frozenset(settings.eos_token_ids)
@@ -260,8 +259,7 @@ class MARSBatchDecoder:
                     row.floor = float(tau)
                 else:
                     row.tau = float(tau)
-                    one_token = row.metric in ("probability", "margin") and tau >= 1.0
-                    row.window = 0 if one_token else self.window
+                    row.window = 0 if one_token_per_step(row.metric, tau) else self.window
                 return
         raise KeyError(f"no row {row_id}")
 
@@ -340,9 +338,6 @@ class MARSBatchDecoder:
             if row.finished:
                 row.drafts, row.proposal = [], None
             updates.append(RowUpdate(row.row_id, tokens, row.finished, reason, checked[i], kept_drafts))
-        if not self.scheme.uses_cache:
-            for row in rows:
-                row.committed = 0
         return updates
 
     # ------------------------------------------------------------------------------- the forward

@@ -33,15 +33,14 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .acceptance import ACCEPTANCE_RULES, ScoreProcessing
-from .cache import MARSBlockCache
+from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, one_token_per_step
+from .cache import CACHE_SCHEMES, MARSBlockCache
 from .decoder import MARSBatchDecoder, RowSettings, RowUpdate  # noqa: F401  (public re-exports)
 from .layouts import LAYOUTS
 
 logger = logging.getLogger(__name__)
 
 ACCEPTANCE_METRICS = ACCEPTANCE_RULES
-CACHE_SCHEMES = ("cursor", "block", "none")
 DEFAULT_CACHE_BLOCK = 16
 _MARS_KWARGS = (
     "mars_block_size",
@@ -326,8 +325,6 @@ def mars_generate(
         raise ValueError(f"`mars_acceptance` must be one of {ACCEPTANCE_RULES}, got {acceptance!r}.")
     if scheme not in CACHE_SCHEMES:
         raise ValueError(f"`mars_cache` must be one of {CACHE_SCHEMES}, got {scheme!r}.")
-    if layout is not None and layout not in LAYOUTS:
-        raise ValueError(f"`mars_layout` must be one of {LAYOUTS}, got {layout!r}.")
     if getattr(generation_config, "num_beams", 1) not in (None, 1):
         raise ValueError("MARS decoding does not support beam search; set `num_beams=1`.")
     if model.config.is_encoder_decoder:
@@ -366,13 +363,14 @@ def mars_generate(
     pad_token_id = _pad_token(generation_config, eos_ids)
     # room for the provisional tokens of a step past the last one kept (processors and stop criteria read them)
     sequences = torch.full(
-        (batch_size, prompt_length + max_new + window + 2), pad_token_id, dtype=torch.long, device=input_ids.device
+        (batch_size, prompt_length + max_new + window + 2),
+        pad_token_id,
+        dtype=torch.long,
+        device=input_ids.device,
     )
     sequences[:, :prompt_length] = input_ids
     processing = ScoreProcessing(logits_processor, sequences)
-    one_token = all(
-        acceptance in ("probability", "margin") and tau is not None and tau >= 1.0 for tau in taus
-    )
+    one_token = all(one_token_per_step(acceptance, tau) for tau in taus)
     decoder = MARSBatchDecoder(
         model,
         max_rows=batch_size,
@@ -420,7 +418,8 @@ def mars_generate(
         places = []
         for update in updates:
             b = update.row_id
-            places += [(b, prompt_length + len(generated[b]) + j) for j in range(len(update.tokens))]
+            if needs_buffer:
+                places += [(b, prompt_length + len(generated[b]) + j) for j in range(len(update.tokens))]
             generated[b] += update.tokens
             counts[b], proposed[b], accepted[b] = (
                 len(update.tokens),
@@ -429,7 +428,7 @@ def mars_generate(
             )
             if update.finished:
                 decoder.drop_row(b)
-        if places and needs_buffer:
+        if places:
             rows = torch.tensor([b for b, _ in places], device=sequences.device)
             columns = torch.tensor([c for _, c in places], device=sequences.device)
             sequences[rows, columns] = torch.tensor(
