@@ -311,40 +311,30 @@ def completion_response(request_id: str, model: str, text: str, finish_reason: s
     }
 
 
-def chat_chunk(request_id, model, *, delta=None, finish_reason=None, usage_=None, created=None) -> dict:
-    choices = (
-        []
-        if delta is None and finish_reason is None
-        else [{"index": 0, "delta": delta or {}, "finish_reason": finish_reason, "logprobs": None}]
-    )
+def _stream_chunk(request_id, model, kind, choice, usage_, created) -> dict:
+    """One SSE chunk; ``choice`` None gives an empty ``choices`` list (the final usage-only chunk)."""
     chunk = {
         "id": request_id,
-        "object": "chat.completion.chunk",
+        "object": kind,
         "created": created or int(time.time()),
         "model": model,
-        "choices": choices,
+        "choices": [] if choice is None else [{"index": 0, **choice, "logprobs": None}],
     }
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
+
+
+def chat_chunk(request_id, model, *, delta=None, finish_reason=None, usage_=None, created=None) -> dict:
+    empty = delta is None and finish_reason is None
+    choice = None if empty else {"delta": delta or {}, "finish_reason": finish_reason}
+    return _stream_chunk(request_id, model, "chat.completion.chunk", choice, usage_, created)
 
 
 def completion_chunk(request_id, model, *, text=None, finish_reason=None, usage_=None, created=None) -> dict:
-    choices = (
-        []
-        if text is None and finish_reason is None
-        else [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
-    )
-    chunk = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created or int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
+    empty = text is None and finish_reason is None
+    choice = None if empty else {"text": text or "", "finish_reason": finish_reason}
+    return _stream_chunk(request_id, model, "text_completion", choice, usage_, created)
 
 
 class TextAssembler:
