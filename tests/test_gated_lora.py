@@ -26,7 +26,7 @@ from mars_hf.config import MARSConfig
 from mars_hf.generation import enable_mars
 from mars_hf.modeling import load_mars_model
 from mars_hf.trainer import MARSTrainer
-from tests.test_hub import bare_venv  # noqa: F401, F811 - session fixture: a venv with torch + transformers only
+from tests.bare_venv import run_in_bare_venv
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -514,7 +514,7 @@ BARE_VENV_GATED = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_gated_checkpoint_through_custom_generate_in_a_bare_venv(trained_gated, tmp_path, bare_venv):  # noqa: F811
+def test_gated_checkpoint_through_custom_generate_in_a_bare_venv(trained_gated, tmp_path, bare_venv):
     """torch + transformers only: the base model + custom_generate=<gated checkpoint> decodes like mars_hf."""
     peft_model, tokenizer, base_dir, folder, _ = trained_gated
     enable_mars(peft_model.get_base_model())
@@ -522,20 +522,8 @@ def test_gated_checkpoint_through_custom_generate_in_a_bare_venv(trained_gated, 
     common = dict(max_new_tokens=12, do_sample=False)
     expected_tau = peft_model.generate(**inputs, mars_threshold=0.5, **common).tolist()
     base_greedy = peft_model.generate(**inputs, **common).tolist()
-    (tmp_path / "run.py").write_text(BARE_VENV_GATED)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
     batch = json.dumps({key: value.tolist() for key, value in inputs.items()})
-    run = subprocess.run(
-        [str(bare_venv), str(tmp_path / "run.py"), str(folder), str(base_dir), batch],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_in_bare_venv(bare_venv, BARE_VENV_GATED, [folder, base_dir, batch], tmp_path)
     assert result["missing"] == {"mars_hf": True, "peft": True, "trl": True}
     assert result["tau"] == expected_tau
     assert result["verify"] == base_greedy == result["greedy"]

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from mars_hf import hub
 from mars_hf.mask_token import add_mask_token, set_mars_config
 from mars_hf.modeling import AutoMARSModelForCausalLM, load_mars_model, resolve_block_size
+from tests.bare_venv import run_in_bare_venv
 from tests.tiny import tiny_model, tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -652,20 +653,6 @@ BARE_VENV_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="session")
-def bare_venv(tmp_path_factory):
-    """A virtual environment with only torch and transformers (no mars_hf, peft or trl)."""
-    root = tmp_path_factory.mktemp("bare_venv")
-    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
-    python = root / "bin" / "python"
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "transformers==5.24.0"],
-        check=True,
-        timeout=1500,
-    )
-    return python
-
-
 @pytest.mark.slow
 def test_custom_generate_in_a_venv_with_only_torch_and_transformers(saved, tokenizer, tmp_path, bare_venv):
     model, folder, _ = saved
@@ -676,19 +663,13 @@ def test_custom_generate_in_a_venv_with_only_torch_and_transformers(saved, token
     repo_id = "someone/tiny-mars-blk4"
     cache = tmp_path / "hub_cache"
     put_in_hub_cache(folder, cache, repo_id)
-    (tmp_path / "run.py").write_text(BARE_VENV_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "hf_home"))
-    run = subprocess.run(
-        [str(bare_venv), str(tmp_path / "run.py"), str(folder), repo_id, batch_json(tokenizer)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = run_in_bare_venv(
+        bare_venv,
+        BARE_VENV_SCRIPT,
+        [folder, repo_id, batch_json(tokenizer)],
+        tmp_path,
+        HF_HUB_CACHE=str(cache),
     )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["missing"] == {"mars_hf": True, "peft": True, "trl": True}
     assert result["local"] == expected
     assert result["hub_id"] == expected

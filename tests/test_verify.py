@@ -7,9 +7,6 @@ verify must be distributed as ordinary sampling. float64 tiny models, so equalit
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import textwrap
 
 import pytest
@@ -19,8 +16,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, StoppingCriteri
 from mars_hf.acceptance import verify_sampled
 from mars_hf.decoder import MARSBatchDecoder, RowSettings
 from mars_hf.generation import enable_mars
+from tests.bare_venv import run_in_bare_venv
 from tests.test_generation import PEAKED_ARCHS, PROMPTS, SCHEMES, Recorder, StopOnToken, _batch, peaked_model
-from tests.test_hub import bare_venv  # noqa: F401  (session fixture: a venv with only torch + transformers)
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
 LAYOUTS = ["linear", "quadratic"]
@@ -350,26 +347,14 @@ VERIFY_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_verify_through_custom_generate_without_mars_hf(tmp_path, tok, bare_venv):  # noqa: F811
+def test_verify_through_custom_generate_without_mars_hf(tmp_path, tok, bare_venv):
     from mars_hf import hub
     from tests.test_hub import batch_json, confident_model
 
     model = confident_model("qwen2")
     folder = tmp_path / "ckpt"
     hub.save_pretrained(model, tok, folder, base_model="tiny")
-    (tmp_path / "run.py").write_text(VERIFY_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
-    run = subprocess.run(
-        [str(bare_venv), str(tmp_path / "run.py"), str(folder), batch_json(tok)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_in_bare_venv(bare_venv, VERIFY_SCRIPT, [folder, batch_json(tok)], tmp_path)
     assert result["missing"] == {"mars_hf": True, "peft": True, "trl": True}
     local = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     from tests.test_hub import batch
