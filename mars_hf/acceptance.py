@@ -186,10 +186,13 @@ class StepDecisions:
     ``drafts`` / ``proposal``, its settings and ``processing``; plans come from ``layouts``.
     """
 
-    def __init__(self, logits, where, *, window: int, stopping_criteria=None, score_records=None):
+    def __init__(
+        self, logits, where, *, window: int, stopping_criteria=None, score_records=None, calibration=None
+    ):
         self.logits = logits
         self.where = where  # chunk column -> index in ``logits``' second dimension
         self.window = window
+        self.calibration = calibration  # calibration.ConfidenceCalibration: mask k's probability -> P(own token)
         self.stopping_criteria = stopping_criteria
         self.score_records = score_records
 
@@ -230,6 +233,9 @@ class StepDecisions:
                 )
             # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
             chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
+            if self.calibration is not None and metric == "probability":
+                for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
+                    self.calibration.apply_span(values, start + 1, count - 1, first_offset=1)
             for i, (start, count) in zip(group, spans):
                 row = rows[i]
                 chosen = [int(t) for t in chosen_all[start : start + count]]
@@ -326,6 +332,9 @@ class StepDecisions:
             proposal = None
             confidence, tokens = torch.softmax(scores, -1).max(-1)
         tokens, confidence = tokens.tolist(), confidence.tolist()
+        if self.calibration is not None:  # draft j of a group is mask j + 1
+            for n in range(len(followers)):
+                self.calibration.apply_span(confidence, n * self.window, self.window, first_offset=1)
         for n, (i, _) in enumerate(followers):
             row = rows[i]
             start, width = n * self.window, self.window

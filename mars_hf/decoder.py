@@ -28,6 +28,7 @@ from transformers.generation.logits_process import (
 
 from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, StepDecisions, one_token_per_step
 from .cache import MARSBlockCache, make_scheme
+from .calibration import calibration_for
 from .layouts import LAYOUTS, idle_plan, pack, plan_row
 
 # CPU matrix kernels (MKL/oneDNN in the torch CPU wheels) take a much slower path when a linear layer
@@ -182,6 +183,7 @@ class MARSBatchDecoder:
         self.score_records: list | None = None  # set to a list to keep (row, start, scores, logits)
         self._next_id = 0
         self._dtype = next(model.parameters()).dtype
+        self.calibration = calibration_for(model, window)  # None: raw confidences (no config.mars calibration)
 
     # ----------------------------------------------------------------------------- rows in and out
     @property
@@ -318,6 +320,7 @@ class MARSBatchDecoder:
             window=self.window,
             stopping_criteria=self.stopping_criteria,
             score_records=self.score_records,
+            calibration=self.calibration,
         )
         if threshold_rows:
             outcome.update(decisions.threshold(rows, plans, threshold_rows))

@@ -40,6 +40,7 @@ CUSTOM_GENERATE_FILES = {
     "layouts.py": "layouts.py",
     "acceptance.py": "acceptance.py",
     "gated_lora.py": "gated_lora.py",
+    "calibration.py": "calibration.py",
 }
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
 _ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}
