@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
+from .mask_token import MASK_PLACEMENTS
+
 CLEAN_LOSSES = ("ce", "kl_to_base")
 ADAPTER_GATINGS = ("mask",)
 MASK_TARGETS = ("hard", "soft")
@@ -29,7 +31,16 @@ class MARSConfig(SFTConfig):
             `loss = (Σ noisy CE + ar_weight · Σ clean term) / N`. `0` drops it (the paper's ablation, which
             degrades badly at large blocks).
         mask_token (`str`, *optional*, defaults to `"<|mask|>"`):
-            Mask token added to the tokenizer when it has none (a tokenizer's own mask token is reused).
+            Mask token added to the tokenizer when it has none (a tokenizer's own mask token is reused). With
+            `mask_token_placement="reuse_token"`, the existing token to make the mask token.
+        mask_token_placement (`str`, *optional*, defaults to `"append"`):
+            Where the mask token goes when the tokenizer has none (`mars_hf.add_mask_token`): `"append"` adds a
+            token (on a spare embedding row if there is one, else the embeddings grow by one row);
+            `"spare_row"` uses a spare row and never resizes; `"reuse_token"` turns an existing unused special
+            token into the mask (`mask_token` if the tokenizer has it, else one found automatically);
+            `"keep_vocab_size"` is `"spare_row"` when possible, else `"reuse_token"`. A model served as a
+            separate drafter (vLLM parallel drafting, `mars-hf export --for vllm`) must keep its base vocabulary
+            size, so it needs one of the last three.
         pad_to_block_with_eos (`bool`, *optional*, defaults to `True`):
             Right-pad each example that really ends with EOS to a multiple of `block_size` with supervised EOS
             tokens (done by the data collator, §1.5). Examples cut at `max_length` are never padded.
@@ -68,6 +79,16 @@ class MARSConfig(SFTConfig):
     mask_token: str = field(
         default="<|mask|>",
         metadata={"help": "Mask token added to the tokenizer if it has none (an existing one is reused)."},
+    )
+    mask_token_placement: str = field(
+        default="append",
+        metadata={
+            "help": "Where the mask token goes if the tokenizer has none: 'append' (new token; grows the "
+            "embeddings when no spare row), 'spare_row', 'reuse_token' (an unused special token, or mask_token "
+            "if it exists) or 'keep_vocab_size' (spare row, else reuse). vLLM drafters need the vocabulary "
+            "size kept.",
+            "choices": list(MASK_PLACEMENTS),
+        },
     )
     pad_to_block_with_eos: bool = field(
         default=True,
@@ -125,6 +146,10 @@ class MARSConfig(SFTConfig):
         if self.adapter_gating not in (None, *ADAPTER_GATINGS):
             raise ValueError(
                 f"adapter_gating must be None or one of {ADAPTER_GATINGS}, got {self.adapter_gating!r}."
+            )
+        if self.mask_token_placement not in MASK_PLACEMENTS:
+            raise ValueError(
+                f"mask_token_placement must be one of {MASK_PLACEMENTS}, got {self.mask_token_placement!r}."
             )
         if self.mask_targets not in MASK_TARGETS:
             raise ValueError(f"mask_targets must be one of {MASK_TARGETS}, got {self.mask_targets!r}.")

@@ -17,27 +17,153 @@ DEFAULT_MASK_TOKEN = "<|mask|>"
 MARS_FORMAT_VERSION = 1
 
 
-def add_mask_token(model, tokenizer, mask_token: str = DEFAULT_MASK_TOKEN) -> int:
-    """Make sure ``tokenizer`` has a mask token and ``model`` an embedding row for it.
+# Where the mask token goes (``add_mask_token(placement=...)``, ``MARSConfig.mask_token_placement``).
+# "append": the historical default (a new token; on a spare row when there is one, else one more row).
+# The other three never change the vocabulary size, which serving the model as a separate drafter
+# needs (vLLM requires the drafter's vocab_size to equal the target's; docs/serving_at_scale.md).
+MASK_PLACEMENTS = ("append", "spare_row", "reuse_token", "keep_vocab_size")
 
-    Reuses the tokenizer's own mask token when it has one. Otherwise adds ``mask_token`` as a special
-    token. The embedding matrix is resized only when the tokenizer outgrows it (many checkpoints
-    reserve spare rows), and every new row starts at the mean of the existing rows, which keeps the
-    first MARS steps close to the base model. Returns the mask token id.
+
+def add_mask_token(
+    model, tokenizer, mask_token: str = DEFAULT_MASK_TOKEN, *, placement: str = "append"
+) -> int:
+    """Make sure ``tokenizer`` has a mask token and ``model`` an embedding row for it; return its id.
+
+    A tokenizer's own mask token is always reused. Otherwise ``placement`` decides:
+
+    * ``"append"`` (default): add ``mask_token`` as a special token. The embeddings are resized only
+      when the tokenizer outgrows them (many checkpoints reserve spare rows); new rows start at the
+      mean of the existing rows, which keeps the first MARS steps close to the base model.
+    * ``"spare_row"``: add ``mask_token`` on the first spare embedding row (an id the tokenizer does not
+      use, e.g. Qwen2.5's reserved rows); raises when there is none. Never resizes.
+    * ``"reuse_token"``: make an existing special token the mask token: ``mask_token`` itself when the
+      tokenizer has it (the explicit choice), else one found by :func:`find_unused_special_token`.
+    * ``"keep_vocab_size"``: ``"spare_row"`` when a spare row exists, else ``"reuse_token"``.
+
+    The last three rewrite the chosen row (input, and output when untied) to the mean row, like a fresh
+    row: a spare row holds whatever pretraining left there and a reused token carries its old meaning.
+    ``config.mars["base_vocab_size"]`` records the row count before this call, so an exporter can tell
+    whether the vocabulary grew.
     """
-    if tokenizer.mask_token is None:
+    if placement not in MASK_PLACEMENTS:
+        raise ValueError(f"placement must be one of {MASK_PLACEMENTS}, got {placement!r}.")
+    rows = model.get_input_embeddings().weight.shape[0]
+    _record_base_vocab_size(model, rows)
+    if placement == "append":
+        if tokenizer.mask_token is None:
+            tokenizer.add_special_tokens({"mask_token": mask_token})
+            logger.info("Added mask token %r to the tokenizer.", mask_token)
+        return _append(model, tokenizer, rows)
+    if tokenizer.mask_token is not None:
+        mask_token_id = int(tokenizer.mask_token_id)
+        if mask_token_id >= rows:
+            raise ValueError(
+                f"The tokenizer's mask token {tokenizer.mask_token!r} has id {mask_token_id}, beyond the "
+                f"{rows}-row embedding matrix, so placement={placement!r} cannot keep the vocabulary size. "
+                "Use a tokenizer without a mask token, or placement='append'."
+            )
+        return mask_token_id
+    if placement == "keep_vocab_size":
+        placement = "spare_row" if len(tokenizer) < rows else "reuse_token"
+    if placement == "spare_row":
+        if len(tokenizer) >= rows:
+            raise ValueError(
+                f"The embedding matrix has no spare row: {rows} rows for a {len(tokenizer)}-token tokenizer. "
+                "Use placement='reuse_token' (an unused special token becomes the mask) or 'keep_vocab_size'."
+            )
+        if mask_token in tokenizer.get_vocab():
+            raise ValueError(
+                f"{mask_token!r} is already a token of this tokenizer; to make it the mask token use "
+                "placement='reuse_token'."
+            )
         tokenizer.add_special_tokens({"mask_token": mask_token})
-        logger.info("Added mask token %r to the tokenizer.", mask_token)
-    mask_token_id = tokenizer.mask_token_id
-    input_embeddings = model.get_input_embeddings()
-    old_rows = input_embeddings.weight.shape[0]
+        logger.info("Put mask token %r on spare embedding row %d.", mask_token, tokenizer.mask_token_id)
+    else:  # reuse_token
+        vocab = tokenizer.get_vocab()
+        if mask_token in vocab:
+            chosen = mask_token
+        elif mask_token != DEFAULT_MASK_TOKEN:
+            raise ValueError(
+                f"placement='reuse_token' with mask_token={mask_token!r}, but the tokenizer has no such token. "
+                "Name one of its tokens, or leave mask_token at its default to pick an unused special token."
+            )
+        else:
+            chosen = find_unused_special_token(tokenizer, max_id=rows)
+        tokenizer.mask_token = chosen
+        logger.warning(
+            "Using the existing token %r (id %d) as the mask token; it is no longer an ordinary token of this "
+            "model. To choose another, pass its text as mask_token with placement='reuse_token'.",
+            chosen,
+            tokenizer.mask_token_id,
+        )
+    mask_token_id = int(tokenizer.mask_token_id)
+    if mask_token_id >= rows:
+        raise ValueError(f"mask token id {mask_token_id} does not fit the {rows}-row embedding matrix.")
+    _fill_rows_with_mean(model, [mask_token_id])
+    return mask_token_id
+
+
+def find_unused_special_token(tokenizer, max_id: int | None = None) -> str:
+    """The highest-id special token that nothing names: not bos/eos/pad/unk/... and not in the chat template.
+
+    Such tokens are reserved by the tokenizer (SmolLM2's code-pretraining markers ``<repo_name>`` ...
+    ``<empty_output>``) and never produced in chat use. The highest id is taken so that the choice is
+    deterministic; pass a token explicitly when you know better.
+    """
+    named = set(tokenizer.all_special_tokens)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if isinstance(tokenizer.chat_template, dict):
+        template = " ".join(tokenizer.chat_template.values())
+    candidates = [
+        (int(token_id), added.content)
+        for token_id, added in tokenizer.added_tokens_decoder.items()
+        if added.special
+        and added.content not in named
+        and added.content not in template
+        and (max_id is None or int(token_id) < max_id)
+    ]
+    if not candidates:
+        raise ValueError(
+            "The tokenizer has no unused special token (every special token is named or used by the chat "
+            "template) and the embedding matrix has no spare row, so the mask token cannot be placed without "
+            "resizing. Use placement='append' (the vocabulary grows by one row), or name a token to reuse."
+        )
+    return max(candidates)[1]
+
+
+def _record_base_vocab_size(model, rows: int) -> None:
+    mars = dict(getattr(model.config, "mars", None) or {})
+    mars.setdefault("base_vocab_size", int(rows))
+    model.config.mars = mars
+
+
+def _append(model, tokenizer, old_rows: int) -> int:
+    """The historical path: grow the embeddings only if the tokenizer outgrew them (new rows = mean)."""
     if len(tokenizer) > old_rows:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         _fill_new_rows_with_mean(model, old_rows)
         logger.info("Resized token embeddings from %d to %d rows.", old_rows, len(tokenizer))
-    elif mask_token_id >= old_rows:  # pragma: no cover - defensive, tokenizer ids are < len(tokenizer)
-        raise ValueError(f"mask token id {mask_token_id} does not fit the {old_rows}-row embedding matrix.")
-    return int(mask_token_id)
+    mask_token_id = int(tokenizer.mask_token_id)
+    if mask_token_id >= model.get_input_embeddings().weight.shape[0]:  # pragma: no cover - defensive
+        raise ValueError(f"mask token id {mask_token_id} does not fit the embedding matrix.")
+    return mask_token_id
+
+
+@torch.no_grad()
+def _fill_rows_with_mean(model, ids: list[int]) -> None:
+    """Set rows ``ids`` of the input (and untied output) embeddings to the mean of the other rows."""
+    matrices = [model.get_input_embeddings().weight]
+    output = model.get_output_embeddings()
+    if output is not None and output.weight.data_ptr() != matrices[0].data_ptr():
+        matrices.append(output.weight)
+    for weight in matrices:
+        keep = torch.ones(weight.shape[0], dtype=torch.bool, device=weight.device)
+        keep[ids] = False
+        weight[ids] = weight[keep].mean(dim=0, keepdim=True)
+    if output is not None and getattr(output, "bias", None) is not None:
+        keep = torch.ones(output.bias.shape[0], dtype=torch.bool, device=output.bias.device)
+        keep[ids] = False
+        output.bias[ids] = output.bias[keep].mean()
 
 
 @torch.no_grad()

@@ -198,7 +198,9 @@ class MARSTrainer(SFTTrainer):
                 )
             mask_token_id = int(tokenizer.mask_token_id)
         else:
-            mask_token_id = add_mask_token(base, tokenizer, args.mask_token)
+            mask_token_id = add_mask_token(
+                base, tokenizer, args.mask_token, placement=getattr(args, "mask_token_placement", "append")
+            )
         previous = getattr(base.config, "mars", None) or {}
         if previous.get("block_size") not in (None, args.block_size):
             logger.warning(
