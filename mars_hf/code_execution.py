@@ -1,19 +1,31 @@
 """Run generated code (HumanEval completions and their tests) in a separate, limited process.
 
 Every program runs in a fresh ``python -I`` process started through a small launcher that, before
-the program starts, applies the guards this machine offers:
+the program starts, applies the guards this machine offers (probed once, reported by
+:func:`active_guards`, and every missing one logged as a warning, never silent):
 
 * **resource limits** (``resource.setrlimit``): address space, CPU seconds, number of processes,
   size of any file written, no core dumps;
-* a **private temporary folder** (mode 0700) as working directory, ``HOME`` and ``TMPDIR``, removed
-  afterwards, and an environment with nothing but ``PATH``;
-* **no network**: a fresh, empty network namespace (``unshare --net``; ``--map-root-user`` when not
-  root) where this machine allows one, probed once. Where it does not, only an in-process ``socket``
-  guard remains, which the program itself can bypass: that fallback is logged as a warning and
-  reported in :func:`active_guards`, never silent;
+* a **private folder** (mode 0700), removed afterwards: working directory, ``HOME`` and ``TMPDIR``,
+  and an environment with nothing but ``PATH``;
+* **its own namespaces** through ``unshare`` (as root; ``--map-root-user`` otherwise), each where the
+  machine allows it:
+
+  - *network*: empty, so no connection leaves. Without it only an in-process ``socket`` guard
+    remains, which the program can bypass (``import _socket``).
+  - *PID*: the program is the namespace's first process, so at the timeout (or when it exits) the
+    kernel kills every process it started, however they detached (``setsid``, double fork, a
+    daemon that keeps stdout open). Without it only the program's process group is killed: a child
+    that called ``setsid`` survives the call (until its CPU limit, if it uses CPU).
+  - *mount*: ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` (the world-writable folders) are
+    views of the private folder, so nothing written there persists. Without it those writes land
+    in the machine's real folders and stay there.
+
 * an **unprivileged user** (``nobody``) when the evaluation runs as root, so the process cannot write
-  the caller's files and the process limit counts only its own processes;
-* its own session, so a timeout kills the program and everything it started.
+  the caller's files and the process limit counts only its own processes.
+
+The wall-clock bound holds in every case: output is read with a deadline, never until the pipe
+closes, so a detached process that keeps stdout open cannot hold the call up.
 
 This is a guard against accidents (an infinite loop, a runaway allocation, a stray ``rm`` or a
 download), not a security sandbox for hostile code.
@@ -23,20 +35,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
 import os
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 NOBODY_UID = NOBODY_GID = 65534
+NAMESPACES = ("net", "pid", "mount")
+# The world-writable folders a program could leave files in; with a mount namespace each is a view of
+# the private folder (those that exist here as real folders, not links).
+PRIVATE_VIEWS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+EXIT_GRACE_SECONDS = 0.5  # after the program exits: how long to read what a leftover process still writes
+KILL_GRACE_SECONDS = 2.0  # for the PID namespace to empty after its first process is killed
+OUTPUT_KEEP = 2000  # characters of output kept (the end)
 
 _SOCKET_GUARD = """\
 import socket as _socket
@@ -51,11 +73,33 @@ for _name in ("socket", "create_connection", "create_server", "getaddrinfo", "so
 del _name, _socket
 """
 
-# Runs first in the child (one thread, nothing imported but the standard library): limits, then the
-# privilege drop, then exec of the program itself (limits survive exec).
+# Runs first in the child (one thread, nothing imported but the standard library), inside the
+# namespaces: the private views (binding the working folder, "."); with a PID namespace, a fork, so that
+# the program is the namespace's first process while this one waits and ends as it ended (the signal
+# included; `unshare --fork` reports signals wrongly in util-linux 2.38); limits, then the privilege
+# drop, then exec of the program itself (limits survive exec).
 _LAUNCHER = """\
-import json, os, resource, sys
+import json, os, resource, signal, sys
 settings = json.loads(sys.argv[1])
+if settings["views"]:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    for view in settings["views"]:
+        if libc.mount(b".", view.encode(), None, 4096, None) != 0:  # MS_BIND
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot bind the private folder onto {view}: {os.strerror(error)}")
+    os.chdir(settings["views"][0])
+if settings["pid_namespace"]:
+    child = os.fork()
+    if child:
+        status = os.waitpid(child, 0)[1]
+        if os.WIFSIGNALED(status):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            if os.WTERMSIG(status) != signal.SIGKILL:
+                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+            os._exit(128 + os.WTERMSIG(status))
+        os._exit(os.waitstatus_to_exitcode(status) % 256)
 for name, value in settings["limits"].items():
     resource.setrlimit(getattr(resource, name), (value, value))
 if settings["drop_to"] is not None:
@@ -63,8 +107,11 @@ if settings["drop_to"] is not None:
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
+if settings["pid_namespace"]:  # after the drop, which clears it: end with the waiting parent
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 interpreter = settings["interpreter"]
-if settings["program"] == "-c":  # the probe: can this user start this interpreter?
+if settings["program"] == "-c":  # the probe: can this user start this interpreter here?
     os.execv(interpreter, [interpreter, "-I", "-c", "pass"])
 os.execv(interpreter, [interpreter, "-I", "-B", settings["program"]])
 """
@@ -99,24 +146,21 @@ class ProgramResult:
     returncode: int | None = None
 
 
-@functools.lru_cache(maxsize=1)
-def _network_namespace_prefix() -> tuple[str, ...]:
-    """The ``unshare`` command that gives a child an empty network namespace here, or ``()`` (probed once)."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return ()
-    candidates = [(unshare, "--net")] if os.geteuid() == 0 else []
-    candidates.append((unshare, "--net", "--map-root-user"))
-    for prefix in candidates:
-        try:
-            probe = subprocess.run(
-                [*prefix, sys.executable, "-I", "-c", "pass"], capture_output=True, timeout=10
-            )
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if probe.returncode == 0:
-            return prefix
-    return ()
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    """How programs start on this machine: the ``unshare`` prefix and the namespaces it gives, the
+    user to switch to (``None``: unchanged) and the interpreter that user can run."""
+
+    prefix: tuple[str, ...]
+    namespaces: frozenset[str]
+    drop: tuple[int, int] | None
+    interpreter: str
+
+    def views(self) -> list[str]:
+        """The world-writable folders that become views of the private folder (mount namespace only)."""
+        if "mount" not in self.namespaces:
+            return []
+        return [v for v in PRIVATE_VIEWS if os.path.isdir(v) and not os.path.islink(v)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,49 +176,103 @@ def _unprivileged_interpreter() -> tuple[tuple[int, int] | None, str]:
     drop = (NOBODY_UID, NOBODY_GID)
     candidates = [sys.executable, shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")]
     for interpreter in dict.fromkeys(c for c in candidates if c):
-        settings = {"limits": {}, "drop_to": drop, "program": "-c", "interpreter": interpreter}
-        command = [interpreter, "-I", "-c", _LAUNCHER, json.dumps(settings)]
-        try:
-            probe = subprocess.run(command, capture_output=True, timeout=10, cwd="/")
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if probe.returncode == 0:
+        if _launches((), Isolation((), frozenset(), drop, interpreter)):
             return drop, interpreter
     return None, sys.executable
+
+
+def _launches(prefix: tuple[str, ...], isolation: Isolation) -> bool:
+    """Whether the launcher starts an interpreter under ``prefix`` with ``isolation``'s user and views."""
+    folder = tempfile.mkdtemp(prefix="mars_hf_probe_")
+    try:
+        if isolation.drop is not None:
+            os.chown(folder, *isolation.drop)
+        settings = {
+            "limits": {},
+            "drop_to": isolation.drop,
+            "program": "-c",
+            "interpreter": isolation.interpreter,
+            "views": isolation.views(),
+            "pid_namespace": "pid" in isolation.namespaces,
+        }
+        command = [*prefix, isolation.interpreter, "-I", "-c", _LAUNCHER, json.dumps(settings)]
+        probe = subprocess.run(command, capture_output=True, timeout=10, cwd=folder)
+        return probe.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _unshare_prefix(unshare: str, names: tuple[str, ...], flavour: tuple[str, ...]) -> tuple[str, ...]:
+    prefix = [unshare, *flavour]
+    if "net" in names:
+        prefix.append("--net")
+    if "pid" in names:  # the launcher's child (the program) becomes the namespace's first process
+        prefix.append("--pid")
+    if "mount" in names:  # unshare makes the new namespace's mounts private (nothing propagates back)
+        prefix.append("--mount")
+    return tuple(prefix)
+
+
+@functools.lru_cache(maxsize=1)
+def _isolation() -> Isolation:
+    """The most namespaces this machine gives a program (all three, then pairs, then one), probed once."""
+    drop, interpreter = _unprivileged_interpreter()
+    unshare = shutil.which("unshare")
+    if unshare is not None:
+        flavours = [()] if os.geteuid() == 0 else []
+        flavours.append(("--map-root-user",))
+        for size in range(len(NAMESPACES), 0, -1):
+            for names in itertools.combinations(NAMESPACES, size):
+                for flavour in flavours:
+                    prefix = _unshare_prefix(unshare, names, flavour)
+                    isolation = Isolation(prefix, frozenset(names), drop, interpreter)
+                    if _launches(prefix, isolation):
+                        return isolation
+    return Isolation((), frozenset(), drop, interpreter)
 
 
 def active_guards(limits: ExecutionLimits | None = None) -> dict:
     """Which guards generated code runs under on this machine (what :func:`run_program` applies)."""
     limits = limits or ExecutionLimits()
-    netns = _network_namespace_prefix()
-    drop, interpreter = _unprivileged_interpreter()
+    isolation = _isolation()
+    netns = "net" in isolation.namespaces
+    pidns = "pid" in isolation.namespaces
     rlimits = limits.rlimits()
     return {
-        "network_namespace": bool(netns),
+        "network_namespace": netns,
         "network": "empty network namespace" if netns else "in-process socket guard only (bypassable)",
-        "unprivileged_user": "nobody" if drop else None,
+        "pid_namespace": pidns,
+        "detached_processes": "killed with the PID namespace"
+        if pidns
+        else "only the process group is killed: a child that calls setsid survives",
+        "private_tmp_views": isolation.views(),
+        "unprivileged_user": "nobody" if isolation.drop else None,
         "resource_limits": {
             "memory_mb": limits.memory_mb,
             "cpu_seconds": rlimits["RLIMIT_CPU"],
             # RLIMIT_NPROC does not bind root: only counted when the program runs as nobody.
-            "max_processes": limits.max_processes if drop or os.geteuid() != 0 else None,
+            "max_processes": limits.max_processes if isolation.drop or os.geteuid() != 0 else None,
             "max_file_mb": limits.max_file_mb,
         },
         "private_tmp": True,
-        "interpreter": interpreter,
+        "interpreter": isolation.interpreter,
         "timeout_seconds": limits.timeout,
     }
 
 
 @functools.lru_cache(maxsize=1)
 def log_guards() -> None:
-    """Say once which guards are active; the missing network namespace is a warning."""
+    """Say once which guards are active; each missing namespace (or user switch) is a warning."""
     guards = active_guards()
     limits = guards["resource_limits"]
     logger.info(
-        "Generated code runs in a separate process: %s; user %s; limits: %d MB memory, %d s CPU, %s processes, "
-        "%d MB per file; private temporary folder.",
+        "Generated code runs in a separate process: %s; %s; private views of %s; user %s; limits: %d MB "
+        "memory, %d s CPU, %s processes, %d MB per file; private folder.",
         guards["network"],
+        "own PID namespace" if guards["pid_namespace"] else "no PID namespace",
+        ", ".join(guards["private_tmp_views"]) or "nothing",
         guards["unprivileged_user"] or "unchanged (not root)",
         limits["memory_mb"],
         limits["cpu_seconds"],
@@ -191,32 +289,129 @@ def log_guards() -> None:
             "No network namespace for generated code on this machine (`unshare --net` failed or is missing): "
             "only an in-process socket guard is active, which the program can bypass."
         )
+    if not guards["pid_namespace"]:
+        logger.warning(
+            "No PID namespace for generated code on this machine (`unshare --pid` failed or is "
+            "missing): a timeout kills the program's process group, but a child that calls setsid survives."
+        )
+    if not guards["private_tmp_views"]:
+        logger.warning(
+            "No mount namespace for generated code on this machine (`unshare --mount` failed or is missing): "
+            "files it writes to /tmp, /var/tmp or /dev/shm stay there."
+        )
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (with a PID namespace: the namespace's first process)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as handle:
+            return [int(child) for child in handle.read().split()]
+    except OSError:
+        pass
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    if int(handle.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        children.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return children
+
+
+def _read_until_exit(process: subprocess.Popen, deadline: float) -> tuple[bytes, bool]:
+    """The program's output, and whether it exited by ``deadline``.
+
+    Reads until the program exits, then what is still in the pipe (until EOF or a short grace), never
+    past the deadline: a process that detached and keeps stdout open cannot hold the call up.
+    """
+    output = bytearray()
+    fd = process.stdout.fileno()
+    os.set_blocking(fd, False)
+    exited_at = None
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        eof = False
+        while True:
+            now = time.monotonic()
+            if exited_at is None and process.poll() is not None:
+                exited_at = now
+            if exited_at is not None and (eof or now >= exited_at + EXIT_GRACE_SECONDS):
+                break
+            if now >= deadline:
+                break
+            if eof:  # stdout closed but the program runs on: wait for it, not for the pipe
+                try:
+                    process.wait(timeout=deadline - now)
+                except subprocess.TimeoutExpired:
+                    pass
+                continue
+            end = deadline if exited_at is None else min(deadline, exited_at + EXIT_GRACE_SECONDS)
+            if selector.select(min(end - now, 0.05)):
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    eof = True
+                    continue
+                output += chunk
+                if len(output) > 4 * OUTPUT_KEEP:
+                    del output[: -4 * OUTPUT_KEEP]
+    return bytes(output), exited_at is not None
+
+
+def _kill_everything(process: subprocess.Popen, pid_namespace: bool) -> None:
+    """Kill the program and all it started; wait for them where a PID namespace makes that possible."""
+    if process.poll() is None and pid_namespace:
+        # Killing the namespace's first process makes the kernel kill the rest, and the launcher (its
+        # parent, which waits for it) exits once the namespace is empty.
+        for child in _children(process.pid):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            process.wait(timeout=KILL_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # the session's group: the launcher, or without a PID namespace the program and its undetached children
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+    process.stdout.close()
 
 
 def run_program(program: str, limits: ExecutionLimits | None = None, **overrides) -> ProgramResult:
     """Run ``program``; it passes when it exits with status 0 within the timeout.
 
     ``limits`` (or keyword overrides such as ``timeout=5``) set the resource limits; see the module
-    docstring for the guards.
+    docstring for the guards. Returns by ``timeout`` (plus the moment killing takes) in every case.
     """
     limits = dataclasses.replace(limits or ExecutionLimits(), **overrides)
     log_guards()
-    drop, interpreter = _unprivileged_interpreter()
+    isolation = _isolation()
     folder = Path(tempfile.mkdtemp(prefix="mars_hf_exec_"))
     try:
-        if drop is not None:
-            os.chown(folder, *drop)
-        path = folder / "candidate.py"
-        path.write_text(_SOCKET_GUARD + "\n" + program, encoding="utf-8")
+        if isolation.drop is not None:
+            os.chown(folder, *isolation.drop)
+        (folder / "candidate.py").write_text(_SOCKET_GUARD + "\n" + program, encoding="utf-8")
+        views = isolation.views()
+        inside = views[0] if views else str(folder)  # the private folder as the program sees it
         settings = {
             "limits": limits.rlimits(),
-            "drop_to": drop,
-            "program": str(path),
-            "interpreter": interpreter,
+            "drop_to": isolation.drop,
+            "program": f"{inside}/candidate.py",
+            "interpreter": isolation.interpreter,
+            "views": views,
+            "pid_namespace": "pid" in isolation.namespaces,
         }
-        command = [*_network_namespace_prefix(), interpreter, "-I", "-c", _LAUNCHER, json.dumps(settings)]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(folder), "TMPDIR": str(folder)}
+        command = [*isolation.prefix, isolation.interpreter, "-I", "-c", _LAUNCHER, json.dumps(settings)]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": inside, "TMPDIR": inside}
         env.update({"PYTHONHASHSEED": "0", "no_proxy": "*"})
+        deadline = time.monotonic() + limits.timeout
         process = subprocess.Popen(
             command,
             cwd=folder,
@@ -227,15 +422,12 @@ def run_program(program: str, limits: ExecutionLimits | None = None, **overrides
             start_new_session=True,
         )
         try:
-            output, _ = process.communicate(timeout=limits.timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.communicate()
-            return ProgramResult(False, "timed out", returncode=process.returncode)
-        text = output.decode("utf-8", errors="replace")[-2000:]
+            output, exited = _read_until_exit(process, deadline)
+        finally:
+            _kill_everything(process, "pid" in isolation.namespaces)
+        text = output.decode("utf-8", errors="replace")[-OUTPUT_KEEP:]
+        if not exited:
+            return ProgramResult(False, "timed out", text, process.returncode)
         passed = process.returncode == 0
         return ProgramResult(passed, "passed" if passed else "failed", text, process.returncode)
     finally:

@@ -1,9 +1,14 @@
 """The generated-code executor (mars_hf/code_execution.py): every guard checked by a program that trips it."""
 
+import dataclasses
+import glob
 import logging
 import os
+import signal
 import socket
+import tempfile
 import time
+import uuid
 
 import pytest
 
@@ -37,6 +42,87 @@ def test_timeout_kills_the_program_and_its_children():
     assert time.monotonic() - start < 15
 
 
+def _holders(marker: str) -> list[int]:
+    """Host pids of live processes whose command line carries ``marker`` (zombies have none)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    if marker.encode() in handle.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _detaching_program(marker: str, main_sleeps: bool) -> str:
+    """A child that leaves our process group (setsid), forks again, keeps stdout open and sleeps 60 s; it
+    prints its host pid first (``/proc/self`` names the pid in the namespace /proc was mounted in)."""
+    return (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        print('grandchild', os.readlink('/proc/self'), flush=True)\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.5)\n" + ("time.sleep(60)\n" if main_sleeps else "")
+    )
+
+
+@pytest.mark.parametrize("main_sleeps", [True, False], ids=["program-times-out", "program-exits"])
+def test_a_detached_grandchild_neither_outlives_the_call_nor_holds_it_up(main_sleeps):
+    """setsid + double fork + stdout kept open: the call still returns by the deadline (a program that
+    exits at once passes at once), and the grandchild is dead afterwards (its pid, and any process with
+    its marker)."""
+    marker = f"mars-hf-detached-{uuid.uuid4().hex}"
+    start = time.monotonic()
+    timeout = 4 if main_sleeps else 20  # a program that exits must return well before its timeout
+    result = run_program(_detaching_program(marker, main_sleeps), timeout=timeout)
+    took = time.monotonic() - start
+    try:
+        # hang guards: the grandchild sleeps 60 s; the margin is for the kill on a loaded machine
+        assert took < timeout + 10, f"took {took:.1f} s for a {timeout} s timeout"
+        if main_sleeps:
+            assert result.status == "timed out"
+        else:
+            assert result.passed, result.output
+            assert took < timeout, "a program that exited waited for its detached grandchild"
+        pid = int(result.output.split("grandchild")[1].split()[0])
+        if GUARDS["pid_namespace"]:  # else it survives, as the guards say (the fallback has its own test)
+            assert not _holders(marker) and not _alive(pid)
+    finally:
+        for pid in _holders(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_writes_to_tmp_and_dev_shm_stay_in_the_private_folder():
+    """/tmp, /var/tmp and /dev/shm are views of the program's own folder: nothing it writes there persists."""
+    name = f"mars-hf-{uuid.uuid4().hex}"
+    program = "".join(
+        f"open({folder + '/' + name!r}, 'w').write('x')\n" for folder in ("/tmp", "/var/tmp", "/dev/shm")
+    )
+    try:
+        result = run_program(program)
+        assert result.passed, result.output
+        for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+            assert not os.path.exists(os.path.join(folder, name)), folder
+        assert {"/tmp", "/var/tmp", "/dev/shm"} <= set(GUARDS["private_tmp_views"])
+    finally:
+        for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+            if os.path.exists(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
+
+
 def test_cpu_time_limit_applies_even_with_a_long_wall_timeout():
     result = run_program("while True: pass\n", timeout=30, cpu_seconds=1)
     assert (
@@ -51,17 +137,22 @@ def test_memory_limit():
 
 
 def test_file_size_limit_and_private_working_folder():
+    name = f"mars-hf-{uuid.uuid4().hex}"
     program = (
         "import os, tempfile\n"
         "print(os.getcwd(), tempfile.gettempdir(), os.environ['HOME'])\n"
-        "open('small', 'wb').write(b'0' * 2**20)\n"
+        f"open({name!r}, 'wb').write(b'0' * 2**20)\n"
         "open('big', 'wb').write(b'0' * 8 * 2**20)\n"
     )
     result = run_program(program, max_file_mb=4)
     assert not result.passed and "File too large" in result.output
     cwd, tmp, home = result.output.splitlines()[0].split()
-    assert cwd == tmp == home and os.path.basename(cwd).startswith("mars_hf_exec_")
-    assert not os.path.exists(cwd)  # removed afterwards
+    assert cwd == tmp == home
+    if GUARDS["private_tmp_views"]:  # the private folder is the program's /tmp
+        assert cwd == "/tmp" and not os.path.exists(os.path.join("/tmp", name))
+    else:
+        assert os.path.basename(cwd).startswith("mars_hf_exec_")
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), "mars_hf_exec_*", name))  # removed afterwards
 
 
 def test_environment_is_emptied():
@@ -106,7 +197,8 @@ def test_runs_unprivileged_cannot_write_our_files_and_process_count_is_capped(tm
     ours.write_text("keep")
     os.chmod(tmp_path, 0o755)
     result = run_program(f"import os\nprint(os.getuid())\nopen({str(ours)!r}, 'a').write('x')\n")
-    assert not result.passed and "PermissionError" in result.output
+    hidden = GUARDS["private_tmp_views"] and str(ours).startswith("/tmp/")  # /tmp is the program's own
+    assert not result.passed and ("FileNotFoundError" if hidden else "PermissionError") in result.output
     assert result.output.splitlines()[0] == str(code_execution.NOBODY_UID)
     assert ours.read_text() == "keep"
     fork = "import subprocess\nps = [subprocess.Popen(['sleep', '5']) for _ in range(40)]\n"
@@ -116,20 +208,45 @@ def test_runs_unprivileged_cannot_write_our_files_and_process_count_is_capped(tm
     )
 
 
-def test_missing_network_namespace_is_logged_as_a_warning(monkeypatch, caplog):
-    monkeypatch.setattr(code_execution, "_network_namespace_prefix", lambda: ())
+@pytest.fixture
+def no_namespaces(monkeypatch):
+    """This machine as one where `unshare` gives nothing: only the fallbacks remain."""
+    bare = dataclasses.replace(code_execution._isolation(), prefix=(), namespaces=frozenset())
+    monkeypatch.setattr(code_execution, "_isolation", lambda: bare)
     code_execution.log_guards.cache_clear()
+    yield
+    code_execution.log_guards.cache_clear()
+
+
+def test_missing_namespaces_are_logged_as_warnings(no_namespaces, caplog):
+    with caplog.at_level(logging.INFO, logger="mars_hf.code_execution"):
+        result = run_program(
+            "import socket\ntry:\n    socket.socket()\nexcept OSError:\n    print('guarded')\n"
+        )
+    assert result.passed and "guarded" in result.output  # the fallback guard still works
+    warnings = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "No network namespace" in warnings and "No PID namespace" in warnings
+    assert "No mount namespace" in warnings
+    guards = active_guards()
+    assert guards["network"].startswith("in-process socket guard only") and not guards["pid_namespace"]
+    assert guards["private_tmp_views"] == [] and "setsid survives" in guards["detached_processes"]
+
+
+@pytest.mark.parametrize("main_sleeps", [True, False], ids=["program-times-out", "program-exits"])
+def test_without_a_pid_namespace_the_wall_clock_bound_still_holds(no_namespaces, main_sleeps):
+    """The detached grandchild survives there (said in the guards), but cannot hold the call up."""
+    marker = f"mars-hf-detached-{uuid.uuid4().hex}"
+    start = time.monotonic()
     try:
-        with caplog.at_level(logging.INFO, logger="mars_hf.code_execution"):
-            result = run_program(
-                "import socket\ntry:\n    socket.socket()\nexcept OSError:\n    print('guarded')\n"
-            )
-        assert result.passed and "guarded" in result.output  # the fallback guard still works
-        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-        assert any("No network namespace" in r.getMessage() for r in warnings)
-        assert active_guards()["network"].startswith("in-process socket guard only")
+        timeout = 4 if main_sleeps else 20
+        result = run_program(_detaching_program(marker, main_sleeps), timeout=timeout)
+        took = time.monotonic() - start
+        assert took < timeout + 10, f"took {took:.1f} s for a {timeout} s timeout"
+        assert result.status == ("timed out" if main_sleeps else "passed"), result
+        assert main_sleeps or took < timeout
     finally:
-        code_execution.log_guards.cache_clear()
+        for pid in _holders(marker):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_active_guards_reports_limits():
