@@ -9,7 +9,9 @@ with the two-stream one.
 from __future__ import annotations
 
 import copy
+import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from accelerate.utils import is_peft_model
+from datasets import Dataset
 from transformers import AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from trl import SFTTrainer
 
@@ -109,6 +112,118 @@ def _has_supervised_target(dataset, limit: int | None = None) -> bool:
         if labels is not None and any(label != -100 for label in list(labels)[1:]):
             return True
     return False
+
+
+# ---- Dataset screening: rows that can teach MARS nothing are counted, reported and dropped before training.
+# Each reason is a phrase completing "N rows ...".
+_EMPTY_COMPLETION = "with an empty completion"
+_NO_ASSISTANT_TURN = "with no assistant turn"
+_EMPTY_ASSISTANT_TURN = "whose assistant turns are all empty"
+_EMPTY_TEXT = "with empty text"
+_NO_TARGET = "with no supervised token past the first position"
+
+
+def _blank(content) -> bool:
+    """Whether a message content (a string or a list of typed parts) holds no text and nothing else."""
+    if content is None:
+        return True
+    if isinstance(content, str):
+        return not content.strip()
+    if isinstance(content, (list, tuple)):
+        return all(
+            isinstance(part, dict) and part.get("type", "text") == "text" and not str(part.get("text") or "").strip()
+            for part in content
+        )
+    return False
+
+
+def _blank_message(message) -> bool:
+    return not isinstance(message, dict) or (_blank(message.get("content")) and not message.get("tool_calls"))
+
+
+def _raw_row_problem(example: dict, text_field: str) -> str | None:
+    """Why an untokenized row (prompt/completion, messages or text) can teach MARS nothing, or None."""
+    if "prompt" in example and "completion" in example:
+        completion = example["completion"]
+        if isinstance(completion, str):
+            return _EMPTY_COMPLETION if not completion.strip() else None
+        if completion is None or (isinstance(completion, list) and all(_blank_message(m) for m in completion)):
+            return _EMPTY_COMPLETION
+        return None
+    if "messages" in example:
+        assistant = [m for m in example["messages"] or [] if isinstance(m, dict) and m.get("role") == "assistant"]
+        if not assistant:
+            return _NO_ASSISTANT_TURN
+        return _EMPTY_ASSISTANT_TURN if all(_blank_message(m) for m in assistant) else None
+    text = example.get(text_field)
+    return _EMPTY_TEXT if isinstance(text, str) and not text.strip() else None
+
+
+def _column_rows(dataset, columns: list[str]):
+    """The rows of a `datasets.Dataset` restricted to ``columns``, read column-wise (much faster than by row)."""
+    return (dict(zip(columns, values)) for values in zip(*(dataset[column] for column in columns)))
+
+
+def _describe(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in counts.items())
+
+
+def _check_not_empty(split: str, dataset) -> None:
+    """Refuse an empty dataset before TRL reads its first row (which raises a bare StopIteration)."""
+    if hasattr(dataset, "__len__"):
+        empty = len(dataset) == 0
+    else:
+        empty = next(iter(dataset), None) is None
+    if empty:
+        raise ValueError(
+            f"The {split} dataset is empty (0 rows): MARS has nothing to learn from. Pass a dataset with at least "
+            "one example (columns 'messages', 'prompt'/'completion', 'text', or tokenized 'input_ids')."
+        )
+
+
+def _refuse_if_nothing_left(split: str, total: int, counts: dict[str, int], max_length: int | None) -> None:
+    if total == 0 or sum(counts.values()) < total:
+        return
+    raise ValueError(
+        f"The {split} dataset has no row MARS can learn from: of its {total} rows, {_describe(counts)}. A row "
+        "teaches MARS only through a supervised token past its first position. Check that completions and "
+        "assistant turns are not empty, `completion_only_loss` / "
+        "`assistant_only_loss` (an assistant-only loss needs a chat template with {% generation %} markers), "
+        f"that `max_length` ({max_length}) does not cut every response away, and that a provided 'labels' "
+        "column is not all -100."
+    )
+
+
+def _screen_raw(split: str, dataset, text_field: str, formatting_func) -> tuple[Any, int | None, dict[str, int]]:
+    """Refuse an empty dataset; count and drop untokenized rows with nothing to supervise (before TRL sees them).
+
+    Returns the dataset to hand to TRL, its row count as given (None when unsized) and the drop counts.
+    """
+    _check_not_empty(split, dataset)
+    total = len(dataset) if hasattr(dataset, "__len__") else None
+    if not isinstance(dataset, Dataset) or formatting_func is not None:
+        return dataset, total, {}
+    columns = [c for c in ("prompt", "completion", "messages", text_field) if c in dataset.column_names]
+    if "input_ids" in dataset.column_names or not columns:
+        return dataset, total, {}
+    problems = [_raw_row_problem(row, text_field) for row in _column_rows(dataset, columns)]
+    counts = Counter(problem for problem in problems if problem)
+    if counts:
+        dataset = dataset.select([i for i, problem in enumerate(problems) if problem is None])
+    return dataset, total, dict(counts)
+
+
+def _warn_dropped(split: str, total: int, counts: dict[str, int]) -> None:
+    dropped = sum(counts.values())
+    if dropped:
+        logger.warning(
+            "MARSTrainer dropped %d of %d %s rows that MARS cannot learn from: %s; %d remain.",
+            dropped,
+            total,
+            split,
+            _describe(counts),
+            total - dropped,
+        )
 
 
 class _FrozenPrefixCache(DynamicCache):
@@ -235,6 +350,26 @@ class MARSTrainer(SFTTrainer):
             raise ValueError(
                 "adapter_gating='mask' gates a LoRA adapter: pass `peft_config=LoraConfig(...)` (or a PEFT model)."
             )
+        # Before TRL: it reads the first row of each dataset (StopIteration on an empty one) and would
+        # silently train on empty completions and chats without an assistant turn.
+        screened = {}
+        formatting_func = kwargs.get("formatting_func")
+        if train_dataset is not None:
+            train_dataset, *screened["train"] = _screen_raw(
+                "train", train_dataset, args.dataset_text_field, formatting_func
+            )
+        if isinstance(eval_dataset, dict):
+            eval_dataset = dict(eval_dataset)
+            for name in eval_dataset:
+                eval_dataset[name], *screened[name] = _screen_raw(
+                    name, eval_dataset[name], args.dataset_text_field, formatting_func
+                )
+        elif eval_dataset is not None:
+            eval_dataset, *screened["eval"] = _screen_raw(
+                "eval", eval_dataset, args.dataset_text_field, formatting_func
+            )
+        for split, (total, counts) in screened.items():
+            _refuse_if_nothing_left(split, total or 0, counts, args.max_length)
         super().__init__(
             model=model,
             args=args,
@@ -266,20 +401,7 @@ class MARSTrainer(SFTTrainer):
                 eos_tail_ids=_chat_template_eos_tail(self._tokenizer),
             )
 
-        datasets = {"train": self.train_dataset}
-        if isinstance(self.eval_dataset, dict):
-            datasets.update(self.eval_dataset)
-        elif self.eval_dataset is not None:
-            datasets["eval"] = self.eval_dataset
-        for split, dataset in datasets.items():
-            limit = None if hasattr(dataset, "__len__") else 1000
-            if not _has_supervised_target(dataset, limit):
-                raise ValueError(
-                    f"The {split} dataset has no supervised token past the first position, so MARS has "
-                    "nothing to learn. Check `completion_only_loss` / `assistant_only_loss` (an assistant-only "
-                    "loss needs a chat template with {% generation %} markers), that `max_length` does not cut "
-                    "every response away, and that a provided 'labels' column is not all -100."
-                )
+        self._screen_prepared(screened)
 
         self._base_model = None
         if self.args.clean_loss == "kl_to_base" and not is_peft_model(self.model):
@@ -289,6 +411,93 @@ class MARSTrainer(SFTTrainer):
             # a deep copy would keep calling the trained model. Fall back to the class's own forward.
             base_model.__dict__.pop("forward", None)
             self._base_model = base_model.eval().requires_grad_(False)
+
+    def _screen_prepared(self, screened: dict[str, tuple[int | None, dict[str, int]]]) -> None:
+        """Count and drop tokenized rows without a MARS target; refuse a split with none left, else warn.
+
+        A target is a supervised label past the first position. Besides rows tokenized without one, this
+        counts the rows TRL's own truncation step dropped (silently) and `messages` rows that truncation at
+        ``max_length`` left with prompt tokens only (TRL keeps those: every token of a chat is supervised
+        unless ``assistant_only_loss``).
+        """
+        prepared = {"train": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            prepared.update(self.eval_dataset)
+        elif self.eval_dataset is not None:
+            prepared["eval"] = self.eval_dataset
+        max_length = self.args.max_length
+        for split, dataset in prepared.items():
+            if dataset is None:
+                continue
+            if not isinstance(dataset, Dataset):  # streamed: look at the first rows only
+                if not _has_supervised_target(dataset, limit=1000 if not hasattr(dataset, "__len__") else None):
+                    _refuse_if_nothing_left(split, 1, {_NO_TARGET: 1}, max_length)
+                continue
+            total, counts = screened.get(split, (len(dataset), {}))
+            counts = dict(counts)
+            lost = total - sum(counts.values()) - len(dataset)  # TRL drops rows truncation left fully masked
+            if lost > 0:
+                counts[f"cut to no supervised token by truncation at max_length={max_length}"] = lost
+            problems = self._prepared_row_problems(dataset)
+            for problem in problems:
+                if problem:
+                    counts[problem] = counts.get(problem, 0) + 1
+            _refuse_if_nothing_left(split, total, counts, max_length)
+            _warn_dropped(split, total, counts)
+            if any(problems):
+                dataset = dataset.select([i for i, problem in enumerate(problems) if problem is None])
+                if split == "train":
+                    self.train_dataset = dataset
+                elif isinstance(self.eval_dataset, dict):
+                    self.eval_dataset[split] = dataset
+                else:
+                    self.eval_dataset = dataset
+
+    def _prepared_row_problems(self, dataset) -> list[str | None]:
+        """Per tokenized row, why it teaches MARS nothing (no target; chat cut to its prompt), or None."""
+        columns = dataset.column_names
+        label_column = "labels" if "labels" in columns else "input_ids"
+        check_chat = (
+            "messages" in columns and self.args.max_length is not None and not self.args.assistant_only_loss
+        )
+        extra = [c for c in ("messages", "tools", "chat_template_kwargs") if check_chat and c in columns]
+        problems = []
+        for row in _column_rows(dataset, [label_column, *extra]):
+            labels = list(row[label_column] or [])
+            if not any(label != -100 for label in labels[1:]):
+                problems.append(_NO_TARGET)
+            elif check_chat and len(labels) >= self.args.max_length and self._assistant_cut_away(row):
+                problems.append(f"cut to prompt tokens only by truncation at max_length={self.args.max_length}")
+            else:
+                problems.append(None)
+        return problems
+
+    def _assistant_cut_away(self, row: dict) -> bool:
+        """Whether truncation at ``max_length`` removed every assistant token of a `messages` row."""
+        messages = row["messages"]
+        roles = [message.get("role") for message in messages]
+        if "assistant" not in roles:
+            return False
+        tools = row.get("tools")
+        kwargs = {
+            "chat_template": getattr(self, "chat_template", None),
+            "tools": json.loads(tools) if isinstance(tools, str) else tools,
+            **(row.get("chat_template_kwargs") or {}),
+        }
+
+        def length(part, add_generation_prompt=False):
+            if not part:
+                return 0
+            out = self.processing_class.apply_chat_template(
+                part, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+            return len(out["input_ids"])
+
+        max_length = self.args.max_length
+        if self.args.truncation_mode == "keep_end":  # the kept window starts at total - max_length
+            last = len(roles) - 1 - roles[::-1].index("assistant")
+            return length(messages) - max_length >= length(messages[: last + 1])
+        return length(messages[: roles.index("assistant")], add_generation_prompt=True) >= max_length
 
     def train_mask_row_only(self) -> None:
         """Freeze every weight except the input embedding, whose gradient is kept on the mask row only.
@@ -369,7 +578,6 @@ class MARSTrainer(SFTTrainer):
         super()._save(output_dir, state_dict=state_dict)
         unwrapped = self.accelerator.unwrap_model(self.model)
         if is_peft_model(unwrapped) and self.args.should_save:
-            import json
             import os
 
             from .hub import save_mask_rows

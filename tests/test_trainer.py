@@ -4,11 +4,12 @@ trainer's integration with TRL/PEFT (formats, accumulation, checkpointing, LoRA,
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
+from datasets import Dataset, Features, IterableDataset, Value
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,10 +72,12 @@ def make_trainer(tmp_path, model=None, tokenizer=None, dataset=None, **overrides
     tokenizer = tokenizer or tiny_tokenizer()
     model = model if model is not None else tiny_model("llama", tokenizer=tokenizer)
     peft_config = overrides.pop("peft_config", None)
+    eval_dataset = overrides.pop("eval_dataset", None)
     return MARSTrainer(
         model=model,
         args=config(tmp_path, **overrides),
         train_dataset=dataset if dataset is not None else chat_dataset(),
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
     )
@@ -617,3 +620,158 @@ def test_lora_checkpoint_reloads_with_mask_token_and_config(tmp_path):
         expected = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         got = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- Dataset screening: rows that teach MARS nothing are counted, reported and dropped before training.
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def screening_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "mars_hf.trainer" and "dropped" in r.getMessage()]
+
+
+def _no_rows():
+    yield from ()
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+@pytest.mark.parametrize(
+    "empty",
+    [
+        lambda: Dataset.from_dict({"messages": []}),
+        lambda: Dataset.from_list([]),
+        lambda: IterableDataset.from_generator(_no_rows, features=Features({"text": Value("string")})),
+    ],
+)
+def test_empty_dataset_is_refused_by_name(tmp_path, split, empty):
+    """TRL reads the first row and raised a bare StopIteration; the refusal names the split and the fix."""
+    datasets = {"train_dataset": chat_dataset(4), "eval_dataset": None}
+    datasets[f"{split}_dataset"] = empty()
+    with pytest.raises(ValueError, match=f"The {split} dataset is empty \\(0 rows\\)"):
+        MARSTrainer(model=tiny_model("llama"), args=config(tmp_path), processing_class=tiny_tokenizer(), **datasets)
+
+
+def test_rows_without_anything_to_learn_are_counted_dropped_and_training_runs(tmp_path, caplog):
+    """Empty completions, chats without (or with empty) assistant turns: reported with counts, then real
+    TRL + PEFT training on what is left."""
+    good = chat_dataset(6).to_list()
+    rows = good[:2] + [
+        {"messages": [user("hello")]},  # no assistant turn
+        {"messages": [user("the cat"), assistant(" ")]},  # empty assistant turn
+        {"messages": [user("one"), assistant("")]},
+        {"messages": [user("is the dog red")]},
+    ] + good[2:]
+    evaluation = prompt_completion_dataset(3).to_list() + [
+        {"prompt": [user("hello")], "completion": [assistant("")]},
+        {"prompt": [user("hello")], "completion": []},
+    ]
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    with caplog.at_level(logging.WARNING, logger="mars_hf.trainer"):
+        trainer = make_trainer(
+            tmp_path,
+            dataset=Dataset.from_list(rows),
+            eval_dataset=Dataset.from_list(evaluation),
+            peft_config=lora,
+            max_steps=2,
+            per_device_train_batch_size=2,
+        )
+    warnings = screening_warnings(caplog)
+    assert (
+        "dropped 4 of 10 train rows that MARS cannot learn from: 2 with no assistant turn, "
+        "2 whose assistant turns are all empty; 6 remain" in warnings[0]
+    )
+    assert "dropped 2 of 5 eval rows that MARS cannot learn from: 2 with an empty completion; 3 remain" in warnings[1]
+    assert len(warnings) == 2
+    assert trainer.train_dataset["messages"] == [row["messages"] for row in good]
+    assert len(trainer.eval_dataset) == 3
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert trainer.evaluate()["eval_loss"] > 0
+
+
+def test_empty_string_completions_are_dropped_not_trained_as_a_lone_eos(tmp_path, caplog):
+    """TRL appends EOS to a '' completion and trained on that alone; with nothing else left it is refused."""
+    rows = [{"prompt": "the cat sat", "completion": " one two three"}] * 3 + [{"prompt": "hello", "completion": ""}]
+    with caplog.at_level(logging.WARNING, logger="mars_hf.trainer"):
+        trainer = make_trainer(tmp_path, dataset=Dataset.from_list(rows))
+    assert "1 with an empty completion; 3 remain" in screening_warnings(caplog)[0]
+    assert len(trainer.train_dataset) == 3
+    with pytest.raises(ValueError, match="no row MARS can learn from: of its 2 rows, 2 with an empty completion"):
+        make_trainer(tmp_path, dataset=Dataset.from_list([{"prompt": "hello", "completion": ""}] * 2))
+
+
+def test_chat_rows_truncated_to_their_prompt_are_dropped_at_the_exact_boundary(tmp_path, caplog):
+    """`messages` rows supervise every token, so TRL kept a row cut to its prompt and trained on it. The row
+    is dropped when max_length ends before the first assistant token and kept when that token fits."""
+    tokenizer = tiny_tokenizer()
+    long_row = {"messages": [user(" ".join(["the cat sat on the mat"] * 6)), assistant("yes no")]}
+    prompt = tokenizer.apply_chat_template(long_row["messages"][:1], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    short = [{"messages": [user("hello"), assistant("one two")]}] * 3
+    dataset = Dataset.from_list(short + [long_row])
+    with caplog.at_level(logging.WARNING, logger="mars_hf.trainer"):
+        cut = make_trainer(tmp_path, tokenizer=tokenizer, dataset=dataset, max_length=len(prompt))
+    assert (
+        f"dropped 1 of 4 train rows that MARS cannot learn from: 1 cut to prompt tokens only by truncation at "
+        f"max_length={len(prompt)}; 3 remain" in screening_warnings(caplog)[0]
+    )
+    assert len(cut.train_dataset) == 3
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mars_hf.trainer"):
+        kept = make_trainer(tmp_path, tokenizer=tokenizer, dataset=dataset, max_length=len(prompt) + 1)
+    assert not screening_warnings(caplog)
+    row = [ids for ids in kept.train_dataset["input_ids"] if len(ids) == len(prompt) + 1]
+    assert row == [prompt + [tokenizer.convert_tokens_to_ids("yes")]]  # one assistant token survived
+    with pytest.raises(ValueError, match="of its 1 rows, 1 cut to prompt tokens only by truncation"):
+        make_trainer(tmp_path, tokenizer=tokenizer, dataset=Dataset.from_list([long_row]), max_length=len(prompt))
+
+
+def test_chat_rows_truncated_from_the_start_keep_end_are_judged_by_their_last_assistant_turn(tmp_path, caplog):
+    tokenizer = tiny_tokenizer()
+    tail = " ".join(["the cat sat on the mat"] * 6)
+    row = {"messages": [user("hello"), assistant("yes"), user(tail)]}  # a long user turn after the answer
+    full = len(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"])
+    until_answer = len(
+        tokenizer.apply_chat_template(row["messages"][:2], tokenize=True, return_dict=True)["input_ids"]
+    )
+    dataset = Dataset.from_list([row] + [{"messages": [user("hello"), assistant("one two")]}] * 3)
+    for max_length, dropped in ((full - until_answer, True), (full - until_answer + 1, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mars_hf.trainer"):
+            make_trainer(tmp_path, dataset=dataset, max_length=max_length, truncation_mode="keep_end")
+        assert bool(screening_warnings(caplog)) == dropped, max_length
+
+
+def test_prompt_completion_rows_truncation_empties_are_counted(tmp_path, caplog):
+    """TRL filtered them out silently; the count now says how many and why."""
+    long_prompt = [user(" ".join(["the cat sat on the mat"] * 6))]
+    rows = prompt_completion_dataset(3).to_list() + [{"prompt": long_prompt, "completion": [assistant("yes")]}] * 2
+    with caplog.at_level(logging.WARNING, logger="mars_hf.trainer"):
+        trainer = make_trainer(tmp_path, dataset=Dataset.from_list(rows), max_length=24)
+    assert (
+        "dropped 2 of 5 train rows that MARS cannot learn from: 2 cut to no supervised token by truncation at "
+        "max_length=24; 3 remain" in screening_warnings(caplog)[0]
+    )
+    assert len(trainer.train_dataset) == 3
+
+
+def test_tokenized_rows_without_a_target_are_dropped_and_training_runs(tmp_path, caplog):
+    """Empty rows made a batch of float input ids (a RuntimeError inside the embedding) a step later."""
+    good = {"input_ids": [5, 6, 7, 8, 2], "labels": [-100, 6, 7, 8, 2]}
+    rows = [{"input_ids": [], "labels": []}] * 4 + [{"input_ids": [5, 6], "labels": [5, -100]}] + [good] * 4
+    with caplog.at_level(logging.WARNING, logger="mars_hf.trainer"):
+        trainer = make_trainer(
+            tmp_path, dataset=Dataset.from_list(rows), max_length=None, max_steps=3, per_device_train_batch_size=2
+        )
+    assert (
+        "dropped 5 of 9 train rows that MARS cannot learn from: 5 with no supervised token past the first "
+        "position; 4 remain" in screening_warnings(caplog)[0]
+    )
+    assert trainer.train_dataset["input_ids"] == [good["input_ids"]] * 4
+    trainer.train()
+    assert trainer.state.global_step == 3
