@@ -24,6 +24,7 @@ _LAZY = {
     "get_mars_config": "mars_hf.mask_token",
     "set_mars_config": "mars_hf.mask_token",
     "self_distill": "mars_hf.data",
+    "embedded_mars_checkpoint": "mars_hf.embedded_model",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

