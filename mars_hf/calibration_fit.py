@@ -397,9 +397,13 @@ def write_calibration(checkpoint: str | Path, record: dict) -> Path:
     return target
 
 
-def held_out_split(num_rows: int, holdout: float) -> int:
-    """Rows to hold out for calibration: ``holdout`` < 1 is a fraction, >= 1 a count (0: none)."""
+MAX_HOLDOUT = 256  # enough for 64-bin isotonic maps; more would only take data from training
+
+
+def held_out_split(num_rows: int, holdout: float, limit: int = MAX_HOLDOUT) -> int:
+    """Rows to hold out for calibration: ``holdout`` < 1 is a fraction, >= 1 a count (0: none); at most
+    ``limit`` and never every row."""
     if holdout is None or holdout <= 0:
         return 0
     count = int(holdout) if holdout >= 1 else int(math.floor(holdout * num_rows))
-    return max(0, min(count, num_rows - 1))
+    return max(0, min(count, limit, num_rows - 1))

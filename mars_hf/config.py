@@ -66,6 +66,11 @@ class MARSConfig(SFTConfig):
             `"hard"`: cross-entropy to the label token at each noisy target; `"soft"`: cross-entropy to the
             frozen base model's distribution at that position (the clean stream's, so it needs a frozen clean
             stream).
+        calibration_holdout (`float`, *optional*, defaults to `0.05`):
+            Examples of the training data held out (a fraction below 1, a count from 1; at most 256) on which
+            the training script fits the confidence calibration after training (`config.mars["calibration"]`,
+            see `mars_hf.calibration`), so that τ = 0.9 means "90 % likely to be the model's own token". `0`
+            disables it (fit later with `mars-hf calibrate`).
     """
 
     block_size: int = field(
@@ -133,8 +138,20 @@ class MARSConfig(SFTConfig):
         },
     )
 
+    calibration_holdout: float = field(
+        default=0.05,
+        metadata={
+            "help": "Training examples held out to fit the confidence calibration after training (fraction < 1, "
+            "count >= 1, at most 256; 0 disables)."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
+        if not math.isfinite(float(self.calibration_holdout)) or self.calibration_holdout < 0:
+            raise ValueError(
+                f"calibration_holdout must be >= 0 (a fraction < 1 or a count), got {self.calibration_holdout!r}."
+            )
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(
                 f"block_size must be an integer >= 1 (the paper uses 4, 8, 16), got {self.block_size!r}."

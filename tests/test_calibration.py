@@ -380,3 +380,36 @@ def test_write_calibration_into_an_adapter_folder_refreshes_custom_generate(tmp_
     assert "calibration" in (tmp_path / "custom_generate" / "acceptance.py").read_text()
     with pytest.raises(FileNotFoundError, match="MARS checkpoint"):
         write_calibration(tmp_path / "nothing", record)
+
+
+def test_training_script_fits_a_calibration_on_its_held_out_rows(tmp_path):
+    from mars_hf.commands.train import load_example_script
+
+    model_dir = tmp_path / "model"
+    tokenizer = tiny_tokenizer(with_mask=False)
+    base = _peaked(tiny_model("llama", block_size=None, dtype=torch.float32))
+    base.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rows = []  # the model's own greedy answers (self-distilled), as input_ids / labels
+    for n, text in enumerate(
+        ["the cat sat", "is the dog red", "one two", "hello world", "x y z", "yes no"] * 2
+    ):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        ids = _own_greedy(base, list(prompt), 10 + n, mask_token_id=base.config.vocab_size - 1)
+        rows.append({"input_ids": ids, "labels": [-100] * len(prompt) + ids[len(prompt) :]})
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(out),
+            "--max_steps", "1", "--per_device_train_batch_size", "2", "--report_to", "none", "--bf16", "false",
+            "--save_strategy", "no", "--block_size", "2", "--use_cpu", "--learning_rate", "1e-9",
+            "--calibration_holdout", "4"]  # fmt: skip
+    trainer = load_example_script().cli(argv)
+    assert len(trainer.train_dataset) == 8
+    record = json.loads((out / "config.json").read_text())["mars"]["calibration"]
+    assert record["method"] == "isotonic" and record["num_examples"] == 4 and len(record["offsets"]) == 2
+    none = tmp_path / "none"
+    load_example_script().cli([*argv[:5], str(none), *argv[6:-1], "0"])
+    assert "calibration" not in json.loads((none / "config.json").read_text())["mars"]

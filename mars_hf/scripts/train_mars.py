@@ -94,6 +94,7 @@ def main(script_args, training_args, model_args):
         model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
     )
     dataset = load_dataset_from_args(script_args)
+    calibration_rows = hold_out_for_calibration(dataset, script_args, training_args, logger)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         eval_dataset = dataset[script_args.dataset_test_split]
@@ -108,6 +109,8 @@ def main(script_args, training_args, model_args):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("Training completed.")
+    if calibration_rows is not None:
+        fit_calibration_after_training(trainer, calibration_rows, logger)
 
     trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():  # the loss curve, also when no checkpoint was saved
@@ -117,6 +120,54 @@ def main(script_args, training_args, model_args):
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     trainer.end()
     return trainer
+
+
+def hold_out_for_calibration(dataset, script_args, training_args, logger):
+    """Take ``calibration_holdout`` rows out of the training split (seeded), for the calibration fit."""
+    from mars_hf.calibration_fit import held_out_split
+
+    split = script_args.dataset_train_split
+    if not training_args.calibration_holdout:
+        return None
+    if not hasattr(dataset[split], "__len__"):
+        logger.warning(
+            "A streamed dataset cannot hold rows out: no calibration is fitted (use `mars-hf calibrate`)."
+        )
+        return None
+    count = held_out_split(len(dataset[split]), training_args.calibration_holdout)
+    if count == 0:
+        logger.warning(
+            f"calibration_holdout={training_args.calibration_holdout} of {len(dataset[split])} rows holds out none: "
+            "no calibration is fitted (pass a count, or fit one later with `mars-hf calibrate`)."
+        )
+        return None
+    parts = dataset[split].train_test_split(test_size=count, seed=training_args.seed, shuffle=True)
+    dataset[split] = parts["train"]
+    logger.info(f"Held out {count} training rows to fit the confidence calibration after training.")
+    return parts["test"]
+
+
+def fit_calibration_after_training(trainer, rows, logger):
+    """Fit ``config.mars["calibration"]`` on the held-out rows; ``save_model`` then writes it."""
+    from peft import PeftModel
+
+    from mars_hf.calibration import CALIBRATION_KEY
+    from mars_hf.calibration_fit import calibrate, examples_from_records
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    sequences, labels = examples_from_records(trainer.processing_class, list(rows))
+    try:
+        record = calibrate(model, sequences, labels)
+    except ValueError as error:  # training succeeded; the checkpoint is saved without a calibration
+        logger.warning(f"No confidence calibration fitted: {error}")
+        return
+    target = model.get_base_model() if isinstance(model, PeftModel) else model
+    target.config.mars = {**target.config.mars, CALIBRATION_KEY: record}
+    reliability = record.get("reliability", {})
+    logger.info(
+        f"Confidence calibration fitted on {record['num_examples']} held-out rows: held-out calibration error "
+        f"{reliability.get('pooled_before')} -> {reliability.get('pooled_after')}."
+    )
 
 
 def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None):
