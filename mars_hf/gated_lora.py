@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import types
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,8 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 MARS_ADAPTER_CONFIG_FILE = "mars_config.json"
 MARS_MASK_ROWS_FILE = "mars_mask_token.safetensors"
+# Metadata key of the mask-row file that repeats the gating, so a lost mars_config.json is noticed.
+GATING_METADATA_KEY = "mars_adapter_gating"
 
 MERGE_REFUSED = (
     "This LoRA adapter is gated to mask positions (config.mars adapter_gating='mask', MARS_SPEC §7): its delta "
@@ -57,30 +60,60 @@ def _refuse_merge(*args, **kwargs):
 
 
 class MaskGate:
-    """Which flattened positions of the current forward hold the mask token (``None``: none do)."""
+    """What the current forward's ``input_ids`` say about mask positions, computed once per forward.
+
+    Set by a forward pre-hook on the input embedding (it sees the ``input_ids`` of every forward):
+    ``rows`` (flattened positions; ``None`` until the input embedding has run in this forward, when
+    ``reset_per_forward``), ``gate`` (``None`` when no position holds the mask token, else a
+    ``(rows, 1)`` 0/1 tensor in the embedding's dtype), and, on request, the mask positions' ``index``.
+    """
 
     def __init__(self, mask_token_id: int):
         self.mask_token_id = int(mask_token_id)
-        self.index: torch.Tensor | None = None
         self.rows: int | None = None
+        self.gate: torch.Tensor | None = None
+        self.serial = 0  # counts forwards: cached per-forward products are keyed by it
+        self._index: torch.Tensor | None = None
 
     def record(self, module, args, kwargs):
         """Forward pre-hook of the input embedding: its first input is ``input_ids``."""
         input_ids = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
         flat = input_ids.reshape(-1)
+        is_mask = flat == self.mask_token_id
         self.rows = flat.numel()
-        index = (flat == self.mask_token_id).nonzero().flatten()
-        self.index = index if index.numel() else None
+        self.serial += 1
+        self._index = None
+        # One host sync per forward; without masks every adapted layer is its base layer.
+        if bool(is_mask.any()):
+            weight = getattr(module, "weight", None)
+            self.gate = is_mask.unsqueeze(1).to(
+                weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+            )
+        else:
+            self.gate = None
 
-    def positions_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        rows = x.numel() // x.shape[-1]
+    def reset(self, *args):
+        """Forward pre-hook of the model: a forward without ``input_ids`` finds no stale gate."""
+        self.rows = None
+        self.gate = None
+        self._index = None
+
+    def check_rows(self, rows: int) -> None:
         if self.rows is None or rows != self.rows:
             raise RuntimeError(
                 f"A mask-gated adapter layer got {rows} positions but the last input_ids had {self.rows}: the "
                 "gate reads input_ids through the input embedding, so call the model with `input_ids` (not "
                 "`inputs_embeds`)."
             )
-        return self.index
+
+    def positions_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Flattened mask positions for an input ``x`` of this forward (``None``: none)."""
+        self.check_rows(x.numel() // x.shape[-1])
+        if self.gate is None:
+            return None
+        if self._index is None:
+            self._index = self.gate.reshape(-1).nonzero().flatten()
+        return self._index
 
 
 def gated_add(gate: MaskGate, x: torch.Tensor, result: torch.Tensor, delta_fn) -> torch.Tensor:
@@ -94,8 +127,14 @@ def gated_add(gate: MaskGate, x: torch.Tensor, result: torch.Tensor, delta_fn) -
     return flat.index_add(0, index, delta).view_as(result)
 
 
-def install_mask_gate(model, mask_token_id: int) -> MaskGate:
-    """Attach (once) the pre-hook that records mask positions; returns the model's gate."""
+def install_mask_gate(model, mask_token_id: int, reset_per_forward: bool = False) -> MaskGate:
+    """Attach (once) the pre-hook that records mask positions; returns the model's gate.
+
+    ``reset_per_forward`` also forgets the gate when ``model``'s forward starts, so a forward with
+    ``inputs_embeds`` fails loudly even right after an ``input_ids`` forward (or an embedding call) of the
+    same size. Training leaves it off: gradient checkpointing re-runs layers during backward, outside
+    any forward, with that forward's gate.
+    """
     gate = getattr(model, "_mars_mask_gate", None)
     if gate is not None:
         if gate.mask_token_id != int(mask_token_id):
@@ -106,6 +145,8 @@ def install_mask_gate(model, mask_token_id: int) -> MaskGate:
     gate = MaskGate(mask_token_id)
     embedding = model.get_input_embeddings()
     embedding.register_forward_pre_hook(gate.record, with_kwargs=True)
+    if reset_per_forward:
+        model.register_forward_pre_hook(gate.reset)
     object.__setattr__(model, "_mars_mask_gate", gate)  # not a submodule, not in the state dict
     return gate
 
@@ -287,21 +328,203 @@ def _write_mask_rows(model, rows: dict) -> None:
         )
 
 
-def _lora_hook(gate: MaskGate | None, scaling: float):
-    def hook(module, args, output):
-        x = args[0]
+# Sibling layers that read the same input tensor: their A's are stacked into one matmul. Only a
+# guess from the names; the forward checks that the input really is the same tensor.
+SHARED_INPUT_NAMES = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("query", "key", "value"),
+    ("wq", "wk", "wv"),
+    ("w1", "w3"),
+)
 
-        def delta(rows):
-            return (
-                F.linear(F.linear(rows.to(module.mars_lora_A.dtype), module.mars_lora_A), module.mars_lora_B)
-                * scaling
-            )
 
-        if gate is None:  # an ungated adapter: the delta everywhere
-            return output + delta(x.reshape(-1, x.shape[-1])).view(*output.shape).to(output.dtype)
-        return gated_add(gate, x, output, delta)
+class _SharedInput:
+    """Adapted sibling layers fed the same input: ``x @ A.T`` for all of them in one matmul, once per forward.
 
-    return hook
+    ``leader`` carries the stacked ``mars_lora_A`` as a (non-persistent) buffer, so ``model.to()``
+    moves it; the product of the current forward is kept with the input it was computed from.
+    """
+
+    __slots__ = ("leader", "x", "xa", "serial")
+
+    def __init__(self, leader):
+        self.leader = leader
+        self.x = self.xa = self.serial = None
+
+    def project(self, x: torch.Tensor, gate: MaskGate | None) -> torch.Tensor:
+        """``gate * (x @ A.T)`` over flattened rows (all rows when ungated)."""
+        serial = gate.serial if gate is not None else None
+        if x is self.x and serial == self.serial:
+            return self.xa
+        A = self.leader._buffers["mars_lora_A"]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != A.dtype:
+            x2 = x2.to(A.dtype)
+        xa = F.linear(x2, A)
+        if gate is not None:
+            gate.check_rows(xa.shape[0])
+            g = gate.gate
+            xa.mul_(g if g.dtype == xa.dtype else g.to(xa.dtype))
+        self.x, self.xa, self.serial = x, xa, serial
+        return xa
+
+
+class _Adapter:
+    """What one adapted linear layer needs in its forward (kept in the module's ``__dict__``)."""
+
+    __slots__ = ("base_forward", "gate", "group", "columns")
+
+    def __init__(self, base_forward, gate, group, columns):
+        self.base_forward, self.gate, self.group, self.columns = base_forward, gate, group, columns
+
+
+def _adapted_forward(self, x, *args, **kwargs):
+    """``y = base(x)``; then, only if this forward holds mask tokens, ``y += (gate · x Aᵀ) (s·B)ᵀ`` in place.
+
+    At real positions the gate row is 0, so the added product row is exactly 0 and ``y`` keeps the
+    base layer's bits. Without masks the adapter is skipped: the layer costs its base layer.
+    """
+    adapter = self.__dict__["_mars_adapter"]
+    y = adapter.base_forward(x, *args, **kwargs)
+    gate = adapter.gate
+    if gate is not None and gate.gate is None:
+        if gate.rows is None:
+            gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
+        return y
+    xa = adapter.group.project(x, gate)
+    if adapter.columns is not None:
+        xa = xa[:, adapter.columns[0] : adapter.columns[1]]
+    bt = self._buffers["mars_lora_BT"]
+    if xa.dtype != y.dtype:
+        xa, bt = xa.to(y.dtype), bt.to(y.dtype)
+    y2 = y.view(-1, y.shape[-1])
+    if torch.is_grad_enabled():
+        return torch.addmm(y2, xa, bt).view(y.shape)
+    y2.addmm_(xa, bt)
+    return y
+
+
+def _shared_input_groups(paths) -> list[list[str]]:
+    """Adapted module paths grouped by parent and by :data:`SHARED_INPUT_NAMES`; others alone."""
+    groups: dict[tuple, list[str]] = {}
+    for path in paths:
+        parent, _, leaf = path.rpartition(".")
+        tag = next((names for names in SHARED_INPUT_NAMES if leaf in names), leaf)
+        groups.setdefault((parent, tag), []).append(path)
+    order = {name: i for names in SHARED_INPUT_NAMES for i, name in enumerate(names)}
+    return [
+        sorted(paths, key=lambda path: order.get(path.rpartition(".")[2], 0)) for paths in groups.values()
+    ]
+
+
+@torch.no_grad()
+def _install_adapter(model, pairs: dict, scaling: float, gate: MaskGate | None) -> None:
+    """Wrap each adapted linear layer's forward (see :func:`_adapted_forward`); no hooks, no new weights."""
+    modules = dict(model.named_modules())
+    for paths in _shared_input_groups(pairs):
+        members = [modules[path] for path in paths]
+        first = members[0].weight
+        if all(
+            m.in_features == members[0].in_features
+            and m.weight.device == first.device
+            and m.weight.dtype == first.dtype
+            for m in members
+        ):
+            _install_group(members, [pairs[path] for path in paths], scaling, gate)
+        else:
+            for module, path in zip(members, paths):
+                _install_group([module], [pairs[path]], scaling, gate)
+
+
+def _install_group(members: list, pairs: list[dict], scaling: float, gate: MaskGate | None) -> None:
+    leader = members[0]
+    weight = leader.weight
+    stacked = torch.cat([pair["A"] for pair in pairs]).to(device=weight.device, dtype=weight.dtype)
+    leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
+    group = _SharedInput(leader)
+    start = 0
+    for module, pair in zip(members, pairs):
+        r = pair["A"].shape[0]
+        bt = (pair["B"].to(torch.float64) * scaling).t()  # the scale folded into B once, not per forward
+        module.register_buffer(
+            "mars_lora_BT",
+            bt.to(device=module.weight.device, dtype=module.weight.dtype).contiguous(),
+            persistent=False,
+        )
+        columns = None if len(members) == 1 else (start, start + r)
+        object.__setattr__(module, "_mars_adapter", _Adapter(module.forward, gate, group, columns))
+        module.forward = types.MethodType(_adapted_forward, module)
+        start += r
+
+
+def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:
+    """``mars_config.json`` of an adapter checkpoint (``{}`` if it is no MARS adapter), after checking it.
+
+    A MARS adapter's gating is recorded in ``mars_config.json`` (``adapter_gating``); its mask-row file
+    (``mars_mask_token.safetensors``) also says so in its metadata. Without the record a gated adapter
+    would load *ungated* and change every real token, so a checkpoint whose files disagree, or that has
+    the mask-row file but no ``mars_config.json``, is refused with the fix.
+    """
+    hub_kwargs = hub_kwargs or {}
+    mars_path = _resolve(checkpoint, MARS_ADAPTER_CONFIG_FILE, hub_kwargs)
+    mars = _read_json(mars_path) if mars_path else {}
+    rows_path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
+    claimed = None
+    if rows_path is not None:
+        from safetensors import safe_open
+
+        with safe_open(rows_path, framework="pt") as handle:
+            claimed = (handle.metadata() or {}).get(GATING_METADATA_KEY)
+    recorded = mars.get(GATING_KEY)
+    if rows_path is not None and mars_path is None:
+        said = (
+            f"its {MARS_MASK_ROWS_FILE} says the adapter is gated to mask positions (adapter_gating={claimed!r})"
+            if claimed
+            else f"it has the MARS mask-row file {MARS_MASK_ROWS_FILE}"
+        )
+        raise ValueError(
+            f"{checkpoint}: {said} but has no {MARS_ADAPTER_CONFIG_FILE}, the record of its block size, mask token "
+            "and adapter gating. Loaded without it, a mask-gated adapter would run ungated and change every real "
+            f"token's output, so it is refused. Restore {MARS_ADAPTER_CONFIG_FILE} from where the checkpoint came "
+            "from (mars_hf.hub.save_pretrained and MARSTrainer write it), or write it yourself, e.g. "
+            '{"adapter_gating": "mask", "block_size": <the block size it was trained with>, "mask_token_id": '
+            "<the tokenizer's mask token id>} (leave adapter_gating out only for an adapter trained ungated)."
+        )
+    if claimed is not None and claimed != recorded:
+        raise ValueError(
+            f"{checkpoint}: {MARS_MASK_ROWS_FILE} says adapter_gating={claimed!r} but {MARS_ADAPTER_CONFIG_FILE} "
+            f"says {recorded!r}; the files come from different checkpoints. Restore {MARS_ADAPTER_CONFIG_FILE} "
+            f'with "adapter_gating": {json.dumps(claimed)} (the adapter was trained that way).'
+        )
+    if recorded is not None and recorded != MASK_GATING:
+        raise ValueError(
+            f"{checkpoint}: unknown adapter_gating {recorded!r} in {MARS_ADAPTER_CONFIG_FILE} (known: {MASK_GATING!r})."
+        )
+    if recorded == MASK_GATING and "mask_token_id" not in mars:
+        raise ValueError(
+            f"{checkpoint}: a mask-gated adapter needs mask_token_id in {MARS_ADAPTER_CONFIG_FILE}."
+        )
+    return mars
+
+
+# Real tokens of the load-time check (any ids of the vocabulary serve; the masks follow them).
+_PROBE_REAL_TOKENS = 5
+_PROBE_MASKS = 2
+
+
+@torch.no_grad()
+def _probe_logits(model, mask_token_id: int) -> torch.Tensor:
+    """Logits of one small forward: a few real tokens, then masks (as a MARS window feeds them)."""
+    device = model.get_input_embeddings().weight.device
+    real = [i for i in range(1, _PROBE_REAL_TOKENS + 2) if i != mask_token_id][:_PROBE_REAL_TOKENS]
+    ids = torch.tensor([real + [mask_token_id] * _PROBE_MASKS], device=device)
+    training = model.training
+    model.eval()
+    try:
+        return model(input_ids=ids, use_cache=False).logits
+    finally:
+        model.train(training)
 
 
 def attach_shipped_adapter(model, checkpoint, **hub_kwargs) -> bool:
@@ -310,10 +533,12 @@ def attach_shipped_adapter(model, checkpoint, **hub_kwargs) -> bool:
     Reads ``adapter_config.json``, ``adapter_model.safetensors``, ``mars_config.json`` and the trained
     mask row (``mars_mask_token.safetensors``): resizes the embeddings if the checkpoint's vocabulary is
     larger, writes the mask row, records ``config.mars``, suppresses the mask token as an output and
-    adds the adapter as forward hooks (gated to mask positions when ``adapter_gating == "mask"``), so
-    the model's weights and state dict stay the base model's. Idempotent: returns False when the model
-    already carries this checkpoint's adapter or the checkpoint is not an adapter (a full checkpoint
-    needs nothing), True when it attached it. No PEFT needed.
+    wraps each adapted linear layer's forward (gated to mask positions when ``adapter_gating == "mask"``),
+    so the model's weights and state dict stay the base model's. A gated adapter is checked once: a
+    forward of a few real tokens and masks must give the base model's logits at the real positions,
+    bit for bit, or it is refused. Idempotent: returns False when the model already carries this
+    checkpoint's adapter or the checkpoint is not an adapter (a full checkpoint needs nothing), True
+    when it attached it. No PEFT needed.
     """
     key = str(checkpoint)
     attached = getattr(model, "_mars_shipped_adapter", None)
@@ -331,8 +556,14 @@ def attach_shipped_adapter(model, checkpoint, **hub_kwargs) -> bool:
 
     scaling = _check_adapter_config(_read_json(config_path), checkpoint)
     pairs = _adapter_pairs(load_file(weights_path), checkpoint)
-    mars_path = _resolve(checkpoint, MARS_ADAPTER_CONFIG_FILE, hub_kwargs)
-    mars = _read_json(mars_path) if mars_path else {}
+    mars = read_gating_record(checkpoint, hub_kwargs)
+    modules = dict(model.named_modules())
+    missing = [path for path in pairs if not isinstance(modules.get(path), torch.nn.Linear)]
+    if missing:
+        raise ValueError(
+            f"{checkpoint}: the adapter targets modules this model has no linear layer for: {missing[:4]}; "
+            "load the base model the adapter was trained on."
+        )
     rows_path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
     if rows_path is not None:
         _write_mask_rows(model, load_file(rows_path))
@@ -343,34 +574,31 @@ def attach_shipped_adapter(model, checkpoint, **hub_kwargs) -> bool:
         if mask_id not in suppressed:
             model.generation_config.suppress_tokens = [*suppressed, mask_id]
     gated = mars.get(GATING_KEY) == MASK_GATING
-    if gated and "mask_token_id" not in mars:
-        raise ValueError(
-            f"{checkpoint}: a mask-gated adapter needs mask_token_id in {MARS_ADAPTER_CONFIG_FILE}."
-        )
-    gate = install_mask_gate(model, int(mars["mask_token_id"])) if gated else None
-    modules = dict(model.named_modules())
-    missing = [path for path in pairs if not isinstance(modules.get(path), torch.nn.Linear)]
-    if missing:
-        raise ValueError(
-            f"{checkpoint}: the adapter targets modules this model has no linear layer for: {missing[:4]}; "
-            "load the base model the adapter was trained on."
-        )
-    for path, pair in pairs.items():
-        module = modules[path]
-        weight = module.weight
-        module.register_buffer(
-            "mars_lora_A", pair["A"].to(device=weight.device, dtype=weight.dtype), persistent=False
-        )
-        module.register_buffer(
-            "mars_lora_B", pair["B"].to(device=weight.device, dtype=weight.dtype), persistent=False
-        )
-        module.register_forward_hook(_lora_hook(gate, scaling))
+    if gated:
+        mask_id = int(mars["mask_token_id"])
+        before = _probe_logits(model, mask_id)
+        gate = install_mask_gate(model, mask_id, reset_per_forward=True)
+    else:
+        gate = None
+    _install_adapter(model, pairs, scaling, gate)
     object.__setattr__(model, "_mars_shipped_adapter", key)
+    if gated:
+        after = _probe_logits(model, mask_id)
+        real = slice(0, after.shape[1] - _PROBE_MASKS)
+        if not torch.equal(after[:, real], before[:, real]):
+            raise RuntimeError(
+                f"{checkpoint}: with its mask-gated adapter attached, this model's logits at real positions "
+                "differ from the base model's (largest difference "
+                f"{(after[:, real] - before[:, real]).abs().max().item():.3g}), so the adapter is not gated here and "
+                "would change every real token; refusing it. Load the adapter onto a plain transformers model "
+                "of the architecture it was trained on (no other hooks or adapters on its linear layers)."
+            )
     logger.info(
-        "Attached the %sLoRA adapter of %s to %d linear layers.",
+        "Attached the %sLoRA adapter of %s to %d linear layers%s.",
         "mask-gated " if gated else "",
         checkpoint,
         len(pairs),
+        " (real positions checked equal to the base model)" if gated else "",
     )
     return True
 

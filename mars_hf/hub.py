@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .gated_lora import GATING_METADATA_KEY
 from .mask_token import get_mars_config
 from .modeling import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE, load_mars_model
 
@@ -41,6 +42,8 @@ CUSTOM_GENERATE_FILES = {
     "acceptance.py": "acceptance.py",
     "gated_lora.py": "gated_lora.py",
     "calibration.py": "calibration.py",
+    "cost_model.py": "cost_model.py",
+    "planner.py": "planner.py",
 }
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
 _ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}
@@ -316,7 +319,10 @@ def save_mask_rows(model, mask_token_id: int, path: Path) -> None:
         and output_weight.data_ptr() != _effective_weight(input_embeddings).data_ptr()
     ):
         tensors["output_embeddings"] = output_weight[index].detach().cpu().contiguous()
-    save_file(tensors, str(path))
+    # The gating is repeated here, so a gated adapter that lost mars_config.json is refused, not run ungated.
+    gating = (getattr(_unwrap(model).config, "mars", None) or {}).get("adapter_gating")
+    metadata = {"format": "pt", **({GATING_METADATA_KEY: str(gating)} if gating else {})}
+    save_file(tensors, str(path), metadata=metadata)
 
 
 def _effective_weight(module):

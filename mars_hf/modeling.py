@@ -274,7 +274,10 @@ def _load_adapter(
         folder = snapshot_download(
             name_or_path, **{k: v for k, v in hub_kwargs.items() if k not in ("proxies",)}
         )
-    mars = _read_json(folder, MARS_ADAPTER_CONFIG_FILE, {}) or {}
+    from .gated_lora import read_gating_record
+
+    # Refuses an adapter whose gating record is lost or contradicted (never loads a gated adapter ungated).
+    mars = read_gating_record(folder)
     gated = mars.get("adapter_gating") == "mask"
     if gated and merge_adapter is True:
         from .gated_lora import MERGE_REFUSED, MergeRefusedError
@@ -311,15 +314,17 @@ def _load_adapter(
             MARS_MASK_ROWS_FILE,
         )
     if gated:
-        # The torch-only gate (what custom_generate/ runs): forward hooks on the plain model. PEFT's
+        # The torch-only gate (what custom_generate/ runs): each adapted linear layer's forward is wrapped
+        # on the plain model, and the load checks real positions against the base model once. PEFT's
         # wrapper decodes ~3.5x slower here (its trainable-token head rebuilds the output matrix every
         # forward); the two agree to float64 round-off (tests/test_gated_lora.py).
         from .gated_lora import attach_shipped_adapter
 
         attach_shipped_adapter(model, folder)
         logger.info(
-            "%s is a LoRA adapter gated to mask positions: applied as forward hooks (it cannot be merged; "
-            "to train it further, load it with peft and mars_hf.gated_lora.gate_peft_model).",
+            "%s is a LoRA adapter gated to mask positions: applied by wrapping the adapted linear layers "
+            "(it cannot be merged; to train it further, load it with peft and "
+            "mars_hf.gated_lora.gate_peft_model).",
             name_or_path,
         )
         model.eval()

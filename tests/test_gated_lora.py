@@ -527,3 +527,201 @@ def test_gated_checkpoint_through_custom_generate_in_a_bare_venv(trained_gated, 
     assert result["missing"] == {"mars_hf": True, "peft": True, "trl": True}
     assert result["tau"] == expected_tau
     assert result["verify"] == base_greedy == result["greedy"]
+
+
+# ---------------------------------------------------------------------------------------------- the lean shipped forward
+
+
+def shipped_gated(tmp_path, arch, tokenizer, dtype=torch.float64):
+    """(base model, the same base with the saved gated adapter attached, the PEFT gated model, checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    base = tiny_model(arch)
+    base_dir = tmp_path / f"base-{arch}"
+    base.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    peft_model = gated_copy(base, tokenizer.mask_token_id)
+    folder = tmp_path / f"ckpt-{arch}"
+    hub.save_pretrained(peft_model, tokenizer, folder, base_model="someone/base")
+    plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    assert gated_lora.attach_shipped_adapter(plain, folder)
+    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype), plain, peft_model, folder
+
+
+def decode_steps(model, tokenizer):
+    """A prefix with a cache, then one step whose rows hold masks at different places, then a plain step."""
+    mask = tokenizer.mask_token_id
+    prefix = random_ids(tokenizer, batch=2, length=7, seed=3)
+    step = torch.tensor([[5, mask, mask, mask], [6, 7, mask, mask]])
+    plain = torch.tensor([[8], [9]])
+    outs = []
+    with torch.no_grad():
+        first = model(input_ids=prefix, use_cache=True)
+        cache = first.cache
+        outs.append(first.logits)
+        outs.append(model(input_ids=step, cache=cache, use_cache=True).logits)
+        cache.crop(-(step.shape[1] - 1))  # keep the window's first (real) token, as decoding does
+        outs.append(model(input_ids=plain, cache=cache, use_cache=True).logits)
+    return outs, step != mask
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_shipped_forward_equals_the_base_at_real_positions_and_the_reference_at_masks(
+    arch, tokenizer, tmp_path
+):
+    """Real positions: the base model bit for bit (prefix, window, plain step after it). Masks: the PEFT gate."""
+    base, shipped, peft_model, _ = shipped_gated(tmp_path, arch, tokenizer)
+    got, real = decode_steps(shipped, tokenizer)
+    expected, _ = decode_steps(base, tokenizer)
+    reference, _ = decode_steps(peft_model, tokenizer)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
+    assert torch.equal(got[1][real], expected[1][real])
+    for ours, slow in zip(got, reference):
+        torch.testing.assert_close(ours, slow, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got[1][~real], expected[1][~real])  # the masks do get the adapter
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_shipped_forward_in_bfloat16_keeps_the_base_models_bits_at_real_positions(arch, tokenizer, tmp_path):
+    base, shipped, _, _ = shipped_gated(tmp_path, arch, tokenizer, dtype=torch.bfloat16)
+    assert shipped.model.layers[0].self_attn.q_proj.mars_lora_A.dtype == torch.bfloat16
+    got, real = decode_steps(shipped, tokenizer)
+    expected, _ = decode_steps(base, tokenizer)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
+    assert torch.equal(got[1][real], expected[1][real])
+    assert not torch.equal(got[1][~real], expected[1][~real])
+
+
+def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
+    tokenizer, tmp_path, monkeypatch
+):
+    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer)
+    attention = shipped.model.layers[0].self_attn
+    mlp = shipped.model.layers[0].mlp
+    # q, k and v read one input: one stacked A on q_proj; gate/up likewise; o and down alone.
+    assert attention.q_proj.mars_lora_A.shape[0] == 3 * 4 and "mars_lora_A" not in attention.k_proj._buffers
+    assert mlp.gate_proj.mars_lora_A.shape[0] == 2 * 4 and mlp.down_proj.mars_lora_A.shape[0] == 4
+    products = []  # one entry per x @ A.T actually computed
+    project = gated_lora._SharedInput.project
+
+    def counting(self, x, gate):
+        if not (x is self.x and gate.serial == self.serial):
+            products.append(tuple(self.leader._buffers["mars_lora_A"].shape))
+        return project(self, x, gate)
+
+    monkeypatch.setattr(gated_lora._SharedInput, "project", counting)
+    with torch.no_grad():
+        shipped(input_ids=random_ids(tokenizer))
+        assert products == []  # no mask in the forward: no adapter arithmetic at all
+        shipped(input_ids=torch.tensor([[5, 6, tokenizer.mask_token_id]]))
+    assert products == [(12, 32), (4, 32), (8, 32), (4, 64)] * 2  # q/k/v, o, gate/up, down in 2 blocks
+
+
+def test_shared_projection_is_recomputed_when_siblings_get_different_inputs(tokenizer):
+    """The q/k/v grouping is a guess from the names: a module feeding them different tensors stays exact."""
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 6, dtype=torch.float64)
+            self.q_proj = torch.nn.Linear(6, 5, dtype=torch.float64)
+            self.k_proj = torch.nn.Linear(6, 3, bias=False, dtype=torch.float64)
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            return self.q_proj(x), self.k_proj(x * 2)
+
+    torch.manual_seed(0)
+    model = Odd()
+    pairs = {
+        name: {"A": torch.randn(2, 6, dtype=torch.float64), "B": torch.randn(out, 2, dtype=torch.float64)}
+        for name, out in (("q_proj", 5), ("k_proj", 3))
+    }
+    gate = gated_lora.install_mask_gate(model, 9, reset_per_forward=True)
+    ids = torch.tensor([[1, 9, 2, 9]])
+    with torch.no_grad():
+        x = model.embed(ids)
+        expected = [model.q_proj(x), model.k_proj(x * 2)]
+        is_mask = (ids == 9).reshape(-1, 1).double()
+        for out, (name, xin) in zip(expected, (("q_proj", x), ("k_proj", x * 2))):
+            delta = xin.reshape(-1, 6) @ pairs[name]["A"].T @ pairs[name]["B"].T * 0.5
+            out.add_((delta * is_mask).view_as(out))
+        gated_lora._install_adapter(model, pairs, 0.5, gate)
+        got = model(ids)
+    for ours, slow in zip(got, expected):
+        torch.testing.assert_close(ours, slow, rtol=1e-12, atol=1e-12)
+
+
+def test_shipped_gate_refuses_inputs_embeds_even_after_an_input_ids_forward(tokenizer, tmp_path):
+    _, shipped, _, _ = shipped_gated(tmp_path, "qwen2", tokenizer)
+    ids = random_ids(tokenizer)
+    with torch.no_grad():
+        shipped(input_ids=ids)  # same number of positions as below: a stale gate would be accepted
+        embeds = shipped.get_input_embeddings()(ids)  # and this call records the ids again
+        with pytest.raises(RuntimeError, match="input_ids"):
+            shipped(inputs_embeds=embeds)
+
+
+def test_shipped_adapter_follows_the_model_to_another_dtype(tokenizer, tmp_path):
+    base, shipped, _, _ = shipped_gated(tmp_path, "mistral", tokenizer)
+    shipped.to(torch.float32)
+    base.to(torch.float32)
+    got, real = decode_steps(shipped, tokenizer)
+    expected, _ = decode_steps(base, tokenizer)
+    assert got[1].dtype == torch.float32 and torch.equal(got[1][real], expected[1][real])
+
+
+# ---------------------------------------------------------------------------------------------- loading refusals
+
+
+def test_gated_checkpoint_without_its_gating_record_is_refused_not_loaded_ungated(tokenizer, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    _, _, _, folder = shipped_gated(tmp_path, "llama", tokenizer)
+    base_dir = tmp_path / "base-llama"
+    (folder / "mars_config.json").unlink()
+    refused = r"(gated to mask positions|has the MARS mask-row file).*no mars_config.json.*Restore"
+    for load in (
+        lambda: load_mars_model(folder, base_model_name_or_path=str(base_dir)),
+        lambda: load_mars_model(
+            folder, block_size=2, base_model_name_or_path=str(base_dir)
+        ),  # the issue's advice
+        lambda: gated_lora.attach_shipped_adapter(AutoModelForCausalLM.from_pretrained(base_dir), folder),
+    ):
+        with pytest.raises(ValueError, match=refused):
+            load()
+    # A checkpoint saved before the mask-row file repeated the gating: refused all the same.
+    rows = folder / "mars_mask_token.safetensors"
+    save_file(load_file(rows), rows)
+    with pytest.raises(ValueError, match="has the MARS mask-row file.*no mars_config.json"):
+        load_mars_model(folder, block_size=2, base_model_name_or_path=str(base_dir))
+
+
+def test_gating_record_that_contradicts_the_mask_rows_is_refused(tokenizer, tmp_path):
+    _, _, _, folder = shipped_gated(tmp_path, "llama", tokenizer)
+    mars = json.loads((folder / "mars_config.json").read_text())
+    del mars["adapter_gating"]
+    (folder / "mars_config.json").write_text(json.dumps(mars))
+    with pytest.raises(ValueError, match=r"says adapter_gating='mask' but mars_config.json says None"):
+        load_mars_model(folder, base_model_name_or_path=str(tmp_path / "base-llama"))
+
+
+def test_load_refuses_a_gate_that_does_not_hold_real_positions(tokenizer, tmp_path, monkeypatch):
+    """The load-time check can fail: a gate that opens at every position changes real tokens."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, _, folder = shipped_gated(tmp_path, "qwen3", tokenizer)
+    record = gated_lora.MaskGate.record
+
+    def open_everywhere(self, module, args, kwargs):
+        record(self, module, args, kwargs)
+        self.gate = torch.ones(self.rows, 1, dtype=module.weight.dtype)
+
+    monkeypatch.setattr(gated_lora.MaskGate, "record", open_everywhere)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base-qwen3", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="differ from the base model"):
+        gated_lora.attach_shipped_adapter(plain, folder)
