@@ -1,8 +1,11 @@
-"""The one-command MARS quickstart: self-distil, train within a time budget, evaluate, plot, save.
+"""The one-command MARS quickstart: the shipped model first, then self-distil, train, evaluate, plot, save.
 
 Pipeline (``mars-hf quickstart`` / ``python examples/quickstart.py``), offline, on the embedded
 SmolLM2-135M-Instruct by default:
 
+0. the MARS model that ships inside mars_hf (``"embedded-mars"``, trained once by a long run) is
+   evaluated first, within ``shipped_eval_minutes``: stock vs τ = 1 vs τ vs verify at batch 1 and 4,
+   in the precision this machine runs fast (:mod:`mars_hf.quickstart_eval`);
 1. prompts from the project's own templates (:mod:`mars_hf.prompts`), training and held-out splits;
 2. the base model answers the training prompts greedily (:func:`mars_hf.data.self_distill`); the
    dataset is cached on disk, so a rerun skips this step;
@@ -12,8 +15,9 @@ SmolLM2-135M-Instruct by default:
    machine (or for exactly ``max_steps`` steps with the usual step-based schedule);
 5. evaluation on the held-out prompts: stock ``generate`` and MARS at each τ, interleaved per prompt,
    tokens per forward, wall-clock and token agreement with the base model;
-6. ``results.json``, ``pareto.png`` (tokens per forward against agreement, one point per τ), a table
-   on the terminal, and the trained model as a Hub-ready folder (:func:`mars_hf.hub.save_pretrained`).
+6. ``results.json``, ``pareto.png`` (tokens per forward against agreement, one point per τ, the shipped
+   model's curve next to this run's), one table on the terminal with both models' rows (what the
+   quickstart's minutes bought next to what the long run bought), and the trained model as a Hub-ready folder (:func:`mars_hf.hub.save_pretrained`).
 
 The default method, ``gated_lora``, trains a LoRA adapter gated to mask positions (MARS_SPEC §7) plus
 the mask row: real tokens run the base weights exactly, so stock decoding, τ = 1 and verified decoding
@@ -21,7 +25,11 @@ are the base model's output, and the checkpoint is the adapter (megabytes), not 
 Plain ``lora`` is merged into the weights for evaluation and saving (a plain ``transformers`` folder).
 
 Precision and threads are chosen at start-up by measuring what this machine does fast (about a
-second): bf16 autocast only where a bf16 matmul really is faster than float32.
+second): bf16 autocast only where a bf16 matmul really is faster than float32; the shipped model is
+evaluated in that precision too (stock and MARS alike, so the speed ratio compares like with like).
+
+Default time split (≤ 30 min on 2 CPU cores in all): shipped model 3 min, self-distillation 5,
+training 12, evaluation of the trained model 5, plus loading, the reference answers and saving.
 """
 
 from __future__ import annotations
@@ -42,13 +50,23 @@ import torch
 
 from .data import chat_prompt_ids, self_distill
 from .evaluation import (
-    DecodingRun,
-    format_table,
     measure_decoding,
     run_label,
     summarize_runs,
 )
 from .prompts import held_out_prompts, training_prompts
+from .quickstart_eval import (  # noqa: F401  (public names of this module before the split)
+    OWN_SECTION,
+    SHIPPED_SECTION,
+    SUMMARY_COLUMNS,
+    VERIFY_LABEL,
+    evaluate,
+    evaluate_shipped,
+    hub_rows,
+    pareto_plot,
+    results_table,
+    verify_available,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +75,8 @@ CACHE_VERSION = 1
 METHODS = ("gated_lora", "mask_row", "lora", "full")
 # τ = 1 (exactly the base model with gated_lora / mask_row) and τ = 0.9; verify is added on top.
 QUICKSTART_THRESHOLDS = (1.0, 0.9)
-VERIFY_LABEL = "verify"
+# The shipped model is evaluated at more τ: its curve is what a user chooses τ from.
+SHIPPED_THRESHOLDS = (1.0, 0.95, 0.9, 0.8)
 
 
 @dataclasses.dataclass
@@ -83,10 +102,30 @@ class QuickstartConfig:
         },
     )
     eval_minutes: float | None = dataclasses.field(
-        default=9.0,
+        default=5.0,
         metadata={
             "help": "Evaluation time budget: held-out prompts are evaluated one by one until it is spent (at "
             "least 4). None: all num_eval_prompts."
+        },
+    )
+    shipped_eval_minutes: float | None = dataclasses.field(
+        default=3.0,
+        metadata={
+            "help": "Time budget for evaluating the shipped MARS model (embedded-mars) first, at batch 1 then "
+            "batch 4 (at least 4 prompts and one batch of 4). None: all num_eval_prompts."
+        },
+    )
+    skip_shipped: bool = dataclasses.field(
+        default=False, metadata={"help": "Do not evaluate the shipped MARS model (embedded-mars)."}
+    )
+    shipped_thresholds: tuple[float, ...] = dataclasses.field(
+        default=SHIPPED_THRESHOLDS, metadata={"help": "τ values evaluated on the shipped model."}
+    )
+    shipped_dtype: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "dtype of the shipped model's evaluation (default: bfloat16 where bf16 was chosen at "
+            "start-up, else float32)."
         },
     )
     max_new_tokens: int = dataclasses.field(
@@ -574,13 +613,6 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
 # --------------------------------------------------------------------------------------------------
 # Evaluation
 # --------------------------------------------------------------------------------------------------
-def verify_available() -> bool:
-    """True once mars_hf's decoder implements verified acceptance (``mars_acceptance="verify"``)."""
-    from . import generation
-
-    return "verify" in getattr(generation, "ACCEPTANCE_METRICS", ())
-
-
 def _reload_gated(peft_model, tokenizer, model_path: str):
     """The trained gated adapter, saved and applied to a fresh base model the way users load it."""
     from . import hub
@@ -592,140 +624,54 @@ def _reload_gated(peft_model, tokenizer, model_path: str):
     return model.eval()
 
 
-def evaluate(model, tokenizer, eval_ids, config: QuickstartConfig) -> dict[str, DecodingRun]:
-    """Stock ``generate``, MARS at each τ and verified decoding, interleaved prompt by prompt.
+def shipped_evaluation(config: QuickstartConfig, bf16: bool) -> dict:
+    """Evaluate the MARS model shipped inside mars_hf first (see :func:`mars_hf.quickstart_eval.evaluate_shipped`).
 
-    Interleaving keeps the wall-clock comparison fair on a machine whose load changes. Verified
-    decoding proposes every mask as a draft (proposal floor 0) and keeps only what the model's own
-    next-token prediction confirms, so its output is the model's greedy output.
+    Raises a clear error when the package has no shipped model (a checkout without its weights), naming
+    ``--skip-shipped``. Adds ``checkpoint``, ``dtype`` and ``seconds`` to the result.
     """
-    from tqdm.auto import tqdm
+    from . import embedded_model
+    from .modeling import load_mars_model
 
-    thresholds = [None, *config.thresholds]
-    with_verify = config.verify and verify_available()
-    if config.verify and not with_verify:
-        logger.warning("Verified decoding is not available in this mars_hf build; the verify row is skipped.")
-    runs = {}
-    budget = math.inf if config.eval_minutes is None else config.eval_minutes * 60
+    try:
+        folder = embedded_model.embedded_mars_checkpoint()
+    except FileNotFoundError as error:
+        raise FileNotFoundError(
+            f"{error} To run the quickstart without it, pass --skip-shipped "
+            "(QuickstartConfig(skip_shipped=True))."
+        ) from error
+    dtype_name = config.shipped_dtype or ("bfloat16" if bf16 else "float32")
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"shipped_dtype must be a torch dtype name such as 'float32', got {dtype_name!r}.")
     start = time.monotonic()
-    bar = tqdm(
-        eval_ids,
-        desc="Evaluating stock, MARS at each τ and verify",
-        unit="prompt",
-        disable=not config.progress,
+    model, tokenizer = load_mars_model(str(folder), dtype=dtype)
+    model.eval()
+    prompts = held_out_prompts(config.num_eval_prompts, seed=config.seed)
+    eval_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
+    logger.info(
+        "Evaluating the shipped MARS model %s (%s) for up to %s min at batch 1 and 4.",
+        folder,
+        dtype_name,
+        "∞" if config.shipped_eval_minutes is None else f"{config.shipped_eval_minutes:g}",
     )
-    for index, ids in enumerate(bar):
-        if index >= 4 and time.monotonic() - start >= budget:
-            logger.info(
-                "Evaluation budget (%.1f min) spent: %d of %d held-out prompts evaluated.",
-                config.eval_minutes,
-                index,
-                len(eval_ids),
-            )
-            break
-        measured = measure_decoding(
-            model,
-            tokenizer,
-            [ids],
-            thresholds,
-            max_new_tokens=config.max_new_tokens,
-            progress=False,
-            warmup=index == 0,
-        )
-        if with_verify:
-            verified = measure_decoding(
-                model,
-                tokenizer,
-                [ids],
-                [0.0],
-                max_new_tokens=config.max_new_tokens,
-                progress=False,
-                warmup=index == 0,
-                mars_kwargs={"mars_acceptance": "verify"},
-            )
-            run = next(iter(verified.values()))
-            run.label, run.threshold = VERIFY_LABEL, 0.0
-            measured[VERIFY_LABEL] = run
-        for label, run in measured.items():
-            if label not in runs:
-                runs[label] = DecodingRun(label, run.threshold)
-            runs[label].outputs += run.outputs
-            runs[label].num_forwards += run.num_forwards
-            runs[label].seconds += run.seconds
-    return runs
+    result = evaluate_shipped(
+        model,
+        tokenizer,
+        eval_ids,
+        config.shipped_thresholds,
+        minutes=config.shipped_eval_minutes,
+        verify=config.verify,
+        max_new_tokens=config.max_new_tokens,
+        progress=config.progress,
+    )
+    del model
+    return {"checkpoint": str(folder), **result, "seconds": time.monotonic() - start}
 
 
 # --------------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------------
-def pareto_plot(rows: list[dict], path: str | os.PathLike, title: str = "MARS on held-out prompts") -> None:
-    """Tokens per forward (x) against agreement with the base model (y), one labelled point per τ."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    mars_rows = sorted(
-        (row for row in rows if row["threshold"] is not None and row["label"] != VERIFY_LABEL),
-        key=lambda row: -row["threshold"],
-    )
-    figure, axis = plt.subplots(figsize=(6, 4.2), dpi=120)
-    xs = [row["tokens_per_forward"] for row in mars_rows]
-    ys = [100 * row["agreement"] for row in mars_rows]
-    axis.plot(xs, ys, "-o", color="tab:blue", label="MARS (this checkpoint)")
-    for row, x, y in zip(mars_rows, xs, ys):
-        axis.annotate(
-            f"τ={row['threshold']:g}", (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8
-        )
-    verify = next((row for row in rows if row["label"] == VERIFY_LABEL), None)
-    if verify is not None:
-        axis.plot(
-            [verify["tokens_per_forward"]],
-            [100 * verify["agreement"]],
-            "*",
-            markersize=12,
-            color="tab:green",
-            label="verify (lossless)",
-        )
-    stock = next((row for row in rows if row["threshold"] is None), None)
-    if stock is not None:
-        axis.plot(
-            [1.0], [100 * stock["agreement"]], "s", color="tab:gray", label="stock generate (same weights)"
-        )
-    axis.set_xlabel("tokens per forward")
-    axis.set_ylabel("agreement with base greedy output (%)")
-    axis.set_title(title, fontsize=10)
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8, loc="lower left")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
-SUMMARY_COLUMNS = [
-    ("label", "decoding", "{}"),
-    ("tokens_per_forward", "tokens/forward", "{:.2f}"),
-    ("agreement", "agreement", "{:.1%}"),
-    ("exact_match", "identical answers", "{:.0%}"),
-    ("seconds", "seconds", "{:.1f}"),
-    ("tokens_per_second", "tokens/s", "{:.1f}"),
-    ("speedup_vs_stock", "vs stock", "{:.2f}x"),
-]
-
-
-def _hub_rows(rows: list[dict]) -> list[dict]:
-    return [
-        {
-            "tau": "verify" if row["label"] == VERIFY_LABEL else row["threshold"],
-            "tokens_per_forward": row["tokens_per_forward"],
-            "quality": row["agreement"],
-            "speedup": row["speedup_vs_stock"],
-        }
-        for row in rows
-        if row["threshold"] is not None
-    ]
-
-
 def save_checkpoint(
     model,
     tokenizer,
@@ -767,7 +713,7 @@ def save_checkpoint(
             "precision": "bf16 autocast" if config.bf16 else "float32",
             "data": "self-distilled greedy answers to mars_hf's template prompts",
         },
-        results=_hub_rows(rows),
+        results=hub_rows(rows),
         results_description=(
             f"Greedy decoding of {num_prompts} held-out template prompts (max {config.max_new_tokens} "
             "new tokens, batch 1, CPU); quality = token agreement with the base model's greedy output."
@@ -794,6 +740,12 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     torch.manual_seed(config.seed)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+
+    shipped = None
+    if not config.skip_shipped:  # the shipped model first: what a user can call at once
+        shipped = shipped_evaluation(config, bf16=machine["bf16"])
+        timings["shipped"] = shipped.pop("seconds")
+        (output_dir / "results.json").write_text(json.dumps({"shipped": shipped}, indent=2))
 
     start = time.monotonic()
     model_path = resolve_model_path(config.model_name_or_path)
@@ -859,6 +811,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         },
         "training": training,
         "evaluation": rows,
+        "shipped": shipped,
         "timings_seconds": timings,
         "checkpoint": str(checkpoint_dir) if config.save_checkpoint else None,
         "samples": [
@@ -876,7 +829,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     }
     # Results and plot first, so a failing save loses nothing measured.
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
-    pareto_plot(rows, output_dir / "pareto.png")
+    pareto_plot(rows, output_dir / "pareto.png", shipped_rows=shipped["rows"] if shipped else None)
     if config.save_checkpoint:
         start = time.monotonic()
         save_checkpoint(to_save, tokenizer, checkpoint_dir, rows, config, training, num_prompts=evaluated)
@@ -890,12 +843,29 @@ def summary(results: dict) -> str:
     """The terminal summary: the evaluation table plus where everything went."""
     timings = results["timings_seconds"]
     training = results["training"]
+    shipped = results.get("shipped")
+    header = [
+        "",
+        f"MARS quickstart: held-out prompts never trained on, greedy; {OWN_SECTION}: the model trained "
+        f"just now, {results['data']['eval_prompts']} prompts at batch 1 against the base model's float32 "
+        "greedy answers.",
+    ]
+    if shipped:
+        header.append(
+            f"{SHIPPED_SECTION}: the MARS model shipped in mars_hf (trained by a long run; see its model card "
+            f"{Path(shipped['checkpoint']) / 'README.md'}), {shipped['eval_prompts']} prompts at batch 1 and "
+            f"{shipped['batch_prompts']} at batch 4 (left-padded), in {shipped['dtype']}, against stock "
+            "generate's batch-1 answers in the same dtype."
+        )
+        header.append(
+            "agreement: matching token positions; prefix agreement: share of the answer before the first "
+            "difference; batch 4 tokens/forward: tokens / (4 × batch forwards), so rows that end early "
+            "lower stock too; vs stock: speed against stock generate at the same batch."
+        )
     lines = [
+        *header,
         "",
-        f"MARS quickstart: {results['data']['eval_prompts']} held-out prompts, greedy, batch 1; agreement = "
-        "token agreement with the base model's greedy output",
-        "",
-        format_table(results["evaluation"], SUMMARY_COLUMNS),
+        results_table(results),
         "",
         f"training: {training['steps']} steps ({training['epochs']:.2f} epochs of {results['data']['train_prompts']} "
         f"self-distilled answers) in {training['seconds'] / 60:.1f} min; "
@@ -918,8 +888,9 @@ def config_from_args(args) -> QuickstartConfig:
     for field in dataclasses.fields(QuickstartConfig):
         if hasattr(args, field.name) and getattr(args, field.name) is not None:
             values[field.name] = getattr(args, field.name)
-    if "thresholds" in values:
-        values["thresholds"] = tuple(values["thresholds"])
+    for name in ("thresholds", "shipped_thresholds"):
+        if name in values:
+            values[name] = tuple(values[name])
     return QuickstartConfig(**values)
 
 

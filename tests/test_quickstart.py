@@ -31,6 +31,7 @@ def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
         bf16=False,
         cache_dir=str(tmp_path / "cache"),
         progress=False,
+        skip_shipped=True,  # the shipped-model section has its own tests below
     )
     return QuickstartConfig(**{**toy, **settings})
 
@@ -207,3 +208,130 @@ def test_distillation_and_evaluation_stay_inside_their_budgets(tiny_model_dir, t
     assert run_quickstart(QuickstartConfig(**{**config.__dict__, "distill_minutes": None}))["data"][
         "self_distill_cached"
     ]
+
+
+# ---------------------------------------------------------------------------------------------- shipped model
+
+
+@pytest.fixture
+def shipped_checkpoint(tmp_path, monkeypatch):
+    """A tiny gated-LoRA MARS checkpoint (float64 base, random non-zero adapter) posing as the shipped one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from mars_hf import embedded_model, gated_lora, hub
+
+    tokenizer = tiny_tokenizer()
+    base = tiny_model("llama", seed=2, tokenizer=tokenizer, block_size=2)
+    base_dir = tmp_path / "shipped-base"
+    base.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    torch.manual_seed(3)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False
+    )
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64), lora)
+    gated_lora.gate_peft_model(peft_model, tokenizer.mask_token_id)
+    folder = tmp_path / "embedded_mars"
+    hub.save_pretrained(peft_model.eval(), tokenizer, folder)
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        base_dir
+    )
+    monkeypatch.setattr(embedded_model, "embedded_mars_checkpoint", lambda: folder)
+    return folder
+
+
+def test_quickstart_shows_the_shipped_model_first_then_its_own(tiny_model_dir, tmp_path, shipped_checkpoint):
+    """One table: the shipped model at batch 1 and 4 (stock, τ = 1, τ, verify), then this run's rows."""
+    config = _toy_config(
+        tiny_model_dir,
+        tmp_path,
+        num_eval_prompts=8,
+        max_new_tokens=8,
+        max_steps=1,
+        lora_r=4,
+        thresholds=(1.0, 0.5),
+        shipped_thresholds=(1.0, 0.5, 0.0),
+        shipped_dtype="float64",
+        shipped_eval_minutes=None,  # every prompt: 8 at batch 1, two groups of 4
+        eval_minutes=0.0,
+        skip_shipped=False,
+    )
+    results = run_quickstart(config)
+    shipped = results["shipped"]
+    assert shipped["checkpoint"] == str(shipped_checkpoint) and shipped["dtype"] == "float64"
+    assert shipped["eval_prompts"] == 8 and shipped["batch_prompts"] == 8
+    labels = ["stock", "mars@1", "mars@0.5", "mars@0"] + (["verify"] if verify_available() else [])
+    rows = {(row["batch"], row["label"]): row for row in shipped["rows"]}
+    assert [row["label"] for row in shipped["rows"]] == labels * 2
+    assert {row["batch"] for row in shipped["rows"]} == {1, 4}
+    for batch in (1, 4):
+        # Lossless rows: every answer identical to the base model's batch-1 greedy answer (float64).
+        for label in ("stock", "mars@1", "verify"):
+            if (batch, label) in rows:
+                row = rows[(batch, label)]
+                assert row["exact_match"] == 1.0 and row["prefix_agreement"] == 1.0, (batch, label)
+        assert (
+            rows[(batch, "mars@1")]["tokens_per_forward"]
+            <= rows[(batch, "stock")]["tokens_per_forward"] + 1e-9
+        )
+        assert rows[(batch, "mars@0")]["tokens_per_forward"] > rows[(batch, "stock")]["tokens_per_forward"]
+        assert all(row["speedup_vs_stock"] > 0 for (b, _), row in rows.items() if b == batch)
+    assert rows[(1, "stock")]["tokens_per_forward"] == 1.0
+    # The random adapter's τ = 0 does change answers: the identity checks above can fail.
+    assert rows[(1, "mars@0")]["exact_match"] < 1.0
+
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["shipped"]["rows"] == json.loads(json.dumps(shipped["rows"]))
+    assert [row["label"] for row in saved["evaluation"]][:3] == ["stock", "mars@1", "mars@0.5"]
+    assert "shipped" in saved["timings_seconds"]
+    text = summary(results)
+    table = text[text.index("model  batch") :]
+    assert table.count("embedded-mars") == 2 * len(labels) and table.count("this run (") == len(
+        saved["evaluation"]
+    )
+    assert table.index("embedded-mars") < table.index("this run (")
+    assert "prefix agreement" in text and "identical answers" in text
+
+
+def test_shipped_model_missing_names_the_way_out(tiny_model_dir, tmp_path, monkeypatch):
+    from mars_hf import embedded_model
+
+    monkeypatch.setattr(embedded_model, "EMBEDDED_MARS_DIR", tmp_path / "no-such-folder")
+    with pytest.raises(FileNotFoundError, match="--skip-shipped"):
+        run_quickstart(_toy_config(tiny_model_dir, tmp_path, max_steps=1, skip_shipped=False))
+
+
+def test_batch_decoding_matches_batch_one_rows_and_counts_batch_forwards(shipped_checkpoint):
+    """Left-padded batch decoding gives each row its batch-1 answer; stock forwards = generated columns."""
+    from mars_hf.data import chat_prompt_ids
+    from mars_hf.modeling import load_mars_model
+    from mars_hf.prompts import held_out_prompts
+    from mars_hf.quickstart_eval import decode_batch
+
+    model, tokenizer = load_mars_model(str(shipped_checkpoint), dtype=torch.float64)
+    rows = [chat_prompt_ids(tokenizer, prompt) for prompt in held_out_prompts(4, seed=0)]
+    assert len({len(ids) for ids in rows}) > 1  # the padding is exercised
+    alone = [decode_batch(model, tokenizer, [ids], None, max_new_tokens=8)[0][0] for ids in rows]
+    for tau, verify in ((None, False), (1.0, False), (0.0, True)):
+        outputs, forwards, _ = decode_batch(model, tokenizer, rows, tau, max_new_tokens=8, verify=verify)
+        assert outputs == alone, (tau, verify)
+        if tau is None:
+            assert forwards == max(len(out) for out in alone)
+
+
+def test_shipped_budget_spent_still_gives_four_prompts_and_one_batch(shipped_checkpoint):
+    from mars_hf.data import chat_prompt_ids
+    from mars_hf.modeling import load_mars_model
+    from mars_hf.prompts import held_out_prompts
+    from mars_hf.quickstart_eval import evaluate_shipped
+
+    model, tokenizer = load_mars_model(str(shipped_checkpoint), dtype=torch.float64)
+    ids = [chat_prompt_ids(tokenizer, prompt) for prompt in held_out_prompts(12, seed=0)]
+    result = evaluate_shipped(model, tokenizer, ids, (1.0,), minutes=0.0, max_new_tokens=4)
+    assert result["eval_prompts"] == 4 and result["batch_prompts"] == 4
+    assert {(row["batch"], row["label"]) for row in result["rows"]} >= {
+        (1, "stock"),
+        (4, "stock"),
+        (4, "mars@1"),
+    }
