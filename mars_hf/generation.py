@@ -18,6 +18,7 @@ This module imports only torch, transformers and its sibling modules (shipped be
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,9 +93,39 @@ def _resolve_window(model, block_size) -> int:
             "No MARS window: pass `mars_block_size=W` or set `config.mars['block_size']` "
             "(`mars_hf.set_mars_config` / `enable_mars(model, block_size=...)`)."
         )
-    if int(block_size) != block_size or int(block_size) < 1:
-        raise ValueError(f"`mars_block_size` (the window W) must be an integer >= 1, got {block_size!r}.")
+    _check_window(block_size)
     return int(block_size)
+
+
+def _check_window(block_size, name: str = "`mars_block_size` (the window W)") -> None:
+    """W is a whole number >= 1; a string, bool, NaN or inf gets this message, not int()'s."""
+    whole = (isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool)) or (
+        isinstance(block_size, float) and block_size.is_integer()
+    )
+    if not whole or block_size < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {block_size!r}.")
+
+
+def _check_model_window(model, window, name: str) -> None:
+    """A model-wide W is not capped per call by ``max_new_tokens``: bound it by the position limit instead."""
+    _check_window(window, name)
+    limit = _position_limit(model)
+    if limit is not None and window >= limit:
+        raise ValueError(
+            f"{name} = {window} must be below the model's position limit ({limit}): no step can feed "
+            f"{window} masks after a prompt. The paper uses W = 4 to 16; a per-call `mars_block_size` is "
+            "capped by `max_new_tokens` instead."
+        )
+
+
+def _position_limit(model) -> int | None:
+    """The model's largest position (absolute-position models fail past it), when its config says."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for key in ("max_position_embeddings", "n_positions"):
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return None
 
 
 def _resolve_mask_token(model, mask_token_id) -> int:
@@ -179,7 +210,7 @@ def _resolve_threshold(threshold, acceptance: str, batch_size: int) -> list[floa
             "MARS decoding needs `mars_threshold=τ` (a float, or one value per batch row); τ = 1.0 "
             "reproduces ordinary decoding. Or use `mars_acceptance='verify'` (lossless, no τ needed)."
         )
-    tau = torch.as_tensor(threshold, dtype=torch.float64).flatten().to("cpu")
+    tau = _threshold_values(threshold)
     if tau.numel() == 1:
         tau = tau.expand(batch_size)
     if tau.numel() != batch_size:
@@ -201,6 +232,28 @@ def _resolve_threshold(threshold, acceptance: str, batch_size: int) -> list[floa
             f"`mars_threshold` is an entropy bound for 'entropy' and must be >= 0, got {tau.tolist()}."
         )
     return tau.tolist()
+
+
+def _threshold_values(threshold) -> torch.Tensor:
+    """τ as a flat float64 CPU tensor; anything but numbers is refused by name (torch's TypeError was opaque)."""
+    items = threshold if isinstance(threshold, (list, tuple)) else [threshold]
+    bad = isinstance(threshold, torch.Tensor) and (threshold.dtype == torch.bool or threshold.is_complex())
+    bad = bad or any(isinstance(item, (str, bytes, bool)) for item in items)
+    try:
+        if not bad:
+            return torch.as_tensor(threshold, dtype=torch.float64).flatten().to("cpu")
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    hint = ""
+    if isinstance(threshold, str):
+        try:
+            hint = f" (write mars_threshold={float(threshold)!r}, a number, not the string {threshold!r})"
+        except ValueError:
+            pass
+    raise TypeError(
+        f"`mars_threshold` (τ) must be a real number, or one per batch row (a list or tensor of numbers); got "
+        f"{type(threshold).__name__} {threshold!r}{hint}."
+    )
 
 
 def _prompt_leads(attention_mask, input_ids) -> list[int]:
@@ -360,6 +413,9 @@ def mars_generate(
 
     max_length, eos_ids, other_criteria = _split_stopping_criteria(stopping_criteria, generation_config)
     max_new = max(0, max_length - prompt_length)
+    # Masks past the last token to generate predict nothing that is kept, while the window's buffers and
+    # per-step work grow with W (W = 5000 for 8 tokens took 35 s): capped, a wider W decodes the same.
+    window = min(window, max(1, max_new))
     pad_token_id = _pad_token(generation_config, eos_ids)
     # room for the provisional tokens of a step past the last one kept (processors and stop criteria read them)
     sequences = torch.full(
@@ -503,11 +559,49 @@ def _assemble_scores(records, batch_size, generated, keep_scores, keep_logits):
 # --------------------------------------------------------------------------------------------------
 
 
-def _call_values(model, args, kwargs) -> dict:
-    """This call's MARS settings: keywords, else the call's GenerationConfig, else the model's."""
+def _call_config(args, kwargs):
     call_config = kwargs.get("generation_config")
     if call_config is None and len(args) > 1:
         call_config = args[1]
+    return call_config
+
+
+def _config_settings(config, source: str) -> dict:
+    """The MARS settings a GenerationConfig sets, checked as keywords are.
+
+    A misspelt ``mars_*`` name or a value outside its choices is refused even when the call then decodes
+    stock: ``GenerationConfig(mars_acceptance="bogus")`` used to decode stock without a word.
+    """
+    if config is None:
+        return {}
+    unknown = sorted(key for key in vars(config) if key.startswith("mars_") and key not in _MARS_SETTINGS)
+    if unknown:
+        raise ValueError(f"{source} sets unknown MARS settings {unknown}; they are {list(_MARS_SETTINGS)}.")
+    settings = {key: getattr(config, key, None) for key in _MARS_SETTINGS}
+    settings = {key: value for key, value in settings.items() if value is not None}
+    where = f" (set in {source})"
+    choices = {"mars_acceptance": ACCEPTANCE_RULES, "mars_cache": CACHE_SCHEMES, "mars_layout": LAYOUTS}
+    for key, allowed in choices.items():
+        if key in settings and settings[key] not in allowed:
+            raise ValueError(f"`{key}` must be one of {tuple(allowed)}, got {settings[key]!r}{where}.")
+    if "mars_block_size" in settings:
+        _check_window(settings["mars_block_size"], f"`mars_block_size` (the window W){where}")
+    if "mars_cache_block" in settings:
+        _check_window(settings["mars_cache_block"], f"`mars_cache_block` (C){where}")
+    if "mars_mask_token_id" in settings:
+        token = settings["mars_mask_token_id"]
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise ValueError(f"`mars_mask_token_id` must be a token id (an integer >= 0), got {token!r}{where}.")
+    if "mars_threshold" in settings:
+        _threshold_values(settings["mars_threshold"])
+    return settings
+
+
+def _call_values(model, args, kwargs) -> dict:
+    """This call's MARS settings: keywords, else the call's GenerationConfig, else the model's."""
+    call_config = _call_config(args, kwargs)
+    _config_settings(call_config, "the call's `generation_config`")
+    _config_settings(getattr(model, "generation_config", None), "the model's `generation_config`")
     values = {key: kwargs.get(key) for key in _MARS_SETTINGS}
     return _from_generation_configs(values, call_config, getattr(model, "generation_config", None))
 
@@ -567,6 +661,12 @@ def _stock(model, args, kwargs):
     if stray:
         raise ValueError(
             f"{stray} only apply to MARS decoding; also pass `mars_threshold=τ` or `mars_acceptance='verify'`."
+        )
+    stray = sorted(set(_config_settings(_call_config(args, kwargs), "")) & set(_MARS_KWARGS))
+    if stray:
+        raise ValueError(
+            f"The call's `generation_config` sets {stray}, which only apply to MARS decoding; also set "
+            "`mars_threshold=τ` or `mars_acceptance='verify'` in it (or as a keyword), or remove them."
         )
     for key in _MARS_SETTINGS:
         kwargs.pop(key, None)
@@ -662,8 +762,10 @@ def enable_mars(
         )
         if value is not None
     }
+    if block_size is not None:
+        _check_model_window(model, block_size, "`block_size` (the window W)")
     model._mars_overrides = {**(getattr(model, "_mars_overrides", None) or {}), **overrides}
-    _resolve_window(model, None)
+    _check_model_window(model, _resolve_window(model, None), "The window W (`config.mars['block_size']`)")
     _resolve_mask_token(model, None)
     if acceptance is not None and acceptance not in ACCEPTANCE_METRICS:
         raise ValueError(f"`acceptance` must be one of {ACCEPTANCE_METRICS}, got {acceptance!r}.")

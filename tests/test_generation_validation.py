@@ -1,0 +1,163 @@
+"""Bad MARS settings are refused by name wherever they are set (keywords, a call's or the model's
+GenerationConfig), and a window wider than the tokens to generate is capped, not allocated."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import mars_hf.generation as generation
+from mars_hf.generation import enable_mars, generate
+from tests.tiny import tiny_model, tiny_tokenizer
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return enable_mars(tiny_model("llama", tokenizer=tiny_tokenizer()))
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    ids = torch.tensor([[2, 2, 5, 6, 7], [8, 9, 10, 11, 12]])
+    return {"input_ids": ids, "attention_mask": (torch.arange(5) >= torch.tensor([[2], [0]])).long()}
+
+
+def _generate(model, inputs, **kwargs):
+    kwargs = {"max_new_tokens": MAX_NEW, "do_sample": False, **kwargs}
+    return model.generate(**inputs, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "tau", ["0.9", "fast", b"0.9", True, [0.9, "0.9"], torch.tensor([True, False]), {"tau": 0.9}, object()]
+)
+def test_threshold_that_is_not_numbers_is_refused_by_name(model, inputs, tau):
+    """A string τ used to raise torch's "new(): invalid data type 'str'"; a bool was read as τ = 1."""
+    with pytest.raises(TypeError, match=r"`mars_threshold` \(τ\) must be a real number"):
+        _generate(model, inputs, mars_threshold=tau)
+    with pytest.raises(TypeError, match=r"`mars_threshold` \(τ\) must be a real number"):
+        _generate(model, inputs, generation_config=GenerationConfig(mars_threshold=tau, max_new_tokens=2))
+
+
+def test_threshold_string_error_says_how_to_write_it(model, inputs):
+    with pytest.raises(TypeError, match=r"write mars_threshold=0\.9, a number, not the string '0\.9'"):
+        _generate(model, inputs, mars_threshold="0.9")
+
+
+def test_numeric_thresholds_of_every_container_decode_alike(model, inputs):
+    expected = _generate(model, inputs, mars_threshold=0.5)
+    for tau in (
+        np.float64(0.5),
+        torch.tensor(0.5),
+        [0.5, 0.5],
+        (0.5, 0.5),
+        torch.tensor([0.5, 0.5]),
+        np.array([0.5, 0.5]),
+    ):
+        assert torch.equal(_generate(model, inputs, mars_threshold=tau), expected), tau
+
+
+@pytest.mark.parametrize("window", ["4", "abc", float("nan"), float("inf"), True, 0, -3, 2.5, [4]])
+def test_window_that_is_not_a_whole_number_is_refused_by_name(model, inputs, window):
+    """'abc', NaN and inf used to surface int()'s own errors (or OverflowError); True was read as W = 1."""
+    with pytest.raises(ValueError, match=r"`mars_block_size` \(the window W\) must be an integer >= 1"):
+        _generate(model, inputs, mars_threshold=0.5, mars_block_size=window)
+
+
+@pytest.fixture
+def decoder_windows(monkeypatch):
+    """The W each decoder is built with; a window past max_new_tokens fails at once (it used to run for minutes)."""
+    real = generation.MARSBatchDecoder
+    windows = []
+
+    def spy(*args, **kwargs):
+        windows.append(kwargs["window"])
+        assert kwargs["window"] <= MAX_NEW, (
+            f"decoder built with W = {kwargs['window']} for {MAX_NEW} new tokens"
+        )
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "MARSBatchDecoder", spy)
+    return windows
+
+
+@pytest.mark.parametrize("settings", [{"mars_threshold": 0.0}, {"mars_acceptance": "verify"}])
+def test_window_is_capped_by_max_new_tokens_and_decodes_the_same(model, inputs, decoder_windows, settings):
+    """W = 10⁶ tried a 128 TB buffer and W = 5000 for 8 tokens took 35 s; capped, they decode as W = 8."""
+    expected = _generate(model, inputs, mars_block_size=MAX_NEW, **settings)
+    start = time.monotonic()
+    for window in (MAX_NEW + 1, 5000, 10**6):
+        assert torch.equal(_generate(model, inputs, mars_block_size=window, **settings), expected), window
+    assert time.monotonic() - start < 600  # hang guard only
+    assert decoder_windows == [MAX_NEW] * 4
+    shorter = _generate(model, inputs, mars_block_size=10**6, max_new_tokens=3, **settings)
+    assert torch.equal(shorter, expected[:, : inputs["input_ids"].shape[1] + 3])
+    assert decoder_windows[-1] == 3
+
+
+def test_model_wide_window_is_bounded_by_the_position_limit():
+    """enable_mars / config.mars set W for every call (and for the server), where no max_new_tokens caps it."""
+    model = tiny_model("llama", tokenizer=tiny_tokenizer())  # 256 positions
+    with pytest.raises(
+        ValueError,
+        match=r"`block_size` \(the window W\) = 1000000 must be below the model's position limit \(256\)",
+    ):
+        enable_mars(model, block_size=10**6)
+    assert not getattr(model, "_mars_overrides", None)  # a refused W is not kept
+    with pytest.raises(ValueError, match=r"must be below the model's position limit \(256\)"):
+        enable_mars(model, block_size=256)
+    with pytest.raises(ValueError, match=r"`block_size` \(the window W\) must be an integer >= 1"):
+        enable_mars(model, block_size="8")
+    model.config.mars["block_size"] = 4096
+    with pytest.raises(ValueError, match=r"config.mars\['block_size'\]`\) = 4096 must be below"):
+        enable_mars(model)
+    model.config.mars["block_size"] = 4
+    assert enable_mars(model, block_size=255)._mars_overrides["block_size"] == 255
+
+
+@pytest.mark.parametrize(
+    "config_kwargs,match",
+    [
+        ({"mars_acceptance": "bogus"}, r"`mars_acceptance` must be one of .*got 'bogus' \(set in the call's"),
+        ({"mars_cache": "disk"}, r"`mars_cache` must be one of .*got 'disk'"),
+        ({"mars_layout": "cubic"}, r"`mars_layout` must be one of .*got 'cubic'"),
+        (
+            {"mars_block_size": "4"},
+            r"`mars_block_size` \(the window W\) \(set in the call's `generation_config`\)",
+        ),
+        ({"mars_cache_block": 0}, r"`mars_cache_block` \(C\)"),
+        ({"mars_mask_token_id": -1}, r"`mars_mask_token_id` must be a token id"),
+        ({"mars_treshold": 0.9}, r"unknown MARS settings \['mars_treshold'\]"),
+        ({"mars_block_size": 4}, r"sets \['mars_block_size'\], which only apply to MARS decoding"),
+        ({"mars_acceptance": "entropy"}, r"sets \['mars_acceptance'\], which only apply to MARS decoding"),
+    ],
+)
+def test_generation_config_mars_settings_are_checked_like_keywords(model, inputs, config_kwargs, match):
+    """Without τ or verify such a config used to decode stock without a word (keywords were refused)."""
+    config = GenerationConfig(max_new_tokens=2, do_sample=False, **config_kwargs)
+    with pytest.raises(ValueError, match=match):
+        model.generate(**inputs, generation_config=config)
+    with pytest.raises(ValueError, match=match):  # the custom_generate/ entry point of a checkpoint
+        generate(model, **inputs, generation_config=config)
+
+
+def test_models_own_generation_config_is_checked_too(inputs):
+    model = enable_mars(tiny_model("llama", tokenizer=tiny_tokenizer()))
+    model.generation_config.mars_acceptance = "bogus"
+    with pytest.raises(ValueError, match=r"got 'bogus' \(set in the model's `generation_config`\)"):
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    # a valid model-wide default (τ given per call) is not stray
+    model.generation_config.mars_acceptance = "probability"
+    stock = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False, mars_threshold=1.0), stock)
+
+
+def test_plain_generation_config_still_decodes_stock(model, inputs):
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=2)
+    expected = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=2)
+    assert torch.equal(model.generate(**inputs, generation_config=config), expected)
