@@ -1,12 +1,14 @@
 """``mars-hf export --for vllm``: the folder, the refusals, and vLLM's parallel-drafting step replayed.
 
-The contract (read from vLLM 0.33.0, the sdist on PyPI, ``vllm-0.33.0.tar.gz``; the stored git index of
-vllm-project/vllm at commit 00c4f22dae4795e34658bead82fa071e6bb7ae39 has the same code):
+The contract, read from vLLM 0.33.0 (the sdist on PyPI, ``vllm-0.33.0.tar.gz``; line numbers are its;
+``llm_base_proposer.py`` of vllm-project/vllm at commit 00c4f22dae4795e34658bead82fa071e6bb7ae39 has the
+same mask-id lookup and input preparation):
 
 * ``vllm/config/speculative.py`` l. 511: ``parallel_drafting: bool`` ("Only compatible with EAGLE and
   draft model methods"); l. 2040-2055 ``verify_equal_vocab_size_if_draft_model``: for
   ``method == "draft_model"`` the target's and drafter's ``get_vocab_size()`` (``vllm/config/model.py``
-  l. 1629: the config's ``vocab_size``) must be equal.
+  l. 1629, ``vllm/transformers_utils/model_arch_config_convertor.py`` l. 85-86: the text config's
+  ``vocab_size``) must be equal.
 * ``vllm/v1/spec_decode/draft_model.py`` l. 19-31: ``DraftModelProposer`` is a
   ``SpecDecodeBaseProposer`` with ``pass_hidden_states_to_model=False``; l. 114-122: it shares neither
   embeddings nor lm_head with the target (so the drafter's own trained mask row is used).
@@ -20,7 +22,7 @@ vllm-project/vllm at commit 00c4f22dae4795e34658bead82fa071e6bb7ae39 has the sam
   ``padding_token_id=0``, ``num_padding_slots_per_request=K``, ``shift_input_ids=False``;
   l. 614 and 627-636: one forward, then the hidden states at ``token_indices_to_sample`` give all K
   drafts (``view(-1, K)``); l. 437-447 ``_greedy_sample``: ``compute_logits(...).argmax(-1)``.
-* ``vllm/v1/spec_decode/utils.py`` l. 429-565 ``copy_and_expand_eagle_inputs_kernel``: per request,
+* ``vllm/v1/spec_decode/utils.py`` l. 429-574 ``copy_and_expand_eagle_inputs_kernel``: per request,
   output slots ``j`` hold the accepted query tokens (``j < num_valid``), the bonus token
   (``j == num_valid``), the parallel-drafting token (``num_valid < j < num_valid + K``) and, last, the
   rejected slots (token 0, position 0); positions are ``start_pos + j``; the K sampled slots are
@@ -66,7 +68,7 @@ SMOLLM2_VOCAB = 49152
 
 # ------------------------------------------------------------------------------------------ vLLM, replayed
 def vllm_copy_and_expand(target_token_ids, target_positions, query_start_loc, num_rejected, next_token_ids, k, mask_id):
-    """``copy_and_expand_eagle_inputs_kernel`` (utils.py l. 429-565) with ``shift_input_ids=False``,
+    """``copy_and_expand_eagle_inputs_kernel`` (utils.py l. 429-574) with ``shift_input_ids=False``,
     ``num_padding_slots_per_request=k``, ``padding_token_id=0``, in plain Python."""
     batch = len(next_token_ids)
     total = len(target_token_ids) + k * batch
