@@ -346,14 +346,14 @@ class _SharedInput:
     moves it; the product of the current forward is kept with the input it was computed from.
     """
 
-    __slots__ = ("leader", "x", "xa", "serial")
+    __slots__ = ("leader", "ranks", "x", "xa", "serial")
 
-    def __init__(self, leader):
-        self.leader = leader
+    def __init__(self, leader, ranks: list[int]):
+        self.leader, self.ranks = leader, list(ranks)
         self.x = self.xa = self.serial = None
 
-    def project(self, x: torch.Tensor, gate: MaskGate | None) -> torch.Tensor:
-        """``gate * (x @ A.T)`` over flattened rows (all rows when ungated)."""
+    def project(self, x: torch.Tensor, gate: MaskGate | None) -> tuple[torch.Tensor, ...]:
+        """``gate * (x @ A.T)`` over flattened rows (all rows when ungated), one column block per member."""
         serial = gate.serial if gate is not None else None
         if x is self.x and serial == self.serial:
             return self.xa
@@ -366,17 +366,18 @@ class _SharedInput:
             gate.check_rows(xa.shape[0])
             g = gate.gate
             xa.mul_(g if g.dtype == xa.dtype else g.to(xa.dtype))
-        self.x, self.xa, self.serial = x, xa, serial
-        return xa
+        parts = xa.split(self.ranks, dim=1) if len(self.ranks) > 1 else (xa,)
+        self.x, self.xa, self.serial = x, parts, serial
+        return parts
 
 
 class _Adapter:
     """What one adapted linear layer needs in its forward (kept in the module's ``__dict__``)."""
 
-    __slots__ = ("base_forward", "gate", "group", "columns")
+    __slots__ = ("base_forward", "gate", "group", "member")
 
-    def __init__(self, base_forward, gate, group, columns):
-        self.base_forward, self.gate, self.group, self.columns = base_forward, gate, group, columns
+    def __init__(self, base_forward, gate, group, member):
+        self.base_forward, self.gate, self.group, self.member = base_forward, gate, group, member
 
 
 def _adapted_forward(self, x, *args, **kwargs):
@@ -392,9 +393,7 @@ def _adapted_forward(self, x, *args, **kwargs):
         if gate.rows is None:
             gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
         return y
-    xa = adapter.group.project(x, gate)
-    if adapter.columns is not None:
-        xa = xa[:, adapter.columns[0] : adapter.columns[1]]
+    xa = adapter.group.project(x, gate)[adapter.member]
     bt = self._buffers["mars_lora_BT"]
     if xa.dtype != y.dtype:
         xa, bt = xa.to(y.dtype), bt.to(y.dtype)
@@ -442,20 +441,16 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate: MaskG
     weight = leader.weight
     stacked = torch.cat([pair["A"] for pair in pairs]).to(device=weight.device, dtype=weight.dtype)
     leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
-    group = _SharedInput(leader)
-    start = 0
-    for module, pair in zip(members, pairs):
-        r = pair["A"].shape[0]
+    group = _SharedInput(leader, [pair["A"].shape[0] for pair in pairs])
+    for member, (module, pair) in enumerate(zip(members, pairs)):
         bt = (pair["B"].to(torch.float64) * scaling).t()  # the scale folded into B once, not per forward
         module.register_buffer(
             "mars_lora_BT",
             bt.to(device=module.weight.device, dtype=module.weight.dtype).contiguous(),
             persistent=False,
         )
-        columns = None if len(members) == 1 else (start, start + r)
-        object.__setattr__(module, "_mars_adapter", _Adapter(module.forward, gate, group, columns))
+        object.__setattr__(module, "_mars_adapter", _Adapter(module.forward, gate, group, member))
         module.forward = types.MethodType(_adapted_forward, module)
-        start += r
 
 
 def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:

@@ -674,6 +674,23 @@ def test_shipped_adapter_follows_the_model_to_another_dtype(tokenizer, tmp_path)
     assert got[1].dtype == torch.float32 and torch.equal(got[1][real], expected[1][real])
 
 
+def test_shipped_loader_applies_an_ungated_adapter_everywhere(tmp_path):
+    """custom_generate/ also attaches a plain (ungated) MARS LoRA: the delta at every position, like PEFT's merge."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_hub import make_lora_adapter
+
+    peft_model, tokenizer, adapter_dir = make_lora_adapter(tmp_path, "custom-row")  # LoRA on q_proj, v_proj
+    merged = peft_model.merge_and_unload()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float64)
+    assert gated_lora.attach_shipped_adapter(plain, adapter_dir) and not gated_lora.is_gated(plain)
+    ids = torch.tensor([[5, 6, 7, tokenizer.mask_token_id, tokenizer.mask_token_id], [8, 9, 10, 11, 12]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            plain(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-12
+        )
+
+
 # ---------------------------------------------------------------------------------------------- loading refusals
 
 
