@@ -43,7 +43,8 @@ def add_mask_token(
     The last three rewrite the chosen row (input, and output when untied) to the mean row, like a fresh
     row: a spare row holds whatever pretraining left there and a reused token carries its old meaning.
     ``config.mars["base_vocab_size"]`` records the row count before this call, so an exporter can tell
-    whether the vocabulary grew.
+    whether the vocabulary grew. A reused token is the mask from then on: text that spells it (in training
+    data or prompts) is read as a mask.
     """
     if placement not in MASK_PLACEMENTS:
         raise ValueError(f"placement must be one of {MASK_PLACEMENTS}, got {placement!r}.")

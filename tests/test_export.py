@@ -357,6 +357,33 @@ def test_gated_adapter_is_refused_or_merged_everywhere_for_a_drafter(tmp_path):
     assert not torch.allclose(merged[:, 5:], gated_logits[:, 5:])
 
 
+def test_ungated_lora_adapter_is_merged_exactly(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from mars_hf import hub
+
+    tokenizer = tiny_tokenizer(with_mask=False)
+    base = tiny_model("qwen2", block_size=None)
+    base_dir = tmp_path / "base"
+    base.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)  # the target: no mask token in its tokenizer
+    mask_id = add_mask_token(base, tokenizer, placement="keep_vocab_size")
+    set_mars_config(base, block_size=BLOCK_SIZE, mask_token_id=mask_id)
+    torch.manual_seed(2)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    peft_model = get_peft_model(base, config).eval()
+    checkpoint = tmp_path / "ckpt"
+    hub.save_pretrained(peft_model, tokenizer, checkpoint, base_model=str(base_dir))
+    out = export_for_vllm(checkpoint, tmp_path / "drafter", base_model_name_or_path=str(base_dir))
+    config = json.loads((out / "config.json").read_text())
+    assert config["mars"]["vllm_export"] == {"drafter_only_merge": False, "source": str(checkpoint), "target": str(base_dir)}
+    assert vocab_size_like_vllm(config) == 64 and read_drafter_mask_token_like_vllm(out) == mask_id
+    drafter = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    ids = torch.tensor([[5, 6, 7, 8, mask_id, mask_id]])
+    with torch.no_grad():
+        torch.testing.assert_close(drafter(input_ids=ids).logits, peft_model(input_ids=ids).logits, rtol=1e-9, atol=1e-9)
+
+
 def test_refuses_mismatched_vocabularies(tmp_path):
     # SmolLM2 has no spare row: the default placement grows the vocabulary to 49153 rows.
     target, checkpoint, _ = build("smollm2", tmp_path, placement="append")
