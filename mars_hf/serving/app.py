@@ -29,7 +29,16 @@ from .protocol import (
     parse_request,
     usage,
 )
-from .scheduler import Done, Failed, GenerationRequest, QueueFull, Scheduler, ServerClosing, Tokens
+from .scheduler import (
+    SHUTDOWN_RETRY_AFTER_S,
+    Done,
+    Failed,
+    GenerationRequest,
+    QueueFull,
+    Scheduler,
+    ServerClosing,
+    Tokens,
+)
 
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
@@ -66,6 +75,8 @@ def build_app(
 
     app = FastAPI(title="mars-hf serve", lifespan=lifespan)
     app.state.scheduler = scheduler
+    app.state.shutdown_grace_s = shutdown_grace_s
+    app.state.limits = limits
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):  # never a crash, never the body in the log
@@ -133,8 +144,10 @@ def build_app(
             metrics.requests.labels("rejected").inc()
             return _error(f"Server busy: {error}. Retry later.", 429, retry_after=scheduler.retry_after_s())
         except ServerClosing:
-            metrics.requests.labels("rejected").inc()
-            return _error("The server is shutting down.", 503, retry_after=5)
+            metrics.requests.labels("shutdown").inc()
+            return _error(
+                "The server is shutting down. Retry later.", 503, retry_after=SHUTDOWN_RETRY_AFTER_S
+            )
 
         request_id = new_id("chatcmpl" if chat else "cmpl")
         acceptance = parsed.settings.acceptance
@@ -172,7 +185,7 @@ def build_app(
                 elif isinstance(event, Done):
                     finish_reason = event.finish_reason
                 elif isinstance(event, Failed):
-                    return _error(event.message, event.status)
+                    return _error(event.message, event.status, retry_after=event.retry_after)
         finally:
             scheduler.cancel(request)
         text = assembler.text

@@ -38,12 +38,21 @@ def error_body(message: str, status: int, code: str | None = None) -> dict:
 
 @dataclass
 class Limits:
-    """Server limits a request is checked against."""
+    """Server limits a request is checked against.
+
+    ``model_positions`` / ``positions_field``: the model's position limit and the config field it comes
+    from (``max_length`` is already capped by it; named in the error so users see the real bound).
+    ``mask_token_id``: MARS's mask token, refused in prompts (see `check_prompt_ids`).
+    """
 
     max_prompt_tokens: int
     max_new_tokens: int
     max_length: int
     default_max_tokens: int = 256
+    model_positions: int | None = None
+    positions_field: str = "max_position_embeddings"
+    mask_token_id: int | None = None
+    mask_token: str | None = None
 
 
 @dataclass
@@ -202,6 +211,34 @@ def completion_prompt_ids(body: dict, tokenizer) -> list[int]:
     )
 
 
+def check_prompt_ids(prompt_ids: list[int], limits: Limits, *, param: str) -> None:
+    """Refuse prompts the model cannot read: past its positions, or holding the mask token.
+
+    The mask token is refused (400), not escaped: MARS feeds it at the positions it is drafting, so a
+    prompt that holds it asks the model to fill that position in rather than to read it (and the
+    tokenizer cannot spell it any other way). A user who wants the literal text must avoid it.
+    """
+    positions = limits.model_positions
+    if positions is not None and len(prompt_ids) >= positions:
+        raise RequestError(
+            f"The prompt has {len(prompt_ids)} tokens; the model reads at most {positions} positions "
+            f"({limits.positions_field}), which must hold the prompt and at least one new token. "
+            "Shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    mask = limits.mask_token_id
+    if mask is not None and mask in prompt_ids:
+        where = prompt_ids.index(mask)
+        name = f"{limits.mask_token!r} " if limits.mask_token else ""
+        raise RequestError(
+            f"The prompt holds the MARS mask token {name}(id {mask}) at token {where}; MARS reserves it for the "
+            "positions it drafts, so it cannot be read as prompt text. Remove it from the prompt.",
+            param=param,
+            code="mask_token_in_prompt",
+        )
+
+
 def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedRequest:
     """Validate an OpenAI (chat) completions body; raises `RequestError` with a clear message."""
     if not isinstance(body, dict):
@@ -224,6 +261,7 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
     stop = _stop(body)
 
     prompt_ids = chat_prompt_ids(body, tokenizer) if chat else completion_prompt_ids(body, tokenizer)
+    check_prompt_ids(prompt_ids, limits, param="messages" if chat else "prompt")
     if len(prompt_ids) > limits.max_prompt_tokens:
         raise RequestError(
             f"The prompt has {len(prompt_ids)} tokens; this server accepts at most {limits.max_prompt_tokens} "
@@ -237,9 +275,14 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.max_new_tokens, room)
     if max_tokens > room or room < 1:
+        bound = (
+            f"the model's {limits.max_length} positions ({limits.positions_field})"
+            if limits.model_positions == limits.max_length
+            else f"the server's {limits.max_length}-token rows (--max-length)"
+        )
         raise RequestError(
-            f"The prompt ({len(prompt_ids)} tokens) plus `{name}` ({max_tokens}) exceeds the server's "
-            f"{limits.max_length}-token rows (--max-length). Lower `{name}` or shorten the prompt.",
+            f"The prompt ({len(prompt_ids)} tokens) plus `{name}` ({max_tokens}) exceeds {bound}. "
+            f"Lower `{name}` or shorten the prompt.",
             param=name,
             code="context_length_exceeded",
         )

@@ -6,6 +6,11 @@ passed, admits waiting requests into free slots (the engine prefills them in the
 each row's new tokens to its request's asyncio queue (thread-safe, on the request's event loop).
 Finished rows leave at once, so their slot serves the next request; KV memory is the engine's fixed
 slots, never grown per request.
+
+A row the engine reports as failed (``RowUpdate.error``) ends its request alone with a JSON 500; only
+an engine whose step raises fails every running row. Draining (SIGTERM): new requests get 503, queued
+ones get 503 at once (both with ``Retry-After``), running rows go on for the grace period, then each
+remaining request gets a 503 event (a JSON 503, or an SSE error event then ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from .engine import Engine, RowSettings
 from .metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
+SHUTDOWN_RETRY_AFTER_S = 5  # what a 503 during shutdown tells clients (another instance, or this one back)
 
 
 class QueueFull(Exception):
@@ -46,6 +52,7 @@ class Done:
 class Failed:
     status: int
     message: str
+    retry_after: int | None = None
 
 
 @dataclass(eq=False)
@@ -120,6 +127,9 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closing = False
         self._stop = False
+        self._drain_deadline: float | None = None
+        self._grace_s = 0.0
+        self._drained = threading.Event()
         self._thread: threading.Thread | None = None
         self.metrics.slots.set(engine.max_rows)
         self.metrics.tau.set(self.tau)
@@ -163,17 +173,42 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="mars-scheduler", daemon=True)
         self._thread.start()
 
-    def shutdown(self, grace_s: float = 10.0) -> None:
-        """Stop admitting, let queued and running requests finish for up to ``grace_s``, cancel the rest."""
+    def begin_drain(self, grace_s: float) -> None:
+        """Stop admitting (new and queued requests get 503); running rows have ``grace_s`` to finish."""
         with self._cond:
+            if self._closing:
+                return
             self._closing = True
+            self._grace_s = max(0.0, float(grace_s))
+            self._drain_deadline = time.monotonic() + self._grace_s
             self._cond.notify()
-        end = time.monotonic() + grace_s
-        while time.monotonic() < end:
-            with self._cond:
-                if not self.waiting and not self.running:
-                    break
-            time.sleep(0.02)
+        logger.info(
+            "Draining: %d running, %d queued; running rows have %g s to finish.",
+            len(self.running),
+            len(self.waiting),
+            self._grace_s,
+        )
+
+    def drain(self, grace_s: float, *, stuck_s: float = 30.0) -> bool:
+        """`begin_drain`, then wait until every request has its answer (bounded: grace + ``stuck_s``).
+
+        Returns False when the scheduler thread did not get there (a step that never returns).
+        """
+        self.begin_drain(grace_s)
+        if self._thread is None or not self._thread.is_alive():
+            self._cancel_all("The server shut down before this request finished; retry it.")
+            self._drained.set()
+            return True
+        with self._cond:
+            grace = self._grace_s
+        done = self._drained.wait(grace + stuck_s)
+        if not done:
+            logger.error("Drain: the scheduler did not finish within %g s of the grace period.", stuck_s)
+        return done
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Drain (see `drain`), then stop the scheduler thread."""
+        self.drain(grace_s)
         with self._cond:
             self._stop = True
             self._cond.notify()
@@ -192,23 +227,51 @@ class Scheduler:
                     break
             now = time.monotonic()
             self._drop_cancelled_and_expired(now)
-            self._admit(now)
+            if self._closing:
+                self._drain_step(now)
+            else:
+                self._admit(now)
             if not self.running:
                 self._set_tau(now)  # idle: τ keeps climbing back to τ_max
                 continue
             self._set_tau(now)
             try:
                 updates = self.engine.step()
-            except Exception:
-                logger.exception(
-                    "A decoding step failed; failing the %d running requests.", len(self.running)
+            except Exception as error:  # the engine could not isolate the failing row(s)
+                logger.error(
+                    "A decoding step failed (%s: %s); failing the %d running requests.",
+                    type(error).__name__,
+                    error,
+                    len(self.running),
+                    exc_info=error,
                 )
                 for row_id, request in list(self.running.items()):
                     self._drop(row_id)
                     self._finish(request, Failed(500, "decoding failed on the server; see its log"), "error")
                 continue
             self._route(updates, time.monotonic())
-        self._cancel_all("the server shut down before this request finished")
+        self._cancel_all("The server shut down before this request finished; retry it.")
+
+    def _drain_step(self, now: float) -> None:
+        """While draining: queued requests get 503; past the deadline, so do the running ones."""
+        with self._cond:
+            queued = list(self.waiting)
+            self.waiting.clear()
+            self.metrics.queue_depth.set(0)
+        for request in queued:
+            message = "The server is shutting down; this request was not started. Retry it."
+            self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
+        if self.running and self._drain_deadline is not None and now >= self._drain_deadline:
+            logger.info("Drain: ending %d rows still running after the grace period.", len(self.running))
+            message = (
+                "The server is shutting down and this request did not finish within its shutdown grace "
+                f"period ({self._grace_s:g} s). Retry it."
+            )
+            for row_id, request in list(self.running.items()):
+                self._drop(row_id)
+                self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
+        if not self.running:
+            self._drained.set()
 
     def _drop(self, row_id: int) -> None:
         self.running.pop(row_id, None)
@@ -299,6 +362,15 @@ class Scheduler:
             request = self.running.get(update.row_id)
             if request is None:
                 continue
+            if getattr(update, "error", None):
+                self._drop(update.row_id)
+                kind = str(update.error).split(":", 1)[0]
+                message = (
+                    f"Decoding this request failed on the server ({kind}); the other requests were not "
+                    "affected. See the server log."
+                )
+                self._finish(request, Failed(500, message), "error")
+                continue
             if update.tokens:
                 if request.first_token_at is None:
                     request.first_token_at = now
@@ -319,6 +391,6 @@ class Scheduler:
         for row_id in list(self.running):
             self._drop(row_id)
         for request in pending:
-            self._finish(request, Failed(503, message), "shutdown")
+            self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
         self.metrics.queue_depth.set(0)
         self.metrics.running_rows.set(0)

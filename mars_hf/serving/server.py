@@ -1,12 +1,18 @@
 """Put it together: load a model, build engine + controller + scheduler + app, run uvicorn.
 
-`BackgroundServer` runs the same uvicorn server on a thread (loopback, a free port), for the tests
-and the load test.
+`DrainingServer` is uvicorn's server with the drain first: on SIGTERM/SIGINT it keeps listening
+while the scheduler drains (new and queued requests get 503 + Retry-After, running rows finish
+within ``--shutdown-grace``, the rest get a 503 event), so every request has its answer before
+uvicorn closes connections (uvicorn alone cancels handlers past its timeout: plain-text 500s, cut
+streams, tracebacks). `BackgroundServer` runs the same server on a thread (loopback, a free port),
+for the tests and the load test.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import socket
 import threading
 import time
@@ -64,16 +70,63 @@ def load_model(name_or_path: str, dtype: str = "float32"):
     return model, tokenizer
 
 
+# Config fields that bound positions, in the order transformers' configs use them (GPT-2: n_positions).
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def model_position_limit(config) -> tuple[int, str] | None:
+    """``(positions, field)``: how many positions the model reads, and the config field that says so."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    aliases = getattr(config, "attribute_map", {}) or {}
+    for name in POSITION_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, aliases.get(name, name)
+    return None
+
+
+def cap_to_model_positions(config: ServerConfig, model) -> tuple[int, str] | None:
+    """Cap ``config.max_length`` (and the prompt limit) by the model's positions; log when it bites."""
+    found = model_position_limit(getattr(model, "config", None))
+    if found is None:
+        return None
+    positions, name = found
+    if config.max_length > positions:
+        logger.warning(
+            "--max-length %d is more than the model's %d positions (%s): rows are capped at %d tokens.",
+            config.max_length,
+            positions,
+            name,
+            positions,
+        )
+        config.max_length = positions
+        config.max_prompt_tokens = min(config.max_prompt_tokens, positions - 1)
+    return positions, name
+
+
 def build_server(model_or_engine, tokenizer, config: ServerConfig):
-    """``(app, scheduler)``; ``model_or_engine`` is a MARS model or anything implementing `Engine`."""
+    """``(app, scheduler)``; ``model_or_engine`` is a MARS model or anything implementing `Engine`.
+
+    With a model, ``config.max_length`` is first capped by the model's position limit (the config is
+    changed in place, so the caller sees the limit in force).
+    """
+    positions = None
     if hasattr(model_or_engine, "step") and hasattr(model_or_engine, "add_row"):
         engine: Engine = model_or_engine
     else:
+        positions = cap_to_model_positions(config, model_or_engine)
         engine = DecoderEngine(model_or_engine, max_rows=config.max_rows, max_length=config.max_length)
     controller = TauController(config.controller, slots=engine.max_rows)
     scheduler = Scheduler(engine, controller, ServingMetrics(), max_queue=config.max_queue)
     limits = config.limits
     limits.max_length = min(limits.max_length, engine.max_length)
+    if positions is not None:
+        limits.model_positions, limits.positions_field = positions
+    mask = getattr(engine, "mask_token_id", None)
+    if mask is not None:
+        limits.mask_token_id = int(mask)
+        limits.mask_token = tokenizer.convert_ids_to_tokens(int(mask))
     app = build_app(
         tokenizer,
         scheduler,
@@ -91,10 +144,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class BackgroundServer:
-    """A real uvicorn server on a thread: ``with BackgroundServer(app) as server: server.base_url``."""
+# After the drain every request has its answer; uvicorn then waits this long for handlers to send them.
+AFTER_DRAIN_S = 10.0
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, graceful_s: float = 5.0):
+
+def draining_server(config):
+    """A `uvicorn.Server` subclass instance (uvicorn is imported lazily) that drains before shutting down."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            state = getattr(self.config.app, "state", None)
+            scheduler = getattr(state, "scheduler", None)
+            if scheduler is not None:  # still listening: new requests get 503 while running rows finish
+                grace = getattr(state, "shutdown_grace_s", 10.0)
+                await asyncio.to_thread(scheduler.drain, grace)
+            await super().shutdown(sockets=sockets)
+
+    return DrainingServer(config)
+
+
+class BackgroundServer:
+    """A real uvicorn server on a thread: ``with BackgroundServer(app) as server: server.base_url``.
+
+    ``terminate()`` does what SIGTERM does to `mars-hf serve` (signals reach only the main thread).
+    """
+
+    def __init__(
+        self, app, host: str = "127.0.0.1", port: int | None = None, graceful_s: float = AFTER_DRAIN_S
+    ):
         import uvicorn
 
         self.host, self.port = host, port or free_port(host)
@@ -106,7 +184,7 @@ class BackgroundServer:
             access_log=False,
             timeout_graceful_shutdown=graceful_s,
         )
-        self.server = uvicorn.Server(config)
+        self.server = draining_server(config)
         self.thread = threading.Thread(target=self.server.run, name="mars-uvicorn", daemon=True)
 
     @property
@@ -124,6 +202,10 @@ class BackgroundServer:
             time.sleep(0.02)
         return self
 
+    def terminate(self) -> None:
+        """Begin the shutdown SIGTERM begins (drain, then close); returns at once."""
+        self.server.handle_exit(signal.SIGTERM, None)
+
     def stop(self, timeout_s: float = 60.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout_s)
@@ -137,11 +219,24 @@ class BackgroundServer:
 
 def serve(name_or_path: str, config: ServerConfig, *, host: str, port: int, dtype: str = "float32") -> None:
     """Load the model and run the server in the foreground until SIGINT/SIGTERM (then drain)."""
-    import uvicorn
-
     model, tokenizer = load_model(name_or_path, dtype)
     app, _ = build_server(model, tokenizer, config)
-    logger.info("Serving %s on http://%s:%d (slots %d).", config.model_id, host, port, config.max_rows)
-    uvicorn.run(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=config.shutdown_grace_s
+    logger.info(
+        "Serving %s on http://%s:%d (slots %d, rows of %d tokens).",
+        config.model_id,
+        host,
+        port,
+        config.max_rows,
+        config.max_length,
     )
+    run_app(app, host=host, port=port)
+
+
+def run_app(app, *, host: str, port: int, log_level: str = "info") -> None:
+    """Run ``app`` (from `build_server`) in the foreground until SIGINT/SIGTERM, then drain and exit."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=AFTER_DRAIN_S
+    )
+    draining_server(config).run()
