@@ -335,3 +335,25 @@ def test_shipped_budget_spent_still_gives_four_prompts_and_one_batch(shipped_che
         (4, "stock"),
         (4, "mars@1"),
     }
+
+
+def test_command_line_options_for_the_shipped_model():
+    import argparse
+
+    from mars_hf.commands import quickstart as command
+    from mars_hf.quickstart import config_from_args
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    defaults = config_from_args(parser.parse_args([]))
+    assert not defaults.skip_shipped and defaults.shipped_eval_minutes == 3.0
+    assert defaults.shipped_thresholds == (1.0, 0.95, 0.9, 0.8) and defaults.shipped_dtype is None
+    # The documented split stays within 30 minutes with room for loading, the reference and saving.
+    budgets = defaults.shipped_eval_minutes + defaults.distill_minutes + defaults.budget_minutes
+    assert budgets + defaults.eval_minutes <= 25.0
+    args = parser.parse_args(
+        "--skip-shipped --shipped-eval-minutes 1.5 --shipped-thresholds 1,0.9 --shipped-dtype float32".split()
+    )
+    config = config_from_args(args)
+    assert config.skip_shipped and config.shipped_eval_minutes == 1.5
+    assert config.shipped_thresholds == (1.0, 0.9) and config.shipped_dtype == "float32"
