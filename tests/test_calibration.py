@@ -413,3 +413,30 @@ def test_training_script_fits_a_calibration_on_its_held_out_rows(tmp_path):
     none = tmp_path / "none"
     load_example_script().cli([*argv[:5], str(none), *argv[6:-1], "0"])
     assert "calibration" not in json.loads((none / "config.json").read_text())["mars"]
+
+
+def test_custom_generate_copy_applies_the_stored_calibration(tmp_path):
+    """A checkpoint's custom_generate/ (no mars_hf import) decodes τ with the calibration in config.json."""
+    from transformers import AutoModelForCausalLM
+
+    from mars_hf import hub
+
+    tokenizer = tiny_tokenizer()
+    prompts = [tokenizer("the cat sat", add_special_tokens=False).input_ids]
+    quantiles = _mask_confidence_quantiles(_peaked(tiny_model("llama", seed=5, tokenizer=tokenizer)), prompts)
+    maps = _maps("per_offset", quantiles)
+    model = _calibrated(tiny_model("llama", seed=5, tokenizer=tokenizer), maps)
+    hub.save_pretrained(model, tokenizer, tmp_path / "ckpt")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float64)
+    eos = tokenizer.eos_token_id
+    out = plain.generate(
+        torch.tensor(prompts), max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+        custom_generate=str(tmp_path / "ckpt"), trust_remote_code=True, mars_threshold=0.9,
+    )  # fmt: skip
+    tokens, per_step = _reference_calibrated(model, prompts[0], 0.9, maps, 16, eos)
+    assert out[0, len(prompts[0]) :].tolist()[: len(tokens)] == tokens
+    assert len(set(per_step[:-1])) > 1
+    uncalibrated, _ = _reference_calibrated(
+        model, prompts[0], 0.9, [([0.0, 1.0], [0.0, 1.0])] * WINDOW, 16, eos
+    )
+    assert uncalibrated != tokens  # the stored maps changed what τ = 0.9 accepts
