@@ -458,16 +458,8 @@ def resolved(config: QuickstartConfig) -> QuickstartConfig:
 # --------------------------------------------------------------------------------------------------
 # Precision and threads: what this machine does fast
 # --------------------------------------------------------------------------------------------------
-def _matmul_rate(dtype: torch.dtype, seconds: float, size: tuple[int, int, int] = (64, 576, 1536)) -> float:
-    """Matmuls per second of an activation-sized product ``[m, k] @ [k, n]`` (SmolLM2's MLP shape)."""
-    m, k, n = size
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    a @ b  # first call: kernel selection
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    return count / (time.perf_counter() - start)
+# One probe for the whole package (`mars_hf.precision`: also `--dtype auto` of the commands that load a model).
+from .precision import matmul_rate as _matmul_rate  # noqa: E402
 
 
 def choose_precision_and_threads(config: QuickstartConfig, probe_seconds: float = 0.2) -> dict:
