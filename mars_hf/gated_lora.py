@@ -74,6 +74,7 @@ class MaskGate:
         self.gate: torch.Tensor | None = None
         self.serial = 0  # counts forwards: cached per-forward products are keyed by it
         self._index: torch.Tensor | None = None
+        self._converted: dict = {}
 
     def record(self, module, args, kwargs):
         """Forward pre-hook of the input embedding: its first input is ``input_ids``."""
@@ -83,6 +84,7 @@ class MaskGate:
         self.rows = flat.numel()
         self.serial += 1
         self._index = None
+        self._converted = {}
         # One host sync per forward; without masks every adapted layer is its base layer.
         if bool(is_mask.any()):
             weight = getattr(module, "weight", None)
@@ -97,6 +99,16 @@ class MaskGate:
         self.rows = None
         self.gate = None
         self._index = None
+
+    def gate_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The gate in ``dtype`` (converted once per forward)."""
+        gate = self.gate
+        if gate.dtype == dtype:
+            return gate
+        converted = self._converted.get(dtype)
+        if converted is None:
+            converted = self._converted[dtype] = gate.to(dtype)
+        return converted
 
     def check_rows(self, rows: int) -> None:
         if self.rows is None or rows != self.rows:
@@ -364,8 +376,7 @@ class _SharedInput:
         xa = F.linear(x2, A)
         if gate is not None:
             gate.check_rows(xa.shape[0])
-            g = gate.gate
-            xa.mul_(g if g.dtype == xa.dtype else g.to(xa.dtype))
+            xa.mul_(gate.gate_for(xa.dtype))
         parts = xa.split(self.ranks, dim=1) if len(self.ranks) > 1 else (xa,)
         self.x, self.xa, self.serial = x, parts, serial
         return parts
@@ -395,9 +406,14 @@ def _adapted_forward(self, x, *args, **kwargs):
         return y
     xa = adapter.group.project(x, gate)[adapter.member]
     bt = self._buffers["mars_lora_BT"]
-    if xa.dtype != y.dtype:
-        xa, bt = xa.to(y.dtype), bt.to(y.dtype)
     y2 = y.view(-1, y.shape[-1])
+    if (
+        xa.dtype != y.dtype
+    ):  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
+        if torch.is_grad_enabled():
+            return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
+        y2.add_(torch.mm(xa, bt))
+        return y
     if torch.is_grad_enabled():
         return torch.addmm(y2, xa, bt).view(y.shape)
     y2.addmm_(xa, bt)
@@ -417,8 +433,21 @@ def _shared_input_groups(paths) -> list[list[str]]:
     ]
 
 
+def _lora_dtype(weight: torch.Tensor, requested: torch.dtype | None) -> torch.dtype:
+    """The dtype of the LoRA arithmetic: ``requested``, else float32 for a 16-bit model on CPU (a small
+    bf16/fp16 matmul there costs more than a float32 one; the result is rounded to the model's dtype once),
+    else the model's dtype."""
+    if requested is not None:
+        return requested
+    if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return weight.dtype
+
+
 @torch.no_grad()
-def _install_adapter(model, pairs: dict, scaling: float, gate: MaskGate | None) -> None:
+def _install_adapter(
+    model, pairs: dict, scaling: float, gate: MaskGate | None, lora_dtype: torch.dtype | None = None
+) -> None:
     """Wrap each adapted linear layer's forward (see :func:`_adapted_forward`); no hooks, no new weights."""
     modules = dict(model.named_modules())
     for paths in _shared_input_groups(pairs):
@@ -430,23 +459,24 @@ def _install_adapter(model, pairs: dict, scaling: float, gate: MaskGate | None) 
             and m.weight.dtype == first.dtype
             for m in members
         ):
-            _install_group(members, [pairs[path] for path in paths], scaling, gate)
+            _install_group(members, [pairs[path] for path in paths], scaling, gate, lora_dtype)
         else:
             for module, path in zip(members, paths):
-                _install_group([module], [pairs[path]], scaling, gate)
+                _install_group([module], [pairs[path]], scaling, gate, lora_dtype)
 
 
-def _install_group(members: list, pairs: list[dict], scaling: float, gate: MaskGate | None) -> None:
+def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_dtype) -> None:
     leader = members[0]
     weight = leader.weight
-    stacked = torch.cat([pair["A"] for pair in pairs]).to(device=weight.device, dtype=weight.dtype)
+    dtype = _lora_dtype(weight, lora_dtype)
+    stacked = torch.cat([pair["A"] for pair in pairs]).to(device=weight.device, dtype=dtype)
     leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
     group = _SharedInput(leader, [pair["A"].shape[0] for pair in pairs])
     for member, (module, pair) in enumerate(zip(members, pairs)):
         bt = (pair["B"].to(torch.float64) * scaling).t()  # the scale folded into B once, not per forward
         module.register_buffer(
             "mars_lora_BT",
-            bt.to(device=module.weight.device, dtype=module.weight.dtype).contiguous(),
+            bt.to(device=module.weight.device, dtype=dtype).contiguous(),
             persistent=False,
         )
         object.__setattr__(module, "_mars_adapter", _Adapter(module.forward, gate, group, member))
@@ -522,7 +552,7 @@ def _probe_logits(model, mask_token_id: int) -> torch.Tensor:
         model.train(training)
 
 
-def attach_shipped_adapter(model, checkpoint, **hub_kwargs) -> bool:
+def attach_shipped_adapter(model, checkpoint, *, lora_dtype: torch.dtype | None = None, **hub_kwargs) -> bool:
     """Apply the LoRA adapter saved in ``checkpoint`` (folder or Hub id) to a plain transformers model.
 
     Reads ``adapter_config.json``, ``adapter_model.safetensors``, ``mars_config.json`` and the trained
@@ -533,7 +563,8 @@ def attach_shipped_adapter(model, checkpoint, **hub_kwargs) -> bool:
     forward of a few real tokens and masks must give the base model's logits at the real positions,
     bit for bit, or it is refused. Idempotent: returns False when the model already carries this
     checkpoint's adapter or the checkpoint is not an adapter (a full checkpoint needs nothing), True
-    when it attached it. No PEFT needed.
+    when it attached it. ``lora_dtype``: dtype of the adapter's own arithmetic (default: float32 for a
+    bf16/fp16 model on CPU, else the model's dtype). No PEFT needed.
     """
     key = str(checkpoint)
     attached = getattr(model, "_mars_shipped_adapter", None)
@@ -575,7 +606,7 @@ def attach_shipped_adapter(model, checkpoint, **hub_kwargs) -> bool:
         gate = install_mask_gate(model, mask_id, reset_per_forward=True)
     else:
         gate = None
-    _install_adapter(model, pairs, scaling, gate)
+    _install_adapter(model, pairs, scaling, gate, lora_dtype)
     object.__setattr__(model, "_mars_shipped_adapter", key)
     if gated:
         after = _probe_logits(model, mask_id)

@@ -532,7 +532,7 @@ def test_gated_checkpoint_through_custom_generate_in_a_bare_venv(trained_gated, 
 # ---------------------------------------------------------------------------------------------- the lean shipped forward
 
 
-def shipped_gated(tmp_path, arch, tokenizer, dtype=torch.float64):
+def shipped_gated(tmp_path, arch, tokenizer, dtype=torch.float64, lora_dtype=None):
     """(base model, the same base with the saved gated adapter attached, the PEFT gated model, checkpoint)."""
     from transformers import AutoModelForCausalLM
 
@@ -544,7 +544,7 @@ def shipped_gated(tmp_path, arch, tokenizer, dtype=torch.float64):
     folder = tmp_path / f"ckpt-{arch}"
     hub.save_pretrained(peft_model, tokenizer, folder, base_model="someone/base")
     plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
-    assert gated_lora.attach_shipped_adapter(plain, folder)
+    assert gated_lora.attach_shipped_adapter(plain, folder, lora_dtype=lora_dtype)
     return AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype), plain, peft_model, folder
 
 
@@ -582,14 +582,22 @@ def test_shipped_forward_equals_the_base_at_real_positions_and_the_reference_at_
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_shipped_forward_in_bfloat16_keeps_the_base_models_bits_at_real_positions(arch, tokenizer, tmp_path):
-    base, shipped, _, _ = shipped_gated(tmp_path, arch, tokenizer, dtype=torch.bfloat16)
-    assert shipped.model.layers[0].self_attn.q_proj.mars_lora_A.dtype == torch.bfloat16
+@pytest.mark.parametrize("lora_dtype", [None, torch.bfloat16], ids=["float32-lora", "bf16-lora"])
+def test_shipped_forward_in_bfloat16_keeps_the_base_models_bits_at_real_positions(
+    arch, lora_dtype, tokenizer, tmp_path
+):
+    """bf16 model: the LoRA in float32 (default on CPU, added then rounded once) or in bf16 (addmm in place)."""
+    base, shipped, peft_model, _ = shipped_gated(
+        tmp_path, arch, tokenizer, dtype=torch.bfloat16, lora_dtype=lora_dtype
+    )
+    assert shipped.model.layers[0].self_attn.q_proj.mars_lora_A.dtype == (lora_dtype or torch.float32)
     got, real = decode_steps(shipped, tokenizer)
     expected, _ = decode_steps(base, tokenizer)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
     assert torch.equal(got[1][real], expected[1][real])
     assert not torch.equal(got[1][~real], expected[1][~real])
+    reference, _ = decode_steps(peft_model, tokenizer)  # float64: bf16 round-off only
+    torch.testing.assert_close(got[1][~real].double(), reference[1][~real], rtol=0.05, atol=0.1)
 
 
 def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
