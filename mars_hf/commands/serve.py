@@ -23,7 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-id", default=None, help="Name in /v1/models and responses (default: MODEL).")
     add_dtype_argument(parser)
     parser.add_argument("--max-rows", type=int, default=8, help="KV slots: rows decoded together.")
-    parser.add_argument("--max-length", type=int, default=2048, help="Tokens per slot (prompt + output).")
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=2048,
+        help="Tokens per slot (prompt + output); capped by the model's positions (max_position_embeddings / "
+        "n_positions), with a warning.",
+    )
     parser.add_argument("--max-queue", type=int, default=64, help="Waiting requests before answering 429.")
     parser.add_argument(
         "--max-prompt-tokens", type=int, default=1536, help="Longest prompt accepted (400 above)."
@@ -37,7 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-timeout", type=float, default=300.0, help="Seconds from arrival to last token (504 after)."
     )
-    parser.add_argument("--shutdown-grace", type=float, default=10.0, help="Seconds to drain on shutdown.")
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="On SIGTERM/SIGINT: seconds running requests get to finish (new and queued ones get 503 at once; "
+        "those still running after it get a 503, or an SSE error event then [DONE]).",
+    )
     parser.add_argument("--tau-min", type=float, default=0.7, help="Lowest τ the load controller may choose.")
     parser.add_argument(
         "--tau-max",
