@@ -221,3 +221,18 @@ def test_model_without_mars_metadata_gets_an_untrained_mask_token(tmp_path, caps
 def test_bad_window_is_refused(saved_model, capsys):
     assert main(["generate", "hello", "--model", str(saved_model), "--window", "0"]) == 2
     assert "--window must be >= 1" in capsys.readouterr().err
+
+
+def test_dtype_auto_keeps_a_small_model_in_float32_and_says_so(saved_model, capsys, caplog, monkeypatch):
+    """`--dtype auto` (the default): a model narrower than precision.MIN_AUTO_HIDDEN_SIZE stays float32
+    (on any CPU), so the text is the float32 decoding's; the choice is logged."""
+    from mars_hf import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)  # as on a bf16 CPU
+    argv = ["generate", "the cat sat", "--model", str(saved_model), "--tau", "0.0", "--max-new-tokens", "8"]
+    with caplog.at_level(logging.INFO, logger="mars_hf.precision"):
+        assert main(argv) == 0
+    auto = capsys.readouterr().out
+    assert "float32" in caplog.text and "too small" in caplog.text
+    assert main([*argv, "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out == auto
