@@ -1,16 +1,21 @@
 """LoRA adapters gated to mask positions (MARS_SPEC §7): ``h = W x + g · B A x``, ``g = [input is MASK]``.
 
 Real tokens never see the adapter: at every position whose *input* token is not the mask token the
-adapted layer returns the base layer's output unchanged (the delta is not computed there at all), so
+adapted layer returns the base layer's output bits (the added delta row is exactly zero there), so
 logits and keys/values at real positions are the base model's, bit for bit, and one-token decoding,
 τ = 1 and verified decoding are the base model's output. The masks get the adapter's capacity.
 
 Two ways in, one gate:
 
-* training / mars_hf: :func:`gate_peft_model` gates the LoRA layers of a PEFT model in place;
-* torch + transformers only (a checkpoint's ``custom_generate/``): :func:`attach_shipped_adapter`
-  reads the checkpoint's ``adapter_model.safetensors``, ``adapter_config.json``, trained mask row and
-  ``mars_config.json`` and applies the gated LoRA to a plain transformers model, without PEFT.
+* training: :func:`gate_peft_model` gates the LoRA layers of a PEFT model in place (the delta is
+  computed for the mask rows only: index_select / index_add);
+* loading (mars_hf's loaders and a checkpoint's ``custom_generate/``, torch + transformers only):
+  :func:`attach_shipped_adapter` reads the checkpoint's ``adapter_model.safetensors``,
+  ``adapter_config.json``, trained mask row and ``mars_config.json`` and wraps each adapted linear
+  layer of a plain transformers model, without PEFT. The wrapped forward is lean: ``y = base(x)``,
+  and only when the forward holds a mask token ``y += (g · x Aᵀ)(s B)ᵀ`` with the (rows, 1) 0/1 gate
+  ``g`` built once per forward; layers that read one input (q/k/v, gate/up) share one ``x Aᵀ``. A
+  forward without masks costs the base model's.
 
 Which positions are masks is recorded by a forward pre-hook on the input embedding (it sees the
 ``input_ids`` of every forward). A gated adapter cannot be merged into the weights (the delta depends
