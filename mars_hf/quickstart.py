@@ -28,6 +28,11 @@ Precision and threads are chosen at start-up by measuring what this machine does
 second): bf16 autocast only where a bf16 matmul really is faster than float32; the shipped model is
 evaluated in that precision too (stock and MARS alike, so the speed ratio compares like with like).
 
+This module holds the settings, the precision probe and the pipeline; the steps live in
+:mod:`mars_hf.quickstart_data` (self-distillation and reference, cached), :mod:`mars_hf.quickstart_train`
+(training within a time budget) and :mod:`mars_hf.quickstart_eval` (decoding rows, table, plot); their
+public names are importable from here as before.
+
 Default time split (≤ 30 min on 2 CPU cores in all): shipped model 3 min, self-distillation 5,
 training 12, evaluation of the trained model 5, plus loading, the reference answers and saving.
 """
@@ -36,11 +41,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
-import math
-import os
 import platform
 import tempfile
 import time
@@ -48,13 +50,15 @@ from pathlib import Path
 
 import torch
 
-from .data import chat_prompt_ids, self_distill
-from .evaluation import (
-    measure_decoding,
-    run_label,
-    summarize_runs,
-)
+from .data import chat_prompt_ids
+from .evaluation import run_label, summarize_runs
 from .prompts import held_out_prompts, training_prompts
+from .quickstart_data import (  # noqa: F401  (public names of this module before the split)
+    CACHE_VERSION,
+    budgeted_self_distill,
+    cached_reference,
+    cached_self_distill,
+)
 from .quickstart_eval import (  # noqa: F401  (public names of this module before the split)
     OWN_SECTION,
     SHIPPED_SECTION,
@@ -67,11 +71,15 @@ from .quickstart_eval import (  # noqa: F401  (public names of this module befor
     results_table,
     verify_available,
 )
+from .quickstart_train import (  # noqa: F401  (public names of this module before the split)
+    METHOD_DEFAULTS,
+    TimeBudget,
+    resolved,
+    train_mars,
+)
 
 logger = logging.getLogger(__name__)
 
-# Bump when the cached self-distillation format changes.
-CACHE_VERSION = 1
 METHODS = ("gated_lora", "mask_row", "lora", "full")
 # τ = 1 (exactly the base model with gated_lora / mask_row) and τ = 0.9; verify is added on top.
 QUICKSTART_THRESHOLDS = (1.0, 0.9)
@@ -225,237 +233,6 @@ class QuickstartConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# Caching
-# --------------------------------------------------------------------------------------------------
-def _cache_dir(config: QuickstartConfig) -> Path:
-    if config.cache_dir:
-        return Path(config.cache_dir)
-    from .embedded_model import mars_hf_home
-
-    return mars_hf_home() / "quickstart_cache"
-
-
-def _model_fingerprint(model_path: str) -> str:
-    """Identify the base model's weights cheaply (file names, sizes, modification times)."""
-    path = Path(model_path)
-    if not path.is_dir():
-        return model_path
-    parts = [
-        f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}"
-        for f in sorted(path.iterdir())
-        if f.suffix in (".safetensors", ".bin", ".json")
-    ]
-    return f"{path.resolve()}|{'|'.join(parts)}"
-
-
-def _cache_key(kind: str, model_path: str, prompts: list[str], **settings) -> str:
-    payload = json.dumps(
-        {
-            "v": CACHE_VERSION,
-            "kind": kind,
-            "model": _model_fingerprint(model_path),
-            "prompts": prompts,
-            **settings,
-        },
-        sort_keys=True,
-    )
-    return f"{kind}-{hashlib.sha1(payload.encode()).hexdigest()[:16]}"
-
-
-def cached_self_distill(model, tokenizer, prompts, *, model_path, config: QuickstartConfig):
-    """:func:`self_distill` with an on-disk cache keyed by the model, the prompts and the settings."""
-    from datasets import load_from_disk
-
-    key = _cache_key("distill", model_path, prompts, max_new_tokens=config.max_new_tokens)
-    target = _cache_dir(config) / key
-    if (target / "dataset_info.json").exists():
-        logger.info("Reusing the self-distilled dataset cached in %s.", target)
-        return load_from_disk(str(target)), True
-    dataset = self_distill(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=config.max_new_tokens,
-        batch_size=config.distill_batch_size,
-        progress=config.progress,
-    )
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    dataset.save_to_disk(str(tmp))
-    if not target.exists():
-        tmp.replace(target)
-    return dataset, False
-
-
-def budgeted_self_distill(model, tokenizer, prompts, *, model_path, config: QuickstartConfig):
-    """:func:`cached_self_distill` batch by batch until ``config.distill_minutes`` are spent.
-
-    Each batch is cached on its own, so a rerun reuses every batch already answered (and a longer
-    budget extends the set). Returns ``(dataset, all_batches_were_cached)``.
-    """
-    from datasets import concatenate_datasets
-
-    size = max(1, config.distill_batch_size)
-    chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
-    budget = math.inf if config.distill_minutes is None else config.distill_minutes * 60
-    start = time.monotonic()
-    parts, all_cached = [], True
-    for index, chunk in enumerate(chunks):
-        if index and time.monotonic() - start >= budget:
-            logger.info(
-                "Self-distillation budget (%.1f min) spent: %d of %d training prompts answered.",
-                config.distill_minutes,
-                sum(len(part) for part in parts),
-                len(prompts),
-            )
-            break
-        part, cached = cached_self_distill(
-            model, tokenizer, chunk, model_path=model_path, config=dataclasses.replace(config, progress=False)
-        )
-        parts.append(part)
-        all_cached &= cached
-        if config.progress:
-            logger.info(
-                "Self-distillation: %d/%d prompts (%.1f min)",
-                sum(len(p) for p in parts),
-                len(prompts),
-                (time.monotonic() - start) / 60,
-            )
-    return concatenate_datasets(parts), all_cached
-
-
-def cached_reference(model, tokenizer, prompt_ids, *, model_path, prompts, config: QuickstartConfig):
-    """The base model's greedy answers (batch 1, stock ``generate``) to the held-out prompts, cached."""
-    key = _cache_key("reference", model_path, prompts, max_new_tokens=config.max_new_tokens)
-    target = _cache_dir(config) / f"{key}.json"
-    if target.exists():
-        return json.loads(target.read_text())["outputs"], True
-    runs = measure_decoding(
-        model,
-        tokenizer,
-        prompt_ids,
-        [None],
-        max_new_tokens=config.max_new_tokens,
-        progress=config.progress,
-        desc="Base model answers (reference)",
-    )
-    outputs = runs[run_label(None)].outputs
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
-    return outputs, False
-
-
-# --------------------------------------------------------------------------------------------------
-# Training within a time budget
-# --------------------------------------------------------------------------------------------------
-class TimeBudget:
-    """Learning-rate factor that warms up then decays linearly in *wall-clock time*, reaching 0 at the budget.
-
-    A step-based schedule needs the number of steps in advance, which depends on the machine; a
-    time-based one ends the decay exactly when the budget does, on any machine.
-    """
-
-    def __init__(self, seconds: float, warmup_fraction: float = 0.05):
-        self.seconds = float(seconds)
-        self.warmup = max(1e-9, warmup_fraction) * self.seconds
-        self.start: float | None = None
-
-    def elapsed(self) -> float:
-        return 0.0 if self.start is None else time.monotonic() - self.start
-
-    def __call__(self, step: int) -> float:
-        if self.start is None:
-            self.start = time.monotonic()
-        t = self.elapsed()
-        if t < self.warmup:
-            return max(t / self.warmup, 0.02)
-        return max(0.0, (self.seconds - t) / max(1e-9, self.seconds - self.warmup))
-
-
-def _budget_callback(budget: TimeBudget, progress: bool):
-    from tqdm.auto import tqdm
-    from transformers import TrainerCallback
-
-    class BudgetCallback(TrainerCallback):
-        """Stops training when the budget is spent; shows a progress bar in minutes, with the losses."""
-
-        def __init__(self):
-            self.bar = None
-            self.last_logs = {}
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(
-                total=round(budget.seconds / 60, 1),
-                desc="MARS training",
-                unit="min",
-                disable=not progress,
-                bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} min{postfix}",
-            )
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self.bar is not None:
-                self.bar.n = min(self.bar.total, round(budget.elapsed() / 60, 1))
-                self.bar.set_postfix(step=state.global_step, **self.last_logs, refresh=True)
-            if budget.elapsed() >= budget.seconds:
-                control.should_training_stop = True
-            return control
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            logs = logs or {}
-            for key, name in (("mars/noisy_loss", "noisy"), ("mars/clean_loss", "clean")):
-                if key in logs:
-                    self.last_logs[name] = f"{logs[key]:.3f}"
-
-        def on_train_end(self, args, state, control, **kwargs):
-            if self.bar is not None:
-                self.bar.close()
-
-    return BudgetCallback()
-
-
-def _tracking_callback(track_every: int, sequences, labels, thresholds, curve: list):
-    from transformers import TrainerCallback
-
-    from .evaluation import teacher_forced_acceptance
-
-    class TrackingCallback(TrainerCallback):
-        """Teacher-forced acceptance on held-out answers every ``track_every`` steps (learning curves)."""
-
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.on_step_end(args, state, control, model=model)
-
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step % track_every == 0:
-                stats = teacher_forced_acceptance(model, sequences, labels, thresholds)
-                curve.append({"step": state.global_step, **stats})
-                logger.info("step %d: %s", state.global_step, {k: v for k, v in stats.items() if "@" in k})
-
-    return TrackingCallback()
-
-
-METHOD_DEFAULTS = {
-    "gated_lora": {"learning_rate": 2e-3, "clean_loss": "ce", "ar_weight": 0.0},
-    "mask_row": {"learning_rate": 3e-2, "clean_loss": "ce", "ar_weight": 0.0},
-    "lora": {"learning_rate": 1e-3, "clean_loss": "kl_to_base", "ar_weight": 10.0},
-    "full": {"learning_rate": 1e-4, "clean_loss": "kl_to_base", "ar_weight": 10.0},
-}
-
-
-def resolved(config: QuickstartConfig) -> QuickstartConfig:
-    """Fill the method-dependent defaults (learning rate, clean loss, ar_weight)."""
-    if config.method not in METHOD_DEFAULTS:
-        raise ValueError(f"method must be one of {sorted(METHOD_DEFAULTS)}, got {config.method!r}.")
-    changes = {k: v for k, v in METHOD_DEFAULTS[config.method].items() if getattr(config, k) is None}
-    if config.lora_alpha is None:
-        changes["lora_alpha"] = 2 * config.lora_r
-    if config.mask_targets == "soft" and config.method not in ("gated_lora", "mask_row"):
-        raise ValueError(
-            "mask_targets='soft' needs a frozen clean stream (method 'gated_lora' or 'mask_row'), got "
-            f"method={config.method!r}."
-        )
-    return dataclasses.replace(config, **changes)
-
-
-# --------------------------------------------------------------------------------------------------
 # Precision and threads: what this machine does fast
 # --------------------------------------------------------------------------------------------------
 # One probe for the whole package (`mars_hf.precision`: also `--dtype auto` of the commands that load a model).
@@ -505,101 +282,6 @@ def choose_precision_and_threads(config: QuickstartConfig, probe_seconds: float 
         thread_reason,
     )
     return info
-
-
-def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: str, tracking=None):
-    """Train with :class:`MARSTrainer` for ``config.max_steps`` steps or ``config.budget_minutes``.
-
-    ``tracking`` = ``(sequences, labels)`` of held-out answers; with ``config.track_every`` the
-    teacher-forced acceptance on them is recorded every that many steps (``info["curve"]``).
-    """
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-    from .config import MARSConfig
-    from .trainer import MARSTrainer
-
-    config = resolved(config)
-    by_time = config.max_steps is None
-    steps = config.max_steps if not by_time else 10**6
-    args = MARSConfig(
-        output_dir=work_dir,
-        block_size=config.block_size,
-        ar_weight=config.ar_weight,
-        clean_loss=config.clean_loss,
-        per_device_train_batch_size=config.batch_size,
-        learning_rate=config.learning_rate,
-        lr_scheduler_type="linear",
-        warmup_steps=max(1, int(config.warmup_fraction * steps)) if not by_time else 0,
-        weight_decay=0.0,
-        max_steps=steps,
-        logging_steps=5,
-        save_strategy="no",
-        report_to="none",
-        seed=config.seed,
-        bf16=bool(config.bf16),
-        use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=False,
-        adapter_gating="mask" if config.method == "gated_lora" else None,
-        mask_targets=config.mask_targets,
-        max_length=config.max_length,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    peft_config = None
-    if config.method in ("lora", "gated_lora"):
-        from peft import LoraConfig
-
-        targets = config.lora_target_modules
-        peft_config = LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=0.0,
-            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-            task_type="CAUSAL_LM",
-        )
-    trainer = MARSTrainer(
-        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
-    )
-    if config.method == "mask_row":
-        trainer.train_mask_row_only()
-    budget = TimeBudget(
-        config.budget_minutes * 60 if by_time else math.inf, warmup_fraction=config.warmup_fraction
-    )
-    if by_time:
-        trainer.create_optimizer()
-        trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, budget)
-    trainer.remove_callback(PrinterCallback)
-    trainer.remove_callback(ProgressCallback)
-    if by_time:
-        trainer.add_callback(_budget_callback(budget, config.progress))
-    else:
-        trainer.add_callback(ProgressCallback)
-    curve: list[dict] = []
-    if tracking is not None and config.track_every:
-        trainer.add_callback(_tracking_callback(config.track_every, *tracking, config.thresholds, curve))
-    start = time.monotonic()
-    output = trainer.train()
-    seconds = time.monotonic() - start
-    history = [entry for entry in trainer.state.log_history if "mars/noisy_loss" in entry]
-    info = {
-        "steps": int(trainer.state.global_step),
-        "seconds": seconds,
-        "seconds_per_step": seconds / max(1, trainer.state.global_step),
-        "examples_seen": int(trainer.state.global_step) * config.batch_size,
-        "epochs": int(trainer.state.global_step) * config.batch_size / max(1, len(dataset)),
-        "train_loss": float(output.training_loss),
-        "first_log": history[0] if history else None,
-        "last_log": history[-1] if history else None,
-        "curve": curve,
-    }
-    # Mixed-precision training leaves `forward` wrapped in accelerate's bf16 autocast; unwrap it so the
-    # evaluation (agreement with the float32 base model) runs the model as it is saved, in float32.
-    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
-    if config.method == "lora":
-        model = model.merge_and_unload()
-    # gated_lora stays a PeftModel: the gated adapter cannot be merged (MARS_SPEC §7).
-    model.eval()  # MARSTrainer has already suppressed the mask token as an output (generation_config)
-    return model, info
 
 
 # --------------------------------------------------------------------------------------------------
