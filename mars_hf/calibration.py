@@ -10,7 +10,9 @@ Offset ``k`` is the ``k``-th mask of a step (prediction 0, the ordinary next-tok
 always kept and never mapped). Its map is monotone, stored as knots and applied by piecewise-linear
 interpolation (constant beyond the first and last knot). Decoding applies it to the ``probability``
 confidence that τ is compared with, and to verify's proposal floor; ``entropy`` / ``margin`` are
-left as they are. A checkpoint without a calibration decodes exactly as before.
+left as they are. A checkpoint without a calibration decodes exactly as before. The maps are fitted
+on greedy (argmax) predictions in float32; sampled decoding maps the sampled token's probability the
+same way, an approximation.
 
 This file depends on the standard library only (it ships in a checkpoint's ``custom_generate/``).
 """

@@ -201,3 +201,35 @@ def test_the_shipped_model_loads_offline_by_name_and_stays_the_base_model(monkey
     for kwargs in ({"mars_threshold": 1.0}, {"mars_acceptance": "verify"}):
         out = model.generate(ids, **common, **kwargs)
         assert torch.equal(out[:, : stock.shape[1]], stock), kwargs
+
+
+def test_calibrate_embedded_mars_writes_mars_config_and_decoding_applies_it(shipped, tmp_path, monkeypatch):
+    import shutil
+
+    from mars_hf.decoder import MARSBatchDecoder
+
+    base_dir, folder, _ = shipped
+    copy = tmp_path / "embedded_mars"
+    shutil.copytree(folder, copy)
+    monkeypatch.setattr(embedded_model, "EMBEDDED_MARS_DIR", copy)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64)
+    tokenizer = AutoTokenizer.from_pretrained(copy)
+    rows = []  # the base model's own greedy answers: what a gated adapter's clean stream says
+    for text in ["the cat sat", "one two three", "is the dog red", "hello world", "x y z", "yes no"]:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        out = base.generate(torch.tensor([prompt]), max_new_tokens=14, min_new_tokens=14, do_sample=False)
+        answer = out[0, len(prompt) :].tolist()
+        rows.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["calibrate", "embedded-mars", "--data", str(data), "--dtype", "float32"]) == 0
+    record = json.loads((copy / "mars_config.json").read_text())["calibration"]
+    assert record["num_examples"] == 6 and sum(record["num_samples"]) > 0
+    assert "calibration" not in json.loads((folder / "mars_config.json").read_text())  # only the copy
+    model = AutoMARSModelForCausalLM.from_pretrained("embedded-mars", dtype=torch.float64)
+    assert model.config.mars["calibration"] == record
+    mask = model.config.mars["mask_token_id"]
+    decoder = MARSBatchDecoder(model, max_rows=1, max_length=32, window=4, mask_token_id=mask, pad_token_id=2)
+    assert decoder.calibration is not None
