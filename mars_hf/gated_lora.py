@@ -360,20 +360,26 @@ class _SharedInput:
     """Adapted sibling layers fed the same input: ``x @ A.T`` for all of them in one matmul, once per forward.
 
     ``leader`` carries the stacked ``mars_lora_A`` as a (non-persistent) buffer, so ``model.to()``
-    moves it; the product of the current forward is kept with the input it was computed from.
+    moves it. The product is kept, with the input it was computed from, only until every sibling has
+    taken its part (no activation outlives its forward).
     """
 
-    __slots__ = ("leader", "ranks", "x", "xa", "serial")
+    __slots__ = ("leader", "ranks", "x", "parts", "serial", "waiting")
 
     def __init__(self, leader, ranks: list[int]):
         self.leader, self.ranks = leader, list(ranks)
-        self.x = self.xa = self.serial = None
+        self.x = self.parts = self.serial = None
+        self.waiting = 0
 
-    def project(self, x: torch.Tensor, gate: MaskGate | None) -> tuple[torch.Tensor, ...]:
-        """``gate * (x @ A.T)`` over flattened rows (all rows when ungated), one column block per member."""
+    def part(self, x: torch.Tensor, gate: MaskGate | None, member: int) -> torch.Tensor:
+        """Member ``member``'s block of ``gate * (x @ A.T)`` over flattened rows (all rows when ungated)."""
         serial = gate.serial if gate is not None else None
         if x is self.x and serial == self.serial:
-            return self.xa
+            parts = self.parts
+            self.waiting -= 1
+            if self.waiting <= 0:
+                self.x = self.parts = None
+            return parts[member]
         A = self.leader._buffers["mars_lora_A"]
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != A.dtype:
@@ -382,9 +388,11 @@ class _SharedInput:
         if gate is not None:
             gate.check_rows(xa.shape[0])
             xa.mul_(gate.gate_for(xa.dtype))
-        parts = xa.split(self.ranks, dim=1) if len(self.ranks) > 1 else (xa,)
-        self.x, self.xa, self.serial = x, parts, serial
-        return parts
+        if len(self.ranks) == 1:
+            return xa
+        parts = xa.split(self.ranks, dim=1)
+        self.x, self.parts, self.serial, self.waiting = x, parts, serial, len(self.ranks) - 1
+        return parts[member]
 
 
 class _Adapter:
@@ -409,7 +417,7 @@ def _adapted_forward(self, x, *args, **kwargs):
         if gate.rows is None:
             gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
         return y
-    xa = adapter.group.project(x, gate)[adapter.member]
+    xa = adapter.group.part(x, gate, adapter.member)
     bt = self._buffers["mars_lora_BT"]
     y2 = y.view(-1, y.shape[-1])
     if (

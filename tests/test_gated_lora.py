@@ -610,19 +610,25 @@ def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
     assert attention.q_proj.mars_lora_A.shape[0] == 3 * 4 and "mars_lora_A" not in attention.k_proj._buffers
     assert mlp.gate_proj.mars_lora_A.shape[0] == 2 * 4 and mlp.down_proj.mars_lora_A.shape[0] == 4
     products = []  # one entry per x @ A.T actually computed
-    project = gated_lora._SharedInput.project
+    part = gated_lora._SharedInput.part
 
-    def counting(self, x, gate):
+    def counting(self, x, gate, member):
         if not (x is self.x and gate.serial == self.serial):
             products.append(tuple(self.leader._buffers["mars_lora_A"].shape))
-        return project(self, x, gate)
+        return part(self, x, gate, member)
 
-    monkeypatch.setattr(gated_lora._SharedInput, "project", counting)
+    monkeypatch.setattr(gated_lora._SharedInput, "part", counting)
     with torch.no_grad():
         shipped(input_ids=random_ids(tokenizer))
         assert products == []  # no mask in the forward: no adapter arithmetic at all
         shipped(input_ids=torch.tensor([[5, 6, tokenizer.mask_token_id]]))
     assert products == [(12, 32), (4, 32), (8, 32), (4, 64)] * 2  # q/k/v, o, gate/up, down in 2 blocks
+    groups = {
+        id(m._mars_adapter.group): m._mars_adapter.group
+        for m in shipped.modules()
+        if hasattr(m, "_mars_adapter")
+    }
+    assert all(group.x is None and group.parts is None for group in groups.values())  # nothing kept alive
 
 
 def test_shared_projection_is_recomputed_when_siblings_get_different_inputs(tokenizer):
