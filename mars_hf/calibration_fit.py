@@ -96,7 +96,15 @@ def isotonic_knots(confidences: Sequence[float], correct: Sequence[float], bins:
         xs.append(sum(g[0] * g[2] for g in groups[start : end + 1]) / weight)
         ys.append(fitted[start])
         start = end + 1
-    return {"x": [round(x, 6) for x in xs], "y": [round(y, 6) for y in ys]}
+    knots = {"x": [], "y": []}
+    for x, y in zip(xs, ys):  # rounded for a readable config; knots that round together become one
+        x, y = round(x, 9), round(y, 6)
+        if knots["x"] and x <= knots["x"][-1]:
+            knots["y"][-1] = max(knots["y"][-1], y)
+            continue
+        knots["x"].append(x)
+        knots["y"].append(y)
+    return knots
 
 
 def expected_calibration_error(

@@ -70,6 +70,10 @@ def test_isotonic_knots_are_the_pooled_blocks_of_the_sorted_samples():
     assert knots["x"] == pytest.approx(expected_x, abs=1e-6)
     assert knots["y"] == pytest.approx(expected_y, abs=1e-6)
     assert len(isotonic_knots(confidences * 100, correct * 100, bins=16)["x"]) <= 16
+    # confidences that differ below the stored precision still give strictly increasing knots
+    near_one = [1 - 1e-12 * i for i in range(200)]
+    knots = isotonic_knots(near_one, [i % 2 for i in range(200)], bins=64)
+    ConfidenceCalibration({"method": "isotonic", "offsets": [knots]})
 
 
 def test_interpolation_is_numpys():
