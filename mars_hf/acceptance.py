@@ -319,10 +319,14 @@ class StepDecisions:
         return outcome
 
     def _propose(self, rows, plans, followers, processing, do_sample, generator, outcome):
-        """New drafts from the mask group that follows the kept prefix."""
-        entries = []
+        """New drafts from the mask group that follows the kept prefix (groups may hold fewer than W
+        masks: the planner sizes them). Each row keeps its drafts' probabilities (``draft_confidence``,
+        calibrated when the model has a calibration): the planner's estimate of their worth."""
+        entries, spans = [], []
         for i, kept in followers:
-            entries += [(i, c) for c in plans[i].group_columns[kept]]
+            columns = plans[i].group_columns[kept]
+            spans.append((len(entries), len(columns)))
+            entries += [(i, c) for c in columns]
         scores = processing.for_drafts(self.gather(entries))
         if do_sample:
             proposal = torch.softmax(scores, -1)
@@ -333,15 +337,15 @@ class StepDecisions:
             confidence, tokens = torch.softmax(scores, -1).max(-1)
         tokens, confidence = tokens.tolist(), confidence.tolist()
         if self.calibration is not None:  # draft j of a group is mask j + 1
-            for n in range(len(followers)):
-                self.calibration.apply_span(confidence, n * self.window, self.window, first_offset=1)
-        for n, (i, _) in enumerate(followers):
+            for start, width in spans:
+                self.calibration.apply_span(confidence, start, width, first_offset=1)
+        for (i, _), (start, width) in zip(followers, spans):
             row = rows[i]
-            start, width = n * self.window, self.window
             accepted_now = len(outcome[i][0])
             room = row.settings.max_new_tokens - row.generated - accepted_now - 1
             drafts = cut_at_floor(tokens[start : start + width], confidence[start : start + width], row.floor)
             row.drafts = drafts[: max(room, 0)]
+            row.draft_confidence = confidence[start : start + len(row.drafts)]
             row.proposal = proposal[start : start + len(row.drafts)] if proposal is not None else None
 
     # ------------------------------------------------------------------------------ stops, records

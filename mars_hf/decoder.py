@@ -29,19 +29,13 @@ from transformers.generation.logits_process import (
 from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, StepDecisions, one_token_per_step
 from .cache import MARSBlockCache, make_scheme
 from .calibration import calibration_for
-from .layouts import LAYOUTS, idle_plan, pack, plan_row
+from .cost_model import cost_table
+from .layouts import LAYOUT_CHOICES, idle_plan, pack, plan_row, position_limit
+from .planner import AUTO, FIXED, THRESHOLD, AcceptanceStats, RowChoice, RowSpec, choose
 
-# CPU matrix kernels (MKL/oneDNN in the torch CPU wheels) take a much slower path when a linear layer
-# sees fewer than 4 rows: measured on SmolLM2-135M, a cached forward of 3 tokens cost 82 ms against
-# 62 ms for 4 (39 ms for 1, where the matrix-vector path is fast). A step that carries masks is
-# therefore padded to 4 rows: padding columns come after every real column and mask, nothing real
-# attends to them and their entries are never kept, so the tokens are the same.
-MIN_FORWARD_ROWS = {"cpu": 4}
-# Verified decoding's draft layout per device type (see docs/verified_decoding.md): a CPU forward
-# costs more with every row, so the quadratic layout's extra mask groups cost more than they save;
-# an accelerator's forward at small batch barely grows with rows, so every group is almost free.
-DEFAULT_LAYOUT = {"cpu": "linear"}
-FALLBACK_LAYOUT = "quadratic"
+# The cache is sized for the prompt, the new tokens and one step's columns; a step wider than this
+# (a huge W with the quadratic layout) grows it geometrically instead of allocating W² up front.
+_STEP_CAPACITY = 256
 
 
 @dataclass
@@ -114,8 +108,10 @@ class _Row:
         self.prefilled = False
         self.committed = 0  # real tokens whose keys/values are in the cache
         self.drafts: list[int] = []
+        self.draft_confidence: list[float] = []  # the drafts' own (calibrated) probabilities
         self.proposal: torch.Tensor | None = None  # [len(drafts), vocab] draft distributions (sampling)
         self.finished = False
+        self.stats = AcceptanceStats(min(window, max(settings.max_new_tokens, 1)))  # the planner's view
 
     @property
     def generated(self) -> int:
@@ -140,10 +136,19 @@ class MARSBatchDecoder:
         max_length: longest row (prompt + generated) the cache is sized for (it grows if exceeded).
         window: W (default ``config.mars["block_size"]``); mask_token_id likewise.
         cache: ``"cursor"``, ``"block"`` (with ``cache_block`` = C) or ``"none"``.
-        layout: verify's draft layout, ``"linear"`` or ``"quadratic"`` (default per device type).
+        layout: verify's feed: ``"auto"`` (default: the step planner chooses drafts, masks and groups
+            per step and row from the measured cost curve), or a fixed ``"linear"`` / ``"quadratic"``.
+        planner: also let the planner size threshold (τ) rows' mask groups (default False: the paper's
+            fixed window; with the planner τ can accept no more predictions than the masks fed).
+        cost_table: ``{columns per row: relative cost}`` to use instead of measuring
+            (``cost_model.CostTable.from_mapping``); ``cost_probe=False``: assume a flat curve.
         kv_cache: a ``MARSBlockCache`` to use (e.g. the caller's), else one is created.
         stopping_criteria: ``generate``'s non-EOS stopping criteria, checked token by token inside a step
             on the rows' token buffer (``ScoreProcessing.sequences``, indexed by each row's ``batch_index``).
+
+    ``forward_widths`` (columns per row of each forward, padding included) and ``plan_counts`` (how
+    often a row fed nothing extra, drafts only, a linear or a quadratic group, or a fixed layout)
+    say what the planner chose; ``cost_tables`` the curves it used, per batch bucket.
     """
 
     def __init__(
@@ -158,6 +163,9 @@ class MARSBatchDecoder:
         cache: str = "cursor",
         cache_block: int = 16,
         layout: str | None = None,
+        planner: bool = False,
+        cost_table: dict | None = None,
+        cost_probe: bool = True,
         kv_cache: MARSBlockCache | None = None,
         stopping_criteria=None,
     ):
@@ -167,19 +175,29 @@ class MARSBatchDecoder:
         self.mask_token_id = mask_token_id
         self.pad_token_id = pad_token_id
         self.scheme = make_scheme(cache, cache_block)
-        layout = layout or DEFAULT_LAYOUT.get(self.device.type, FALLBACK_LAYOUT)
-        if layout not in LAYOUTS:
-            raise ValueError(f"`mars_layout` must be one of {LAYOUTS}, got {layout!r}.")
+        layout = layout or "auto"
+        if layout not in LAYOUT_CHOICES:
+            raise ValueError(f"`mars_layout` must be one of {LAYOUT_CHOICES}, got {layout!r}.")
         self.layout = layout
+        self.threshold_planner = bool(planner)
+        self.cost_given, self.cost_probe = cost_table, bool(cost_probe)
+        if cost_table is not None:
+            from .cost_model import CostTable
+
+            CostTable.from_mapping(cost_table)  # a malformed table fails here, naming the keyword
+        self.cost_tables: dict = {}  # batch bucket -> CostTable, filled at first need
+        self.position_limit = position_limit(model.config)
         self.kv = None
         if self.scheme.uses_cache:
-            capacity = max_length + window * (window + 2) + 8
+            capacity = max_length + min(window * (window + 2), _STEP_CAPACITY) + 8
             self.kv = kv_cache if kv_cache is not None else MARSBlockCache(model.config, capacity, max_rows)
         self.max_rows = max_rows
         self.stopping_criteria = stopping_criteria or None
         self.rows: list[_Row] = []  # live rows, in KV slot order
         self.joining: list[_Row] = []  # added, prefilled by the next step
         self.num_forwards = 0
+        self.forward_widths: list[int] = []
+        self.plan_counts: dict[str, int] = {}
         self.score_records: list | None = None  # set to a list to keep (row, start, scores, logits)
         self._next_id = 0
         self._dtype = next(model.parameters()).dtype
@@ -288,29 +306,14 @@ class MARSBatchDecoder:
         if not live:
             return [RowUpdate(r.row_id, [], True, "length") for r in rows]
         self.scheme.begin_step([len(r.tokens) - r.committed for r in live if r.prefilled])
-        plans, deciding = [], []
-        for row in rows:
-            decides = not row.finished and (
-                not row.prefilled or self.scheme.participates(len(row.tokens) - row.committed)
-            )
-            deciding.append(decides)
-            if not decides:
-                plans.append(idle_plan(self.pad_token_id))
-                continue
-            drafts = row.drafts if row.verify else []
-            plans.append(
-                plan_row(
-                    row.tokens[row.committed :],
-                    drafts,
-                    row.window,
-                    self.mask_token_id,
-                    self.layout if row.verify else "linear",
-                    lead=0 if row.prefilled else row.lead,
-                    pad_token_id=self.pad_token_id,
-                )
-            )
+        deciding = [
+            not row.finished and (not row.prefilled or self.scheme.participates(len(row.tokens) - row.committed))
+            for row in rows
+        ]
+        plans, specs, choices, width, cost = self._plan_step(rows, deciding)
         checked = [len(r.drafts) if (d and r.verify) else 0 for r, d in zip(rows, deciding)]
-        logits, where = self._forward(rows, plans, deciding, first)
+        fed_confidence = [r.draft_confidence for r in rows]  # replaced by the new drafts' below
+        logits, where = self._forward(rows, plans, deciding, first, width)
         threshold_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify]
         verify_rows = [i for i, r in enumerate(rows) if deciding[i] and r.verify]
         outcome: dict[int, tuple[list[int], int, int, str | None]] = {}
@@ -326,6 +329,7 @@ class MARSBatchDecoder:
             outcome.update(decisions.threshold(rows, plans, threshold_rows))
         if verify_rows:
             outcome.update(decisions.verify(rows, plans, verify_rows))
+        self._learn(rows, specs, choices, outcome, fed_confidence, cost)
         updates = []
         for i, row in enumerate(rows):
             if i not in outcome:
@@ -339,37 +343,176 @@ class MARSBatchDecoder:
                 reason = "length"
             row.finished = reason is not None
             if row.finished:
-                row.drafts, row.proposal = [], None
+                row.drafts, row.proposal, row.draft_confidence = [], None, []
             updates.append(RowUpdate(row.row_id, tokens, row.finished, reason, checked[i], kept_drafts))
         return updates
 
+    # ------------------------------------------------------------------------------ what rows feed
+    def _plan_step(self, rows, deciding):
+        """Each row's plan, the planner's specs and choices, the step's width and its relative cost.
+
+        Rows the planner serves (verify with ``layout="auto"``, τ rows with ``planner=True``) get their
+        feed from ``planner.choose``; the others keep a fixed plan and only set a floor on the width.
+        When no row could feed a mask or draft nothing is measured and nothing padded: one-token
+        decoding stays stock decoding, column for column. A step that carries masks runs at the
+        cheapest measured width at least as wide as it needs (the padding replaces a fixed minimum).
+        """
+        plans, specs = [], []
+        for row, decides in zip(rows, deciding):
+            kind = self._kind(row) if decides else FIXED
+            if kind == FIXED:
+                plan = self._fixed_plan(row) if decides else idle_plan(self.pad_token_id)
+                plans.append(plan)
+                specs.append(RowSpec(FIXED, len(plan.tokens)))
+            else:
+                plans.append(None)
+                specs.append(self._row_spec(row, kind))
+        wants_table = any(s.kind != FIXED and (s.max_masks > 0 or s.draft_probs) for s in specs) or any(
+            p is not None and p.group_columns for p in plans
+        )
+        if not wants_table:
+            choices = [RowChoice() for _ in rows]
+            width, table = 1, None
+        else:
+            table = self._cost_table(len(rows))
+            width, choices = choose(specs, table.effective, self.window)
+        for i, (row, spec) in enumerate(zip(rows, specs)):
+            if spec.kind != FIXED:
+                plans[i] = self._chosen_plan(row, choices[i])
+                kind = choices[i].kind
+            else:
+                kind = "fixed" if deciding[i] else None
+            if kind is not None:
+                self.plan_counts[kind] = self.plan_counts.get(kind, 0) + 1
+        natural = max(len(p.tokens) for p in plans)
+        width = max(width, natural)
+        carries_masks = any(p.group_columns for p in plans)
+        if table is not None and carries_masks:
+            width = table.padded_width(width)
+        cost = table.cost(width) if table is not None else 1.0
+        return plans, specs, choices, width, cost
+
+    def _kind(self, row) -> str:
+        if row.verify:
+            return AUTO if self.layout == "auto" else FIXED
+        return THRESHOLD if (self.threshold_planner and row.window) else FIXED
+
+    def _room(self, row) -> tuple[int, int]:
+        """``(masks at most, drafts + masks at most)``: the window, the tokens left (a mask past them
+        predicts a token that can never be kept), and the model's positions left (masks and drafts sit
+        past the real tokens; an absolute-position model must never see a position past its table)."""
+        remaining = row.settings.max_new_tokens - row.generated
+        extra = self.position_limit - len(row.tokens) if self.position_limit else remaining + self.window
+        return max(0, min(row.window, remaining - 1, extra)), max(0, extra)
+
+    def _fixed_plan(self, row):
+        """The paper's feed: every draft and full groups of W masks, capped by ``_room``."""
+        max_masks, extra = self._room(row)
+        self._keep_drafts(row, min(len(row.drafts), extra) if row.verify else 0)
+        masks = min(max_masks, extra - len(row.drafts))
+        return self._row_plan(row, masks, self.layout if row.verify else "linear")
+
+    def _row_spec(self, row, kind) -> RowSpec:
+        max_masks, extra = self._room(row)
+        stats = row.stats
+        if stats.probing and not row.drafts:
+            stats.probing = False  # the probe proposed nothing (a floor, a stop): nothing to check
+        return RowSpec(
+            kind,
+            base=len(row.tokens) - row.committed + (0 if row.prefilled else row.lead),
+            draft_probs=stats.calibrated(row.draft_confidence) if kind == AUTO else [],
+            future=stats.future(),
+            gain=max(1.0, stats.gain),
+            max_masks=max_masks,
+            max_extra=extra,
+            force_masks=stats.probe_due(),
+            force_drafts=stats.probing and bool(row.drafts),
+        )
+
+    def _chosen_plan(self, row, choice: RowChoice):
+        self._keep_drafts(row, choice.drafts)
+        return self._row_plan(row, choice.masks, "quadratic" if choice.quadratic else "linear")
+
+    def _row_plan(self, row, masks: int, layout: str):
+        return plan_row(
+            row.tokens[row.committed :],
+            row.drafts if row.verify else [],
+            masks,
+            self.mask_token_id,
+            layout,
+            lead=0 if row.prefilled else row.lead,
+            pad_token_id=self.pad_token_id,
+        )
+
+    @staticmethod
+    def _keep_drafts(row, count: int) -> None:
+        """Feed only the first ``count`` drafts (the rest are proposals nobody checks: dropping them
+        never changes what verify keeps, only how much it can keep)."""
+        if count < len(row.drafts):
+            row.drafts = row.drafts[:count]
+            row.draft_confidence = row.draft_confidence[:count]
+            row.proposal = row.proposal[:count] if row.proposal is not None else None
+
+    def _learn(self, rows, specs, choices, outcome, fed_confidence, cost: float) -> None:
+        """Update the planner's view of each row it served: acceptance per offset, gain, re-probes."""
+        for i, (row, spec, choice) in enumerate(zip(rows, specs, choices)):
+            if spec.kind == FIXED or i not in outcome:
+                continue
+            tokens, _, kept_drafts, _ = outcome[i]
+            stats = row.stats
+            if spec.kind == AUTO:
+                stats.observe(choice.drafts, kept_drafts, fed_confidence[i])
+            else:  # τ rows: how many mask predictions passed τ
+                stats.observe(choice.masks, max(len(tokens) - 1, 0))
+            if spec.force_drafts:
+                stats.probing = False
+            elif spec.force_masks and choice.masks:
+                stats.probing = True
+            stats.observe_step(len(tokens), cost, fed_masks=choice.masks > 0)
+
+    def _cost_table(self, rows: int):
+        from .cost_model import batch_bucket
+
+        bucket = batch_bucket(rows)
+        table = self.cost_tables.get(bucket)
+        if table is None:
+            table = cost_table(
+                self.model,
+                batch_size=rows,
+                window=self.window,
+                mask_token_id=self.mask_token_id,
+                given=self.cost_given,
+                probe=self.cost_probe,
+            )
+            self.cost_tables[bucket] = table
+        return table
+
     # ------------------------------------------------------------------------------- the forward
-    def _forward(self, rows, plans, deciding, first):
-        """Run the model on the packed plans; return the needed logits and where each column went."""
+    def _forward(self, rows, plans, deciding, first, width):
+        """Run the model on the packed plans (``width`` columns per row, padding included); return the
+        needed logits and where each column went."""
         needed: set[int] = set()
         for plan, decides in zip(plans, deciding):
             if decides:
                 needed.update(plan.check_columns)
                 for columns in plan.group_columns.values():
                     needed.update(columns)
-        carries_masks = any(p.group_columns for p in plans)
-        min_rows = MIN_FORWARD_ROWS.get(self.device.type, 1) if carries_masks else 1
-        min_width = -(-min_rows // len(rows))
         offsets = [r.cache_offset for r in rows]
         step = pack(
             plans,
             offsets,
             [r.lead for r in rows],
-            min_width=min_width,
+            min_width=width,
             dtype=self._dtype,
             device=self.device,
             pad_token_id=self.pad_token_id,
+            max_position=self.position_limit,
         )
         keep = sorted(needed)
-        if len(keep) * len(rows) < min_rows:
-            # the LM head on fewer than min_rows rows takes the same slow path: keep padding logits too
-            spare = [c for c in range(step.width - 1, -1, -1) if c not in needed]
-            keep = sorted(keep + spare[: -(-min_rows // len(rows)) - len(keep)])
+        if keep and step.width > max(len(p.tokens) for p in plans):
+            # padded to a cheaper measured width: the LM head then runs on every column from the first
+            # needed one, as the cost probe measured it (fewer rows can take a slower kernel path)
+            keep = list(range(keep[0], step.width))
         where = {c: i for i, c in enumerate(keep)}
         if keep == list(range(step.width - len(keep), step.width)):
             logits_to_keep = len(keep)
@@ -378,6 +521,7 @@ class MARSBatchDecoder:
         if self.kv is not None:
             self.kv.begin_forward(offsets, step.width, self.device, first_row=first)
         self.num_forwards += 1
+        self.forward_widths.append(step.width)
         outputs = self.model(
             input_ids=step.input_ids,
             attention_mask=step.attention_mask,

@@ -37,7 +37,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, one_token_per_step
 from .cache import CACHE_SCHEMES, MARSBlockCache
 from .decoder import MARSBatchDecoder, RowSettings, RowUpdate  # noqa: F401  (public re-exports)
-from .layouts import LAYOUTS
+from .layouts import LAYOUT_CHOICES
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ _MARS_KWARGS = (
     "mars_cache_block",
     "mars_mask_token_id",
     "mars_layout",
+    "mars_planner",
+    "mars_cost_table",
+    "mars_cost_probe",
 )
 _MARS_SETTINGS = ("mars_threshold",) + _MARS_KWARGS
 
@@ -65,12 +68,21 @@ class MARSGenerateOutput(GenerateDecoderOnlyOutput):
         drafts_proposed: ``[num_steps, batch]`` drafts each row checked at each step (verify only;
             zeros for threshold acceptance, which has no drafts).
         drafts_accepted: ``[num_steps, batch]`` of those, how many were kept.
+        forward_widths: ``[num_forwards]`` columns per row each forward fed, padding included (the
+            prompt's first): what the step planner chose, next to ``cost_curve``.
+        plan_counts: how often a row fed nothing extra (``plain``), drafts only, a ``linear`` or a
+            ``quadratic`` mask layout, or a ``fixed`` one (explicit layout, τ without the planner).
+        cost_curve: the relative forward cost per columns-per-row the planner used (``{n: cost}``), or
+            None when no step needed it (one-token decoding).
     """
 
     num_forwards: int | None = None
     accepted_counts: torch.LongTensor | None = None
     drafts_proposed: torch.LongTensor | None = None
     drafts_accepted: torch.LongTensor | None = None
+    forward_widths: torch.LongTensor | None = None
+    plan_counts: dict | None = None
+    cost_curve: dict | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -318,6 +330,9 @@ def mars_generate(
     mars_cache_block: int | None = None,
     mars_mask_token_id: int | None = None,
     mars_layout: str | None = None,
+    mars_planner: bool | None = None,
+    mars_cost_table: dict | None = None,
+    mars_cost_probe: bool | None = None,
     mars_streamer=None,
     **model_kwargs,
 ):
@@ -342,9 +357,21 @@ def mars_generate(
             time, the paper's scheme) or ``"none"`` (recompute everything each step; the reference).
         mars_cache_block: C for ``"block"`` (default 16).
         mars_mask_token_id: overrides ``config.mars["mask_token_id"]``.
-        mars_layout: verify's draft layout, ``"linear"`` (drafts then one group of W masks) or
-            ``"quadratic"`` (a group of W masks after every draft prefix); default per device type
-            (``decoder.DEFAULT_LAYOUT``).
+        mars_layout: verify's feed. ``"auto"`` (default): the step planner chooses, each step and row,
+            how many drafts to check and how many masks (one group after the drafts, a group after
+            every draft prefix, or none) for the most expected tokens per unit of the forward's
+            measured cost (``mars_hf.planner``, ``mars_hf.cost_model``); the output is the same
+            whatever it chooses. ``"linear"`` (every draft, then one group of W masks) or
+            ``"quadratic"`` (a group of W masks after every draft prefix) fix the feed.
+        mars_planner: let the planner size τ rows' mask groups too (default False: τ keeps the
+            paper's fixed window W). Changes which tokens τ can accept (never more predictions past
+            the first than masks fed), so τ's output may differ from the fixed window's.
+        mars_cost_table: ``{columns per row: relative cost}`` (e.g. ``{1: 1.0, 2: 1.05, 5: 1.3}``) used
+            instead of measuring the forward's cost curve; missing sizes are interpolated.
+        mars_cost_probe: False skips the measurement and assumes a flat curve (every width costs one
+            column's: the planner then goes as wide as the window allows). Default True: measured at
+            first use (about 2 s at most, per model, device, dtype, threads and batch size; cached for
+            the process, and on disk under ``$MARS_HF_COST_CACHE`` when set).
         mars_streamer: the streamer (the MARS entry points pass it here because transformers does not
             forward ``streamer`` to custom decoding functions).
     """
@@ -364,6 +391,9 @@ def mars_generate(
             mars_cache_block=mars_cache_block,
             mars_mask_token_id=mars_mask_token_id,
             mars_layout=mars_layout,
+            mars_planner=mars_planner,
+            mars_cost_table=mars_cost_table,
+            mars_cost_probe=mars_cost_probe,
         ),
         generation_config,
     )
@@ -419,7 +449,7 @@ def mars_generate(
     pad_token_id = _pad_token(generation_config, eos_ids)
     # room for the provisional tokens of a step past the last one kept (processors and stop criteria read them)
     sequences = torch.full(
-        (batch_size, prompt_length + max_new + window + 2),
+        (batch_size, prompt_length + max_new + min(window, max_new) + 2),
         pad_token_id,
         dtype=torch.long,
         device=input_ids.device,
@@ -431,13 +461,16 @@ def mars_generate(
         model,
         max_rows=batch_size,
         max_length=prompt_length + max_new,
-        window=window,
+        window=min(window, max(max_new, 1)),  # masks past the last new token could never be kept
         mask_token_id=mask_token_id,
         pad_token_id=pad_token_id,
         # with no masks to drop, a block has nothing to wait for: one-token decoding is cursor decoding
         cache="cursor" if (scheme == "block" and one_token) else scheme,
         cache_block=cache_block,
         layout=layout,
+        planner=bool(values["mars_planner"]),
+        cost_table=values["mars_cost_table"],
+        cost_probe=values["mars_cost_probe"] is not False,
         kv_cache=user_cache,
         stopping_criteria=other_criteria if len(other_criteria) else None,
     )
@@ -523,7 +556,17 @@ def mars_generate(
         accepted_counts=stat(0),
         drafts_proposed=stat(1),
         drafts_accepted=stat(2),
+        forward_widths=torch.tensor(decoder.forward_widths, dtype=torch.long),
+        plan_counts=dict(decoder.plan_counts),
+        cost_curve=_cost_curve(decoder),
     )
+
+
+def _cost_curve(decoder) -> dict | None:
+    """The curve the planner used at this batch (the widest bucket when rows left and it shrank)."""
+    if not decoder.cost_tables:
+        return None
+    return decoder.cost_tables[max(decoder.cost_tables)].as_dict()
 
 
 def _stream(streamer, updates: list[RowUpdate], batch_size: int, pad_token_id: int) -> None:
@@ -580,7 +623,7 @@ def _config_settings(config, source: str) -> dict:
     settings = {key: getattr(config, key, None) for key in _MARS_SETTINGS}
     settings = {key: value for key, value in settings.items() if value is not None}
     where = f" (set in {source})"
-    choices = {"mars_acceptance": ACCEPTANCE_RULES, "mars_cache": CACHE_SCHEMES, "mars_layout": LAYOUTS}
+    choices = {"mars_acceptance": ACCEPTANCE_RULES, "mars_cache": CACHE_SCHEMES, "mars_layout": LAYOUT_CHOICES}
     for key, allowed in choices.items():
         if key in settings and settings[key] not in allowed:
             raise ValueError(f"`{key}` must be one of {tuple(allowed)}, got {settings[key]!r}{where}.")
@@ -771,8 +814,8 @@ def enable_mars(
         raise ValueError(f"`acceptance` must be one of {ACCEPTANCE_METRICS}, got {acceptance!r}.")
     if cache is not None and cache not in CACHE_SCHEMES:
         raise ValueError(f"`cache` must be one of {CACHE_SCHEMES}, got {cache!r}.")
-    if layout is not None and layout not in LAYOUTS:
-        raise ValueError(f"`layout` must be one of {LAYOUTS}, got {layout!r}.")
+    if layout is not None and layout not in LAYOUT_CHOICES:
+        raise ValueError(f"`layout` must be one of {LAYOUT_CHOICES}, got {layout!r}.")
     cls = type(model)
     if not isinstance(model, MARSGenerationMixin):
         model.__class__ = type(cls.__name__, (MARSGenerationMixin, cls), {"__module__": cls.__module__})

@@ -42,6 +42,8 @@ CUSTOM_GENERATE_FILES = {
     "acceptance.py": "acceptance.py",
     "gated_lora.py": "gated_lora.py",
     "calibration.py": "calibration.py",
+    "cost_model.py": "cost_model.py",
+    "planner.py": "planner.py",
 }
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
 _ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 
 LAYOUTS = ("linear", "quadratic")
+# ``mars_layout`` values: a fixed layout (every draft, full groups of W masks), or "auto": the step
+# planner (``planner``) chooses per step and row how many drafts, masks and groups pay for their cost.
+LAYOUT_CHOICES = ("auto",) + LAYOUTS
 _REAL = -1  # group id of fresh/draft columns
 _PADDING = -2  # group id of columns that only fill a row up to the step's width
 
@@ -90,9 +93,27 @@ def plan_row(
     return RowPlan(tokens, positions, group, visible, check, groups)
 
 
+def position_limit(config) -> int | None:
+    """Positions the model has (``max_position_embeddings``, GPT-2's ``n_positions``), or None.
+
+    Absolute-position models index an embedding with each position id, so no column may go past it;
+    masks and drafts are placed ahead of the real tokens, hence capped by ``limit - len(tokens)``.
+    """
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def idle_plan(pad_token_id: int) -> RowPlan:
     """A row that takes no decision this step (it waits for a block commit): one padding column."""
     return RowPlan([pad_token_id], [0], [_PADDING], [0], [], {})
+
+
+def _padding_position(position: int, last: int | None) -> int:
+    return position if last is None else min(position, last)
 
 
 @dataclass
@@ -114,6 +135,7 @@ def pack(
     dtype: torch.dtype,
     device: torch.device,
     pad_token_id: int,
+    max_position: int | None = None,
 ) -> PackedStep:
     """Stack the rows' plans (left-aligned, padded at the end) on top of their cached entries.
 
@@ -123,13 +145,15 @@ def pack(
     model builds the causal mask itself, exactly as for stock decoding); otherwise an additive 4D mask
     gives each query its row's real cached entries plus the columns its plan lets it see. Padding
     columns see the cached entries and themselves only (finite, never read; nothing real attends to
-    them).
+    them). Padding columns' position ids stay below ``max_position`` (their value is never read, but an
+    absolute-position embedding would index past its table).
     """
     width = max(min_width, max(len(p.tokens) for p in plans))
+    last = max_position - 1 if max_position else None
     n = len(plans)
     ids = [p.tokens + [pad_token_id] * (width - len(p.tokens)) for p in plans]
     positions = [
-        [real + q for q in p.positions] + [real + len(p.positions)] * (width - len(p.positions))
+        [real + q for q in p.positions] + [_padding_position(real + len(p.positions), last)] * (width - len(p.positions))
         for p, real in zip(plans, (max(c - lead, 0) for c, lead in zip(cached, leads)))
     ]
     input_ids = torch.tensor(ids, dtype=torch.long, device=device)

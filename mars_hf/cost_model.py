@@ -1,0 +1,324 @@
+"""What a cached forward of ``n`` new columns per sequence costs, relative to one column (MARS_SPEC §4).
+
+Why measured, not assumed: the curve differs by machine, dtype and batch (SmolLM2-135M on one CPU,
+float32: 4 columns cost 1.57× one column, bfloat16 1.10×; a GPU at small batch is nearly flat). A
+constant tuned on one machine (``MIN_FORWARD_ROWS``, a per-device default layout) is wrong on the next,
+so the decoder asks this module, which measures the curve where decoding runs:
+
+- at first use, for the model, device, dtype, thread count and batch bucket in use (the batch rounded up
+  to a power of two), on a *scratch* cache: warm-up, a few interleaved rounds over the sizes, medians,
+  about two seconds at most (fewer sizes, interpolated, when a forward is slow);
+- kept for the process (per model object and everything else the cost depends on), and on disk when
+  the environment variable ``MARS_HF_COST_CACHE`` names a folder;
+- overridable: ``generate(..., mars_cost_table={1: 1.0, 2: 1.05, ...})`` uses the given curve
+  (missing sizes interpolated), ``mars_cost_probe=False`` assumes a **flat** curve (every width costs
+  what one column costs: the accelerator-at-small-batch assumption, under which the planner goes as
+  wide as the window allows — the paper's fixed-window behaviour).
+
+This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .layouts import position_limit
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "MARS_HF_COST_CACHE"
+PROBE_BUDGET_S = 2.0  # the whole probe, warm-up included
+PROBE_ROUNDS = 5  # interleaved rounds at most (medians)
+PROBE_CONTEXT = 32  # cached tokens the probed forwards attend over
+MAX_PROBED_WIDTH = 64  # wider steps are extrapolated (and never planned)
+_EXACT_UP_TO = 10  # every width up to this is probed; wider ones on a geometric grid
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Relative cost of a forward of ``n`` columns per sequence (``cost(1) == 1``) at one batch size.
+
+    Between measured sizes the cost is interpolated linearly; past the widest it is extrapolated with the
+    last segment's slope (never decreasing).
+    """
+
+    sizes: tuple[int, ...]
+    costs: tuple[float, ...]
+    source: str  # "measured", "disk", "given" or "flat"
+    batch: int = 1
+
+    @classmethod
+    def from_mapping(cls, mapping, source: str = "given", batch: int = 1) -> CostTable:
+        """A table from ``{n: cost}``; costs are taken relative to ``n = 1`` (1.0 when 1 is absent)."""
+        if isinstance(mapping, CostTable):
+            return mapping
+        if not isinstance(mapping, dict) or not mapping:
+            raise ValueError(
+                "`mars_cost_table` must be a non-empty dict {columns per sequence: relative cost}, e.g. "
+                f"{{1: 1.0, 2: 1.05, 5: 1.3}}; got {mapping!r}."
+            )
+        items = {}
+        for n, cost in mapping.items():
+            if int(n) != n or int(n) < 1 or not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0):
+                raise ValueError(
+                    f"`mars_cost_table` needs integer sizes >= 1 and positive finite costs; got {n!r}: {cost!r}."
+                )
+            items[int(n)] = float(cost)
+        one = items.get(1, 1.0)
+        items[1] = one
+        sizes = tuple(sorted(items))
+        return cls(sizes, tuple(items[n] / one for n in sizes), source, batch)
+
+    @classmethod
+    def flat(cls, batch: int = 1) -> CostTable:
+        return cls((1,), (1.0,), "flat", batch)
+
+    def cost(self, n: int) -> float:
+        """Relative cost of ``n`` columns per sequence."""
+        sizes, costs = self.sizes, self.costs
+        if n <= sizes[0]:
+            return costs[0]
+        i = bisect.bisect_left(sizes, n)
+        if i < len(sizes) and sizes[i] == n:
+            return costs[i]
+        if i == len(sizes):  # past the widest measured size
+            if len(sizes) == 1:
+                return costs[-1]
+            slope = max(0.0, (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2]))
+            return costs[-1] + slope * (n - sizes[-1])
+        low, high = sizes[i - 1], sizes[i]
+        return costs[i - 1] + (costs[i] - costs[i - 1]) * (n - low) / (high - low)
+
+    def padded_width(self, n: int) -> int:
+        """The width to run ``n`` columns at: a wider measured size when it is cheaper (padding columns
+        come after every real column, nothing real attends to them, so tokens do not change)."""
+        best, best_cost = n, self.cost(n)
+        for size, cost in zip(self.sizes, self.costs):
+            if size > n and cost < best_cost:
+                best, best_cost = size, cost
+        return best
+
+    def effective(self, n: int) -> float:
+        """What ``n`` columns really cost (at their padded width)."""
+        return self.cost(self.padded_width(n))
+
+    def as_dict(self) -> dict[int, float]:
+        return dict(zip(self.sizes, self.costs))
+
+
+def batch_bucket(rows: int) -> int:
+    """Batch sizes share a curve per power of two (a server's batch changes every few steps)."""
+    return 1 << max(0, int(rows) - 1).bit_length()
+
+
+def candidate_widths(window: int) -> list[int]:
+    """Columns per sequence the decoder may feed with window W: one fresh token, up to W drafts and
+    up to W masks (``1 … 1 + 2W``), and the quadratic layout's ``1 + K + (K + 1)·m``; capped."""
+    sizes = set(range(1, 2 * window + 2))
+    for drafts in range(window + 1):
+        for masks in range(1, window + 1):
+            sizes.add(1 + drafts + (drafts + 1) * masks)
+    return sorted(n for n in sizes if n <= MAX_PROBED_WIDTH)
+
+
+def probe_sizes(widths: list[int]) -> list[int]:
+    """The widths actually timed: all small ones, then a geometric grid (the rest is interpolated)."""
+    chosen = [n for n in widths if n <= _EXACT_UP_TO]
+    last = chosen[-1] if chosen else 1
+    for n in widths:
+        if n > _EXACT_UP_TO and n >= last * 1.25:
+            chosen.append(n)
+            last = n
+    if widths and widths[-1] not in chosen:
+        chosen.append(widths[-1])
+    return chosen
+
+
+# --------------------------------------------------------------------------------------------------
+# Keys: everything the cost depends on
+# --------------------------------------------------------------------------------------------------
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: CostTable}
+
+
+def _hook_count(model) -> int:
+    """Forward hooks change what a forward costs (a gated adapter's, for one); cheap to count."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def _key(model, device, batch: int, sizes: tuple[int, ...]) -> tuple:
+    dtype = next(model.parameters()).dtype
+    return (str(device), str(dtype), torch.get_num_threads(), batch, sizes, _hook_count(model))
+
+
+def _disk_path(model, key: tuple) -> str | None:
+    folder = os.environ.get(CACHE_ENV)
+    if not folder:
+        return None
+    config = model.config
+    identity = json.dumps(
+        [
+            type(model).__name__,
+            getattr(config, "_name_or_path", ""),
+            hashlib.sha256(config.to_json_string().encode()).hexdigest(),
+            sum(p.numel() for p in model.parameters()),
+            _device_name(model.device),
+            torch.__version__,
+            list(map(str, key)),
+        ]
+    )
+    return os.path.join(folder, f"mars-cost-{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json")
+
+
+def cost_table(
+    model,
+    *,
+    batch_size: int,
+    window: int,
+    mask_token_id: int,
+    given=None,
+    probe: bool = True,
+) -> CostTable:
+    """The cost curve for this model and batch: ``given`` if any, flat without ``probe``, else measured
+    once (per process, or read from ``MARS_HF_COST_CACHE``)."""
+    batch = batch_bucket(batch_size)
+    if given is not None:
+        return CostTable.from_mapping(given, "given", batch)
+    if not probe:
+        return CostTable.flat(batch)
+    sizes = tuple(probe_sizes(candidate_widths(window)))
+    key = _key(model, model.device, batch, sizes)
+    per_model = _TABLES.setdefault(model, {})
+    if key in per_model:
+        return per_model[key]
+    path = _disk_path(model, key)
+    table = _read(path, batch) if path else None
+    if table is None:
+        table = measure(model, batch=batch, sizes=sizes, mask_token_id=mask_token_id)
+        if path:
+            _write(path, table)
+    per_model[key] = table
+    return table
+
+
+def _read(path: str, batch: int) -> CostTable | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            record = json.load(handle)
+        return CostTable(tuple(record["sizes"]), tuple(record["costs"]), "disk", batch)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _write(path: str, table: CostTable) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({"sizes": list(table.sizes), "costs": list(table.costs)}, handle)
+    except OSError as error:  # a read-only folder only costs the next process a probe
+        logger.warning("Could not write the MARS cost table to %s: %s", path, error)
+
+
+# --------------------------------------------------------------------------------------------------
+# The probe
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def measure(
+    model,
+    *,
+    batch: int,
+    sizes,
+    mask_token_id: int,
+    budget_s: float = PROBE_BUDGET_S,
+    rounds: int = PROBE_ROUNDS,
+    context: int = PROBE_CONTEXT,
+) -> CostTable:
+    """Time cached forwards of each width in ``sizes`` (one real token then masks, like a MARS step)
+    on a scratch cache of ``context`` tokens; medians of interleaved rounds, relative to width 1.
+
+    The user's cache, inputs and random state are untouched (the scratch cache is dropped; nothing is
+    sampled). Under the budget, fewer rounds, then fewer sizes, are timed.
+    """
+    from .cache import MARSBlockCache
+
+    started = time.perf_counter()
+    device = model.device
+    sizes = sorted({int(n) for n in sizes} | {1})
+    limit = position_limit(model.config)
+    if limit is not None:  # an absolute-position model: stay inside its positions
+        sizes = [n for n in sizes if n <= max(limit // 2, 1)]
+        context = max(1, min(context, limit - sizes[-1]))
+    vocab = model.get_input_embeddings().weight.shape[0]
+    kv = MARSBlockCache(model.config, context + sizes[-1] + 8, batch)
+    prefix = (torch.arange(batch * context, device=device).reshape(batch, context) * 7919) % vocab
+    kv.begin_forward([0] * batch, context, device)
+    model(input_ids=prefix, cache=kv, use_cache=True, logits_to_keep=1)
+    inputs = {n: _probe_inputs(n, batch, context, mask_token_id, device) for n in sizes}
+
+    def timed(n: int) -> float:
+        ids, positions = inputs[n]
+        kv.begin_forward([context] * batch, n, device)
+        _synchronize(device)
+        start = time.perf_counter()
+        model(input_ids=ids, position_ids=positions, cache=kv, use_cache=True, logits_to_keep=n)
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    first, widest = timed(1), timed(sizes[-1])  # warm-up, and the scale of one round
+    timed(1)
+    per_round = sum(first + (widest - first) * (n - 1) / max(sizes[-1] - 1, 1) for n in sizes)
+    left = budget_s - (time.perf_counter() - started)
+    while len(sizes) > 2 and per_round * 3 > left:  # keep >= 3 rounds: time fewer (wide first) sizes
+        fewer = sorted(set(sizes[:5] + sizes[5:-1:2] + sizes[-1:]))
+        sizes = fewer if len(fewer) < len(sizes) else sorted(set(sizes[::2] + sizes[-1:]))
+        per_round = sum(first + (widest - first) * (n - 1) / max(sizes[-1] - 1, 1) for n in sizes)
+    times = {n: [] for n in sizes}
+    count = 0
+    while count < rounds and (count == 0 or time.perf_counter() - started < budget_s):
+        for n in sizes:  # interleaved: a busy spell of a shared machine hits every size alike
+            times[n].append(timed(n))
+        count += 1
+    medians = {n: statistics.median(values) for n, values in times.items()}
+    one = medians[1]
+    table = CostTable(tuple(sizes), tuple(medians[n] / one for n in sizes), "measured", batch)
+    logger.info(
+        "MARS cost curve (batch %d, %.1f ms per 1-column forward, %d rounds, %.2f s): %s",
+        batch,
+        one * 1000,
+        count,
+        time.perf_counter() - started,
+        {n: round(c, 3) for n, c in table.as_dict().items()},
+    )
+    return table
+
+
+def _probe_inputs(n: int, batch: int, context: int, mask_token_id: int, device):
+    ids = torch.full((batch, n), mask_token_id, dtype=torch.long, device=device)
+    ids[:, 0] = 1
+    positions = torch.arange(context, context + n, device=device)[None, :].expand(batch, n)
+    return ids, positions
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

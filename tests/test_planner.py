@@ -1,0 +1,438 @@
+"""The step planner and the cost model (issue 22), and MARS near a model's position limit (issue 19).
+
+- ``planner.choose`` against a brute-force enumeration of every combination of row plans, with
+  expected tokens computed outcome by outcome (not with the planner's cumulative products);
+- each branch of the planner forced with handcrafted cost tables (flat: widest; steep: one-token
+  steps; in between: linear groups) on tiny float64 models of several architectures, batched, left
+  padded, pad id == EOS id: the output is stock greedy's every time;
+- the cost table: interpolation, padding to a cheaper width, validation, the flat assumption, the
+  probe (bounded, cached per process, never run by one-token decoding, outputs unchanged);
+- an absolute-position model (GPT-2) decoded up to its last position: no index past it, verify and
+  τ = 1 equal stock; a huge W is capped by ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+import torch
+
+from mars_hf import cost_model
+from mars_hf.cost_model import CostTable
+from mars_hf.generation import enable_mars
+from mars_hf.planner import AUTO, FIXED, THRESHOLD, AcceptanceStats, RowChoice, RowSpec, choose, plan_width
+from tests.test_generation import _batch, peaked_model
+from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
+
+FLAT = {1: 1.0}
+STEEP = {1: 1.0, 2: 40.0, 64: 2000.0}  # any extra column costs more than any draft could bring
+MIDDLE = {1: 1.0, 9: 1.4, 10: 4.0, 64: 40.0}  # up to 1 + 2W = 9 columns cheap (W = 4), more is not
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the decision function against brute force
+# ---------------------------------------------------------------------------------------------------
+
+
+def _exactly(probs, count):
+    """P(exactly j of ``count`` sequential checks pass), j = 0 … count (stop at the first failure)."""
+    out = []
+    for j in range(count + 1):
+        p = 1.0
+        for i in range(j):
+            p *= probs[i]
+        if j < count:
+            p *= 1 - probs[j]
+        out.append(p)
+    return out
+
+
+def _expected(probs, count):
+    return sum(j * p for j, p in enumerate(_exactly(probs, count)))
+
+
+def _worth(spec, masks, cost):
+    """H(m): the best prefix of m fresh drafts, net of what checking it will cost."""
+    return max(
+        _expected(spec.future, mm) - spec.gain * (cost(1 + mm) - cost(1)) for mm in range(masks + 1)
+    )
+
+
+def _value(spec, choice, cost):
+    if spec.kind == FIXED:
+        return 0.0
+    if spec.kind == THRESHOLD:
+        return 1 + _expected(spec.future, choice.masks)
+    outcomes = _exactly(spec.draft_probs, choice.drafts)
+    now = sum((j + 1) * p for j, p in enumerate(outcomes))
+    if not choice.masks:
+        return now
+    survive = 1.0 if choice.quadratic else outcomes[choice.drafts]
+    return now + survive * _worth(spec, choice.masks, cost)
+
+
+def _options(spec, window):
+    if spec.kind == FIXED:
+        return [RowChoice()]
+    drafts = len(spec.draft_probs) if spec.kind == AUTO else 0
+    options = []
+    for k in range(drafts + 1):
+        for m in range(window + 1):
+            if m > spec.max_masks or k + m > spec.max_extra:
+                continue
+            if spec.force_drafts and drafts and k != min(drafts, spec.max_extra):
+                continue
+            options.append(RowChoice(k, m, False))
+            if spec.kind == AUTO and k >= 1 and m >= 1:
+                options.append(RowChoice(k, m, True))
+    if spec.force_masks and any(o.masks for o in options):
+        options = [o for o in options if o.masks]
+    return options
+
+
+def _objective(specs, choices, width, cost):
+    return sum(_value(s, c, cost) for s, c in zip(specs, choices)) - sum(s.gain for s in specs) * cost(width)
+
+
+def _random_spec(rng, window):
+    kind = rng.choice([AUTO, AUTO, THRESHOLD, FIXED])
+    if kind == FIXED:
+        return RowSpec(FIXED, rng.randint(1, 9))
+    drafts = rng.randint(0, window) if kind == AUTO else 0
+    return RowSpec(
+        kind,
+        base=rng.randint(1, 3),
+        draft_probs=[rng.choice([0.0, 0.1, 0.5, 0.9, 1.0, rng.random()]) for _ in range(drafts)],
+        future=[rng.random() for _ in range(window)],
+        gain=rng.choice([1.0, 1.0, 1.5, 3.0]),
+        max_masks=rng.randint(0, window),
+        max_extra=rng.randint(0, 2 * window),
+        force_masks=rng.random() < 0.15,
+        force_drafts=rng.random() < 0.15,
+    )
+
+
+def _random_table(rng):
+    kind = rng.choice(["flat", "steep", "linear", "bumpy"])
+    if kind == "flat":
+        return CostTable.from_mapping(FLAT)
+    if kind == "steep":
+        return CostTable.from_mapping(STEEP)
+    if kind == "linear":
+        slope = rng.choice([0.02, 0.1, 0.3])
+        return CostTable.from_mapping({n: 1 + slope * (n - 1) for n in range(1, 30)})
+    # non-monotone, like CPU kernels that are slower at 3 columns than at 4
+    return CostTable.from_mapping({n: 1 + 0.1 * n + rng.choice([0.0, 0.0, 0.5]) for n in range(1, 30)})
+
+
+def test_choose_finds_the_best_combination_of_row_plans():
+    """Every combination of every row's plans, valued outcome by outcome: the planner's choice reaches
+    the maximum (ties may pick another combination of equal value) and its width fits every plan."""
+    rng = random.Random(0)
+    checked = 0
+    for trial in range(160):
+        window = rng.choice([1, 2, 3])
+        specs = [_random_spec(rng, window) for _ in range(rng.randint(1, 3))]
+        table = _random_table(rng)
+        cost = table.effective
+        width, choices = choose(specs, cost, window)
+        for spec, choice in zip(specs, choices):
+            if spec.kind != FIXED:
+                assert choice in _options(spec, window), (trial, spec, choice)
+            assert plan_width(spec, choice) <= width
+        got = _objective(specs, choices, width, cost)
+        best = max(
+            _objective(specs, combo, max(plan_width(s, c) for s, c in zip(specs, combo)), cost)
+            for combo in itertools.product(*(_options(s, window) for s in specs))
+        )
+        assert got == pytest.approx(best, abs=1e-9), (trial, specs, table)
+        checked += 1
+    assert checked == 160
+
+
+def test_branches_of_the_decision():
+    """Worthless drafts: one-token steps; sure drafts on a flat curve: the widest quadratic feed; a
+    curve that makes a few columns cheap and more expensive: a linear group; a batch shares the width
+    and a row fills it."""
+    window = 4
+    bad = RowSpec(AUTO, 1, [0.0] * 4, [0.0] * 4, 1.0, max_masks=4, max_extra=100)
+    good = RowSpec(AUTO, 1, [0.95] * 4, [0.95] * 4, 3.0, max_masks=4, max_extra=100)
+    flat, steep, middle = (CostTable.from_mapping(t).effective for t in (FLAT, STEEP, MIDDLE))
+    assert choose([bad], middle, window) == (1, [RowChoice()])
+    assert choose([good], steep, window) == (1, [RowChoice()])
+    width, (choice,) = choose([good], flat, window)
+    assert choice == RowChoice(4, 4, True) and width == 1 + 4 + 5 * 4
+    width, (choice,) = choose([good], middle, window)
+    assert choice == RowChoice(4, 4, False) and width == 9
+    # a batch: the good row sets the width, the bad row fills it for free
+    width, (first, second) = choose([good, bad], middle, window)
+    assert width == 9 and first == RowChoice(4, 4, False) and plan_width(bad, second) <= 9
+    # the position limit: nothing past max_extra
+    near = RowSpec(AUTO, 1, [0.95] * 4, [0.95] * 4, 3.0, max_masks=4, max_extra=2)
+    width, (choice,) = choose([near], flat, window)
+    assert choice.drafts + choice.masks <= 2
+    # a re-probe feeds masks although they do not pay
+    probing = RowSpec(AUTO, 1, [], [0.0] * 4, 1.0, max_masks=4, max_extra=100, force_masks=True)
+    assert choose([probing], steep, window)[1][0].masks >= 1
+
+
+def test_acceptance_stats_learn_and_reprobe():
+    stats = AcceptanceStats(4)
+    assert stats.future() == [0.5] * 4 and stats.calibrated([0.8]) == [0.8]
+    for _ in range(30):
+        stats.observe(4, 0, [0.9, 0.9, 0.9, 0.9])  # confident drafts, never kept
+    assert stats.future()[0] < 0.05 and stats.calibrated([0.9])[0] < 0.05
+    for _ in range(30):
+        stats.observe(4, 4, [0.5] * 4)  # unsure drafts, always kept
+    assert min(stats.future()) > 0.9 and min(stats.calibrated([0.5] * 4)) > 0.85  # 0.5 means ~1 here
+    for _ in range(AcceptanceStats.FIRST_PROBE_EVERY):
+        assert not stats.probe_due()
+        stats.observe_step(1, 1.0, fed_masks=False)
+    assert stats.probe_due()
+    stats.observe_step(1, 1.0, fed_masks=True)
+    assert not stats.probe_due()
+    stats.probing = True
+    stats.observe(4, 0, [0.1] * 4)  # a probe that found nothing: probe less often
+    assert stats.probe_every == 2 * AcceptanceStats.FIRST_PROBE_EVERY
+
+
+# ---------------------------------------------------------------------------------------------------
+# each branch on tiny models: the output is stock greedy's
+# ---------------------------------------------------------------------------------------------------
+
+
+def _verify(model, encoded, table, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    return model.generate(
+        **encoded, mars_acceptance="verify", mars_cost_table=table, return_dict_in_generate=True, **kwargs
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_branch_equals_stock_greedy_on_random_models(arch, tok):
+    model = enable_mars(tiny_model(arch, seed=3))
+    encoded = _batch(tok)
+    assert tok.pad_token_id == tok.eos_token_id and (encoded.attention_mask == 0).any()
+    stock = model.generate(**encoded, max_new_tokens=14, do_sample=False)
+    for table in (FLAT, STEEP, MIDDLE):
+        for scheme in ("cursor", "block", "none"):
+            out = _verify(model, encoded, table, max_new_tokens=14, mars_cache=scheme, mars_cache_block=3)
+            assert torch.equal(out.sequences, stock), (table, scheme)
+            assert out.cost_curve == CostTable.from_mapping(table).as_dict()
+            assert len(out.forward_widths) == out.num_forwards
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_forced_branches_on_a_model_whose_drafts_are_often_right(arch, tok):
+    model = peaked_model(arch)
+    encoded = _batch(tok)
+    prompt_width = encoded.input_ids.shape[1]
+    stock = model.generate(**encoded, max_new_tokens=24, do_sample=False)
+    runs = {name: _verify(model, encoded, t, max_new_tokens=24) for name, t in
+            (("flat", FLAT), ("steep", STEEP), ("middle", MIDDLE))}  # fmt: skip
+    for name, out in runs.items():
+        assert torch.equal(out.sequences, stock), name
+    # flat: as wide as the window allows, quadratic groups, several tokens per forward
+    flat = runs["flat"]
+    assert flat.plan_counts.get("quadratic", 0) > 0 and int(flat.drafts_accepted.sum()) >= 10
+    assert max(flat.forward_widths[1:].tolist()) == 1 + 4 + 5 * 4
+    # steep: one-token steps (stock cost) except the prompt's forward and the rare re-probes
+    steep = runs["steep"]
+    decode = steep.forward_widths[1:].tolist()
+    wide = [w for w in decode if w > 1]
+    assert len(wide) <= 2 * (len(decode) // AcceptanceStats.FIRST_PROBE_EVERY + 1), decode
+    assert steep.forward_widths[0] == prompt_width  # not even the prompt's forward carries masks
+    assert steep.num_forwards >= 24
+    # in between: linear groups within 1 + 2W columns, fewer forwards than one-token decoding
+    middle = runs["middle"]
+    assert middle.plan_counts.get("linear", 0) > 0 and max(middle.forward_widths[1:].tolist()) <= 9
+    assert middle.num_forwards < steep.num_forwards
+
+
+def test_threshold_rows_opt_into_the_planner(tok):
+    """τ keeps its fixed window unless `mars_planner=True`; then a steep curve means one-token steps
+    (but for re-probes), a flat one the full window (the fixed window's output, exactly)."""
+    model = peaked_model("qwen2")
+    encoded = _batch(tok)
+    common = dict(max_new_tokens=16, do_sample=False, mars_threshold=0.3, return_dict_in_generate=True)
+    fixed = model.generate(**encoded, mars_cost_table=STEEP, **common)
+    assert fixed.plan_counts.get("fixed", 0) > 0 and fixed.accepted_counts.max() > 1
+    steep = model.generate(**encoded, mars_cost_table=STEEP, mars_planner=True, **common)
+    # no window of masks is bought: one mask at a re-probe, or where a row's accepted tokens widen
+    # the step anyway (a column the batch pays for is filled for free)
+    decode = steep.forward_widths[1:].tolist()
+    assert max(decode) <= 2 and decode.count(1) >= 4, decode
+    assert steep.plan_counts["plain"] > steep.plan_counts.get("linear", 0)
+    assert steep.num_forwards > fixed.num_forwards
+    flat = model.generate(**encoded, mars_cost_table=FLAT, mars_planner=True, **common)
+    assert torch.equal(flat.sequences, fixed.sequences)
+    assert torch.equal(flat.accepted_counts, fixed.accepted_counts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the cost table and its probe
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_cost_table_interpolates_extrapolates_and_pads():
+    table = CostTable.from_mapping({1: 2.0, 3: 4.0, 4: 3.0, 6: 5.0})  # relative to n = 1
+    assert table.cost(1) == 1.0 and table.cost(2) == pytest.approx(1.5) and table.cost(4) == 1.5
+    assert table.cost(5) == pytest.approx(2.0) and table.cost(8) == pytest.approx(3.5)  # last slope
+    assert table.padded_width(3) == 4 and table.padded_width(2) == 2 and table.padded_width(5) == 5
+    assert table.effective(3) == 1.5
+    assert CostTable.from_mapping({2: 1.5}).cost(1) == 1.0  # 1 absent: taken as 1.0
+    for bad in ({}, {0: 1.0}, {2: -1.0}, {1.5: 1.0}, [1.0]):
+        with pytest.raises(ValueError, match="mars_cost_table"):
+            CostTable.from_mapping(bad)
+
+
+def test_generate_refuses_a_malformed_cost_table(tok):
+    model = peaked_model("llama")
+    with pytest.raises(ValueError, match="mars_cost_table"):
+        _verify(model, _batch(tok), {1: float("nan")}, max_new_tokens=4)
+
+
+def test_no_probe_means_a_flat_curve(tok):
+    model = peaked_model("llama")
+    encoded = _batch(tok)
+    out = model.generate(
+        **encoded, mars_acceptance="verify", mars_cost_probe=False, max_new_tokens=12,
+        do_sample=False, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert out.cost_curve == {1: 1.0}
+    flat = _verify(model, encoded, FLAT, max_new_tokens=12)
+    assert torch.equal(out.forward_widths, flat.forward_widths)
+
+
+def test_the_probe_is_bounded_cached_and_changes_nothing(tok):
+    """A fresh model: the first verify call measures (its forwards are not the user's: the output
+    equals stock and `num_forwards` counts only decoding); the second reuses the table; one-token
+    decoding never measures."""
+    model = enable_mars(tiny_model("llama", seed=5))
+    encoded = _batch(tok)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        calls.clear()
+        model.generate(**encoded, max_new_tokens=8, do_sample=False, mars_threshold=1.0)
+        assert len(calls) == 8  # τ = 1: no probe
+        stock = model.generate(**encoded, max_new_tokens=10, do_sample=False)
+        calls.clear()
+        start = time.perf_counter()
+        first = _verify(model, encoded, None, max_new_tokens=10)
+        elapsed = time.perf_counter() - start
+        probed = len(calls) - first.num_forwards
+        assert probed > 3 and first.cost_curve is not None and first.cost_curve[1] == 1.0
+        assert elapsed < 120  # a hang guard, not a timing
+        calls.clear()
+        second = _verify(model, encoded, None, max_new_tokens=10)
+        assert len(calls) == second.num_forwards  # the table was kept
+        assert second.cost_curve == first.cost_curve
+        assert torch.equal(first.sequences, stock) and torch.equal(second.sequences, stock)
+    finally:
+        handle.remove()
+
+
+def test_the_probe_respects_its_budget():
+    model = tiny_model("llama", seed=5)
+    mask = model.config.mars["mask_token_id"]
+    sizes = cost_model.probe_sizes(cost_model.candidate_widths(4))
+    table = cost_model.measure(model, batch=2, sizes=sizes, mask_token_id=mask, budget_s=0.0)
+    assert table.sizes[0] == 1 and table.costs[0] == 1.0 and len(table.sizes) >= 2
+    assert table.source == "measured" and all(c > 0 for c in table.costs)
+
+
+def test_candidate_widths_cover_every_feed():
+    widths = cost_model.candidate_widths(4)
+    assert widths[:9] == list(range(1, 10)) and 25 in widths and max(widths) <= cost_model.MAX_PROBED_WIDTH
+    assert cost_model.batch_bucket(1) == 1 and cost_model.batch_bucket(3) == 4 and cost_model.batch_bucket(4) == 4
+
+
+def test_the_disk_cache_is_keyed_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv(cost_model.CACHE_ENV, str(tmp_path))
+    model = tiny_model("qwen2", seed=9)
+    mask = model.config.mars["mask_token_id"]
+    table = cost_model.cost_table(model, batch_size=1, window=2, mask_token_id=mask)
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and table.source == "measured"
+    again = tiny_model("qwen2", seed=9)  # another object, same everything: read from disk
+    assert cost_model.cost_table(again, batch_size=1, window=2, mask_token_id=mask).source == "disk"
+    cost_model.cost_table(again, batch_size=3, window=2, mask_token_id=mask)  # another batch bucket
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# the position limit and W caps (issue 19 item 4)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _gpt2(tok, positions=24):
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from mars_hf.mask_token import add_mask_token, set_mars_config
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=64, n_positions=positions, n_embd=32, n_layer=2, n_head=4, eos_token_id=2,
+        pad_token_id=2, bos_token_id=2,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="eager").eval()
+    mask = add_mask_token(model, tok)
+    set_mars_config(model, block_size=4, mask_token_id=mask)
+    return enable_mars(model)
+
+
+def test_an_absolute_position_model_decodes_to_its_last_position(tok):
+    positions = 24
+    model = _gpt2(tok, positions)
+    encoded = tok(["the cat sat on the mat"], return_tensors="pt")
+    max_new = positions - encoded.input_ids.shape[1]
+    stock = model.generate(**encoded, max_new_tokens=max_new, do_sample=False)
+    assert stock.shape[1] == positions
+    for kwargs in (
+        {"mars_acceptance": "verify", "mars_cost_table": FLAT},
+        {"mars_acceptance": "verify", "mars_layout": "quadratic"},
+        {"mars_acceptance": "verify", "mars_layout": "linear"},
+        {"mars_threshold": 1.0},
+    ):
+        out = model.generate(**encoded, max_new_tokens=max_new, do_sample=False, **kwargs)
+        assert torch.equal(out, stock), kwargs
+    for tau in (0.0, 0.5):  # lossy, but never past the table
+        out = model.generate(**encoded, max_new_tokens=max_new, do_sample=False, mars_threshold=tau)
+        assert out.shape[1] <= positions
+
+
+def test_an_absolute_position_batch_left_padded(tok):
+    positions = 24
+    model = _gpt2(tok, positions)
+    encoded = _batch(tok)
+    max_new = positions - encoded.input_ids.shape[1]
+    stock = model.generate(**encoded, max_new_tokens=max_new, do_sample=False)
+    out = model.generate(
+        **encoded, max_new_tokens=max_new, do_sample=False, mars_acceptance="verify", mars_cost_table=FLAT
+    )
+    assert torch.equal(out, stock)
+
+
+def test_a_huge_window_is_capped_by_max_new_tokens(tok):
+    model = peaked_model("llama")
+    encoded = _batch(tok)
+    stock = model.generate(**encoded, max_new_tokens=8, do_sample=False)
+    start = time.perf_counter()
+    out = model.generate(
+        **encoded, max_new_tokens=8, do_sample=False, mars_acceptance="verify", mars_block_size=5000,
+        mars_layout="quadratic",
+    )  # fmt: skip
+    assert torch.equal(out, stock)
+    capped = model.generate(**encoded, max_new_tokens=8, do_sample=False, mars_threshold=0.3, mars_block_size=7)
+    huge = model.generate(**encoded, max_new_tokens=8, do_sample=False, mars_threshold=0.3, mars_block_size=10**6)
+    assert torch.equal(capped, huge)
+    assert time.perf_counter() - start < 120  # a hang guard, not a timing
