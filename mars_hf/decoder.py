@@ -393,8 +393,10 @@ class MARSBatchDecoder:
         return plans, specs, choices, width, cost
 
     def _kind(self, row) -> str:
+        """A row with its own seed keeps a fixed feed: the planner fills a row up to the batch's width,
+        so its draws would depend on its companions (their distribution would not)."""
         if row.verify:
-            return AUTO if self.layout == "auto" else FIXED
+            return AUTO if (self.layout == "auto" and row.generator is None) else FIXED
         return THRESHOLD if (self.threshold_planner and row.window) else FIXED
 
     def _room(self, row) -> tuple[int, int]:
@@ -410,7 +412,8 @@ class MARSBatchDecoder:
         max_masks, extra = self._room(row)
         self._keep_drafts(row, min(len(row.drafts), extra) if row.verify else 0)
         masks = min(max_masks, extra - len(row.drafts))
-        return self._row_plan(row, masks, self.layout if row.verify else "linear")
+        layout = self.layout if (row.verify and self.layout != "auto") else "linear"
+        return self._row_plan(row, masks, layout)
 
     def _row_spec(self, row, kind) -> RowSpec:
         max_masks, extra = self._room(row)

@@ -731,19 +731,20 @@ def test_suppressed_tokens_are_never_generated_and_tau_one_stays_stock():
 
 @pytest.mark.parametrize("scheme", ["cursor", "block"])
 @pytest.mark.parametrize("window", [1, 2])
-def test_short_cpu_forwards_are_padded_past_the_window_without_changing_anything(
-    scheme, window, tok, monkeypatch
-):
-    """On CPU a forward that carries masks and has fewer than 4 rows gets padding columns after
-    everything real (the kernels' fast path): tokens, per-step counts and forward counts equal the
-    unpadded decoder's and the reference decoder's. Two runs: τ = 0.5 (several tokens per step), and an
-    entropy bound of 0, which never accepts a mask, so that every step feeds 1 + W < 4 columns on any
-    host (the premise cannot depend on the host's float rounding)."""
-    import mars_hf.decoder as decoder_module
+def test_forwards_are_padded_to_a_cheaper_measured_width_without_changing_anything(scheme, window, tok):
+    """A step that carries masks runs at the cheapest width of the cost curve at least as wide as it
+    needs (a curve where 4 columns cost less than 2 or 3, as CPU kernels can make it): padding columns
+    after everything real. Tokens, per-step counts and forward counts equal the unpadded run's (a flat
+    curve never pads) and the reference decoder's. Two runs: τ = 0.5 (several tokens per step), and an
+    entropy bound of 0, which never accepts a mask, so that every step but the last feeds 1 + W < 4
+    columns on any host."""
+    from mars_hf.cost_model import CostTable
 
     model = peaked_model("llama")
     encoded = tok(["the cat sat"], return_tensors="pt")
     prompt_length = encoded.input_ids.shape[1]
+    dip = {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.3, 8: 2.0}
+    table = CostTable.from_mapping(dip)
     widths = []
     handle = model.register_forward_pre_hook(
         lambda m, a, k: widths.append(k["input_ids"].shape[1]), with_kwargs=True
@@ -761,14 +762,13 @@ def test_short_cpu_forwards_are_padded_past_the_window_without_changing_anything
                 return_dict_in_generate=True,
             )
             widths.clear()
-            padded = model.generate(**encoded, **kwargs)
+            padded = model.generate(**encoded, mars_cost_table=dip, **kwargs)
             padded_widths = list(widths)
             widths.clear()
-            with monkeypatch.context() as patch:
-                patch.setattr(decoder_module, "MIN_FORWARD_ROWS", {})
-                plain = model.generate(**encoded, **kwargs)
+            plain = model.generate(**encoded, mars_cost_table={1: 1.0}, **kwargs)
             plain_widths = list(widths)
-            assert padded_widths == [max(w, 4) for w in plain_widths]
+            assert padded_widths == padded.forward_widths.tolist() and plain_widths == plain.forward_widths.tolist()
+            assert all(p in (w, table.padded_width(w)) for p, w in zip(padded_widths, plain_widths))
             assert torch.equal(padded.sequences, plain.sequences)
             assert torch.equal(padded.accepted_counts, plain.accepted_counts)
             assert padded.num_forwards == plain.num_forwards
@@ -784,8 +784,9 @@ def test_short_cpu_forwards_are_padded_past_the_window_without_changing_anything
             )
             assert _generated(padded, prompt_length, tok.pad_token_id, padded.accepted_counts)[0] == tokens
             assert [int(n) for n in padded.accepted_counts[:, 0] if n > 0] == per_step
-            if acceptance == "entropy":  # the padding really happened: every step was short
-                assert min(plain_widths[1:]) < 4 and min(padded_widths) >= 4
+            if acceptance == "entropy":  # the padding really happened: every step but the last was short
+                assert min(plain_widths[1:-1]) < 4 and min(padded_widths[1:-1]) >= 4
+                assert plain_widths[-1] == padded_widths[-1]  # the last token needs no mask: never padded
             else:
                 assert padded.accepted_counts.max() > 1
     finally:

@@ -87,3 +87,28 @@ def test_aligned_causal_rows_use_the_stock_path():
     )
     assert step.attention_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0, 0]]
     assert step.input_ids.tolist() == [[5, MASK, MASK, PAD, PAD], [6, MASK, MASK, PAD, PAD]]
+
+
+def test_padding_columns_stay_inside_the_position_table():
+    """Padding columns take the position after the row's last column, but never one past the model's
+    last position (an absolute-position embedding would index past its table); real columns keep theirs."""
+    plans = [plan_row([5], [7], 2, MASK, "linear"), plan_row([6], [], 0, MASK, "linear")]
+    step = pack(
+        plans, [9, 9], [0, 0], min_width=6, dtype=torch.float64, device=torch.device("cpu"), pad_token_id=PAD,
+        max_position=13,
+    )  # fmt: skip
+    assert step.position_ids.tolist() == [[9, 10, 11, 12, 12, 12], [9, 10, 10, 10, 10, 10]]
+    unbounded = pack(
+        plans, [9, 9], [0, 0], min_width=6, dtype=torch.float64, device=torch.device("cpu"), pad_token_id=PAD
+    )
+    assert unbounded.position_ids[0].tolist() == [9, 10, 11, 12, 13, 13]
+
+
+def test_position_limit_and_layout_choices():
+    from transformers import GPT2Config, LlamaConfig
+
+    from mars_hf.layouts import LAYOUT_CHOICES, LAYOUTS, position_limit
+
+    assert position_limit(GPT2Config(n_positions=40)) == 40
+    assert position_limit(LlamaConfig(max_position_embeddings=128)) == 128
+    assert LAYOUT_CHOICES == ("auto",) + LAYOUTS

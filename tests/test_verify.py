@@ -109,8 +109,8 @@ def test_eos_stop_criteria_and_max_new_tokens_inside_drafts(tok):
                         **kwargs,
                     )
                     assert torch.equal(out.sequences, stock), (kwargs.keys(), max_new, layout, scheme)
-    # a stop really fired inside a multi-token step at least once
-    out = _verify(model, encoded, max_new_tokens=19, eos_token_id=eos)
+    # a stop really fired inside a multi-token step at least once (a flat cost curve: the widest feed)
+    out = _verify(model, encoded, max_new_tokens=19, eos_token_id=eos, mars_cost_probe=False)
     assert out.accepted_counts.max() > 1
 
 
@@ -137,7 +137,7 @@ def test_streamer_only_ever_receives_verified_tokens(tok):
     model = peaked_model("llama")
     prompt = tok(["hello world the dog sat on a"], return_tensors="pt")
     recorder = Recorder()
-    out = _verify(model, prompt, max_new_tokens=18, streamer=recorder)
+    out = _verify(model, prompt, max_new_tokens=18, streamer=recorder, mars_cost_probe=False)
     stock = model.generate(**prompt, max_new_tokens=18, do_sample=False)
     streamed = [t for chunk in recorder.chunks[1:] for t in chunk]
     assert torch.equal(out.sequences, stock) and streamed == stock[0, prompt.input_ids.shape[1] :].tolist()
@@ -149,7 +149,10 @@ def test_proposal_floor_only_changes_the_speed(tok):
     model = peaked_model("llama")
     encoded = _batch(tok)
     stock = model.generate(**encoded, max_new_tokens=20, do_sample=False)
-    runs = [_verify(model, encoded, max_new_tokens=20, mars_threshold=floor) for floor in (0.0, 0.6, 1.0)]
+    runs = [  # a fixed feed: proposals then depend on the floor alone
+        _verify(model, encoded, max_new_tokens=20, mars_threshold=floor, mars_layout="linear")
+        for floor in (0.0, 0.6, 1.0)
+    ]
     assert all(torch.equal(run.sequences, stock) for run in runs)
     proposed = [int(run.drafts_proposed.sum()) for run in runs]
     assert proposed[0] > proposed[1] > proposed[2] == 0
@@ -208,7 +211,11 @@ def test_sampled_verify_matches_stock_sampling_statistically(tok):
     torch.manual_seed(1)
     stock = model.generate(**copies, **kwargs)[:, -4:]
     torch.manual_seed(2)
-    out = model.generate(**copies, mars_acceptance="verify", return_dict_in_generate=True, **kwargs)
+    # a cost curve under which the planner mixes feeds (drafts only, linear groups of any size)
+    table = {1: 1.0, 9: 1.4, 10: 4.0}
+    out = model.generate(
+        **copies, mars_acceptance="verify", mars_cost_table=table, return_dict_in_generate=True, **kwargs
+    )
     ours = out.sequences[:, -4:]
     proposed, accepted = int(out.drafts_proposed.sum()), int(out.drafts_accepted.sum())
     assert accepted > 100 and proposed - accepted > 30, (proposed, accepted)  # both really happen
@@ -239,9 +246,18 @@ def test_settings_from_generation_config_and_keywords_win(tok):
     model = peaked_model("llama")
     encoded = _batch(tok)
     stock = model.generate(**encoded, max_new_tokens=12, do_sample=False)
-    config = GenerationConfig(max_new_tokens=12, do_sample=False, mars_acceptance="verify", pad_token_id=2)
+    config = GenerationConfig(
+        max_new_tokens=12, do_sample=False, mars_acceptance="verify", mars_cost_probe=False, pad_token_id=2
+    )
     out = model.generate(**encoded, generation_config=config, return_dict_in_generate=True)
     assert torch.equal(out.sequences, stock) and int(out.drafts_accepted.sum()) > 0
+    assert out.cost_curve == {1: 1.0}  # mars_cost_probe=False came from the config: a flat curve
+    config = GenerationConfig(
+        max_new_tokens=12, do_sample=False, mars_acceptance="verify", mars_cost_table={1: 1.0, 2: 50.0},
+        pad_token_id=2,
+    )  # fmt: skip
+    out = model.generate(**encoded, generation_config=config, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, stock) and out.cost_curve == {1: 1.0, 2: 50.0}
     threshold = model.generate(**encoded, max_new_tokens=12, do_sample=False, mars_threshold=0.0)
     config = GenerationConfig(max_new_tokens=12, do_sample=False, mars_threshold=0.0, pad_token_id=2)
     assert torch.equal(model.generate(**encoded, generation_config=config), threshold)
@@ -408,7 +424,7 @@ def test_verify_on_the_embedded_model_left_padded_with_stop_strings():
     for kwargs in ({}, {"stop_strings": ["\n\n", "5,"], "tokenizer": tokenizer}):
         common = dict(max_new_tokens=40, do_sample=False, suppress_tokens=[mask], **kwargs)
         stock = model.generate(**encoded, **common)
-        for layout in LAYOUTS:
+        for layout in LAYOUTS + ["auto"]:  # auto: the planner on the measured cost curve
             out = model.generate(
                 **encoded,
                 mars_acceptance="verify",
