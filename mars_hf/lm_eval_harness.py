@@ -27,8 +27,11 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -231,6 +234,29 @@ def task_manager(include_path=None, tasks=None):
     return TaskManager(include_path=paths)
 
 
+@contextlib.contextmanager
+def quiet_git_hash():
+    """lm-eval records the working folder's git commit by running ``git describe`` with our stderr, so
+    every run outside a repository printed ``fatal: not a git repository``: ask git quietly instead
+    (the same value: the commit, else lm-eval's own reading of ``.git``, else None)."""
+    from lm_eval import evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def git_commit_hash():
+        try:
+            command = ["git", "describe", "--always"]
+            return subprocess.check_output(command, stderr=subprocess.DEVNULL).strip().decode()
+        except (OSError, subprocess.CalledProcessError):
+            return get_commit_from_path(os.getcwd())
+
+    original = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = git_commit_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 def cli_evaluate(argv: list[str] | None = None) -> None:
     """lm-eval's own command line with ``--model mars-hf`` registered (``--tasks-dir`` prints the task folder)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -240,7 +266,8 @@ def cli_evaluate(argv: list[str] | None = None) -> None:
     from lm_eval.__main__ import cli_evaluate as lm_eval_cli
 
     sys.argv = ["lm-eval", *argv]
-    lm_eval_cli()
+    with quiet_git_hash():
+        lm_eval_cli()
     for lm in MARSLM.instances:
         for task, stats in lm.mars_stats.items():
             print(
@@ -299,19 +326,20 @@ def evaluate_tasks(
         lm.mars_defaults = {**base, **settings}
         lm.mars_stats = {}
         logger.info("lm-eval %s with %s decoding", ",".join(tasks), label)
-        output = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            num_fewshot=num_fewshot,
-            limit=limit,
-            gen_kwargs=gen_kwargs or None,
-            task_manager=manager,
-            confirm_run_unsafe_code=confirm_run_unsafe_code,
-            apply_chat_template=apply_chat_template,
-            log_samples=False,
-            bootstrap_iters=0,
-            metadata=metadata,
-        )
+        with quiet_git_hash():
+            output = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=list(tasks),
+                num_fewshot=num_fewshot,
+                limit=limit,
+                gen_kwargs=gen_kwargs or None,
+                task_manager=manager,
+                confirm_run_unsafe_code=confirm_run_unsafe_code,
+                apply_chat_template=apply_chat_template,
+                log_samples=False,
+                bootstrap_iters=0,
+                metadata=metadata,
+            )
         for task, metrics in output["results"].items():
             stats = lm.mars_stats.get(task, DecodingStats())
             row = {"task": task, "label": label, "threshold": tau}
@@ -330,6 +358,7 @@ def format_rows(rows: list[dict]) -> str:
     skip = {
         "task",
         "label",
+        "documents",
         "threshold",
         "num_tokens",
         "num_forwards",
