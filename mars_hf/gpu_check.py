@@ -445,21 +445,27 @@ class Budget:
 
     The timer's exception is raised when the main thread next runs Python, so a single long C++ call
     (one forward or backward: milliseconds on a GPU, seconds for a large model on a CPU) finishes first.
+    ``clock`` (seconds, default ``time.monotonic``) can be replaced, e.g. by one that charges a fixed cost
+    per generated token so that where a run stops does not depend on the machine's speed (the tests); the
+    timer only runs on the real clock, a replaced one is read by the checks between runs alone.
     """
 
-    def __init__(self, seconds: float, reserve: float | None = None, start: float | None = None):
+    def __init__(
+        self, seconds: float, reserve: float | None = None, start: float | None = None, clock=time.monotonic
+    ):
         self.seconds = float(seconds)
+        self.clock = clock
         # Room for the JSON and for the one C++ call (a forward, a backward) an interrupt has to wait for.
         reserve = min(3.0, 0.05 * self.seconds) if reserve is None else reserve
-        self.start = time.monotonic() if start is None else start
+        self.start = clock() if start is None else start
         self.deadline = self.start + max(0.0, self.seconds - reserve)
         self._timer = False
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.start
+        return self.clock() - self.start
 
     def remaining(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline - self.clock()
 
     def check(self) -> None:
         if self.remaining() <= 0:
@@ -467,7 +473,7 @@ class Budget:
 
     def arm(self) -> None:
         """Interrupt whatever runs at the deadline (main thread, Unix); `disarm` when done."""
-        if not hasattr(signal, "setitimer"):
+        if not hasattr(signal, "setitimer") or self.clock is not time.monotonic:
             return
         try:
             signal.signal(signal.SIGALRM, self._ring)
@@ -515,11 +521,13 @@ class GPUCheck:
         budget_seconds: float,
         out: str | None = None,
         start: float | None = None,
+        clock=time.monotonic,
     ):
         self.args = args
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = getattr(torch, args.dtype)
-        self.budget = Budget(budget_seconds, start=start)
+        self.clock = clock  # every duration the plan's decisions use is read from it (see `Budget`)
+        self.budget = Budget(budget_seconds, start=start, clock=clock)
         self.out = out
         self.models: dict = {}
         # seconds per stock forward, per (model, batch), from the probes; MARS step factors per label
@@ -587,7 +595,7 @@ class GPUCheck:
         if estimate is not None and estimate > left:
             self.skip(item, f"estimated {estimate:.1f} s, {max(left, 0):.1f} s of the budget left")
             return False
-        start = time.monotonic()
+        start = self.clock()
         record = {"item": item, "estimated_seconds": estimate, "seconds": None, "status": "ran"}
         try:
             self.budget.arm()
@@ -605,7 +613,7 @@ class GPUCheck:
             logger.error("gpu-check: %s failed:\n%s", item, record["traceback"])
         finally:
             self.budget.disarm()
-            record["seconds"] = round(time.monotonic() - start, 3)
+            record["seconds"] = round(self.clock() - start, 3)
             self.result["items"].append(record)
             self._write()
         logger.info(
@@ -683,10 +691,10 @@ class GPUCheck:
         return params / 1e9 * PRIOR_BUILD_SECONDS_PER_BILLION[self.device.type] + 1.0
 
     def _build(self, shape: str) -> None:
-        start = time.monotonic()
+        start = self.clock()
         model = build_model(shape, dtype=self.dtype, device=self.device, seed=self.args.seed)
         forcer = ForcedAcceptance(model, self.args.rates[0], seed=self.args.seed)
-        seconds = time.monotonic() - start
+        seconds = self.clock() - start
         self.models[shape] = {"model": model, "forcer": forcer}
         params = sum(p.numel() for p in model.parameters())
         self.result["models"][shape] = {
@@ -705,9 +713,9 @@ class GPUCheck:
         for batch in sorted(set(self.args.batch_sizes) | set(self.args.exactness_batch_sizes)):
             inputs = make_prompts(model, batch, self.args.prompt_length, self.args.seed, self.device)
             generator.generate(**inputs, generation_config=config)  # warm-up
-            start = time.perf_counter()
+            start = self.clock()
             generator.generate(**inputs, generation_config=config)
-            self.step_seconds[(shape, batch)] = (time.perf_counter() - start) / tokens
+            self.step_seconds[(shape, batch)] = (self.clock() - start) / tokens
             self.budget.check()
         self.result["models"][shape]["stock_step_seconds"] = {
             str(b): s for (m, b), s in self.step_seconds.items() if m == shape
@@ -773,6 +781,7 @@ class GPUCheck:
         generator = _Synchronized(model)
         counter = ForwardCounter(model)
         measurements = {c: [] for c in configurations}
+        clocked = {c: [] for c in configurations}  # seconds by self.clock: what the estimates learn from
         peaks = {c: None for c in configurations}
         drafts: dict = {}
         failed: dict = {}
@@ -784,6 +793,7 @@ class GPUCheck:
                     self.budget.check()
                     _peak_memory_reset(self.device)
                     timed = repeat >= args.warmup
+                    start = self.clock()
                     try:
                         measurement = run_once(
                             generator,
@@ -800,6 +810,7 @@ class GPUCheck:
                         continue
                     peak = _peak_memory_mb(self.device)
                     if timed:
+                        clocked[configuration].append(self.clock() - start)
                         drafts[configuration] = generator.drafts
                         measurements[configuration].append(measurement)
                         if peak is not None:
@@ -836,7 +847,7 @@ class GPUCheck:
             )
             if stock_step and row["num_forwards"]:
                 kind = configuration.label.split(" ")[0] if configuration.scheme != "stock" else "stock"
-                factor = row["seconds"] / (row["num_forwards"] * stock_step)
+                factor = statistics.median(clocked[configuration]) / (row["num_forwards"] * stock_step)
                 self.factors[kind] = max(self.factors.get(kind, 0.0), factor)
         self.result["rows"].extend(rows)
 
@@ -1089,12 +1100,12 @@ class GPUCheck:
             _peak_memory_reset(self.device)
             if cuda:
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = self.clock()
             loss = trainer.compute_loss(model, dict(batch))
             loss.backward()
             if cuda:
                 torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
+            seconds = self.clock() - start
             if repeat == 0:
                 first_seconds = seconds
             else:
@@ -1214,11 +1225,16 @@ def _gated_training_available() -> bool:
 
 
 def run_gpu_check(
-    args: GPUCheckArguments, budget_seconds: float, out: str | None = None, start: float | None = None
+    args: GPUCheckArguments,
+    budget_seconds: float,
+    out: str | None = None,
+    start: float | None = None,
+    clock=time.monotonic,
 ) -> dict:
-    """Run the check within ``budget_seconds`` counted from ``start`` (a ``time.monotonic()`` value; default
-    now); returns (and writes to ``out``) the JSON-able result."""
-    return GPUCheck(args, budget_seconds, out, start).run()
+    """Run the check within ``budget_seconds`` counted from ``start`` (a ``clock()`` value, by default
+    ``time.monotonic()``; default now); returns (and writes to ``out``) the JSON-able result. A replaced
+    ``clock`` makes where the budget runs out independent of the machine (see `Budget`)."""
+    return GPUCheck(args, budget_seconds, out, start, clock).run()
 
 
 # --------------------------------------------------------------------------------------------------
