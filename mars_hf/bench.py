@@ -17,6 +17,10 @@ cache scheme and block C):
   forwards that turned into saved time (at batch 1: speedup ÷ tokens per forward).
 - ``predicted``: the speedup MARS_SPEC §4's cost model predicts from the measured cost of an
   (n + W)-token cached forward relative to a 1-token cached forward (see `measure_step_costs`).
+- for verified decoding with the step planner (``v-auto``, the default layout): the cost curve the
+  decoder measured for itself (``mars_hf.cost_model``) and what the planner chose with it — a
+  histogram of the columns per row each forward fed, and how often a row fed nothing extra, drafts
+  only, a linear or a quadratic mask layout.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ class BenchConfiguration:
     tau: float | None = None
     window: int | None = None
     cache_block: int | None = None
-    layout: str | None = None  # set for verified decoding (mars_acceptance="verify"), which has no τ
+    layout: str | None = None  # verified decoding (mars_acceptance="verify", no τ): auto, linear, quadratic
 
     @property
     def verify(self) -> bool:
@@ -241,6 +245,9 @@ class RunMeasurement:
     counted_forwards: int
     accepted_per_row: list[int] | None = None
     step_tokens: float = 1.0  # mean tokens fed per forward after each prompt's forward
+    width_histogram: dict[int, int] | None = None  # columns per row of MARS forwards -> count
+    plan_counts: dict[str, int] | None = None  # planner choices per row-step (MARS only)
+    cost_curve: dict[int, float] | None = None  # the decoder's cost curve (when a step needed it)
 
     @property
     def generated_per_row(self) -> list[int]:
@@ -255,6 +262,7 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
     """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``."""
     seconds, new_tokens, forwards, widths, accepted = 0.0, [], [], [], []
     counted = 0
+    histogram, plans, curve = {}, {}, None
     for inputs in batches:
         prompt_length = inputs["input_ids"].shape[1]
         counter.reset()
@@ -276,6 +284,7 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
         accepted_counts = getattr(output, "accepted_counts", None)
         if accepted_counts is not None:
             accepted.extend(accepted_counts.sum(dim=0).tolist())
+        curve = _add_planner_record(output, histogram, plans) or curve
     return RunMeasurement(
         seconds=seconds,
         new_tokens=new_tokens,
@@ -283,7 +292,21 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
         counted_forwards=counted,
         accepted_per_row=accepted if configuration.scheme != "stock" else None,
         step_tokens=statistics.mean(widths) if widths else 1.0,
+        width_histogram=dict(sorted(histogram.items())) if configuration.scheme != "stock" else None,
+        plan_counts=plans if configuration.scheme != "stock" else None,
+        cost_curve=curve,
     )
+
+
+def _add_planner_record(output, histogram: dict, plans: dict):
+    """Add one `generate` call's forward widths and planner choices; return its cost curve."""
+    widths = getattr(output, "forward_widths", None)
+    if widths is not None:
+        for width in widths.tolist():
+            histogram[width] = histogram.get(width, 0) + 1
+    for kind, count in (getattr(output, "plan_counts", None) or {}).items():
+        plans[kind] = plans.get(kind, 0) + count
+    return getattr(output, "cost_curve", None)
 
 
 @torch.no_grad()
@@ -360,8 +383,8 @@ class BenchArguments:
     )
     acceptance: str = field(default="probability", metadata={"help": "MARS acceptance metric of the τ rows."})
     verify_layouts: list[str] = field(
-        default_factory=lambda: ["linear", "quadratic"],
-        metadata={"help": "Verified-decoding layouts to add (lossless; `[]` for none)."},
+        default_factory=lambda: ["auto", "linear", "quadratic"],
+        metadata={"help": "Verified-decoding layouts to add (lossless; auto = the step planner; `[]` for none)."},
     )
     max_new_tokens: int = field(default=64, metadata={"help": "New tokens per row (greedy)."})
     repeats: int = field(default=3, metadata={"help": "Timed repeats per configuration (median)."})
@@ -425,6 +448,8 @@ def run_benchmark(
                 {k: v.to(model.device) for k, v in inputs.items()}
                 for inputs in prepare_batches(tokenizer, prompts, batch_size)
             ]
+            if len(configurations) > 1:
+                _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens)
             measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in configurations}
             total = len(configurations) * (args.warmup + args.repeats)
             bar = tqdm(total=total, desc=f"bench batch={batch_size}", disable=not progress)
@@ -444,6 +469,20 @@ def run_benchmark(
     finally:
         counter.remove()
     return result
+
+
+def _measure_decoder_costs(model, batch_size: int, windows, max_new_tokens: int) -> None:
+    """Let the decoder measure its cost curves before anything is timed or counted: once per process,
+    for every batch bucket a batch passes through as its rows finish (a one-time cost, not a step's)."""
+    from mars_hf.cost_model import batch_bucket, cost_table
+    from mars_hf.generation import _resolve_mask_token
+
+    mask_token_id = _resolve_mask_token(model, None)
+    for window in windows:
+        for rows in sorted({batch_bucket(n) for n in range(1, batch_size + 1)} | {batch_size}):
+            cost_table(
+                model, batch_size=rows, window=min(int(window), max(max_new_tokens, 1)), mask_token_id=mask_token_id
+            )
 
 
 def _summarise(batch_size, batches, measurements, model_name) -> list[dict]:
@@ -481,6 +520,9 @@ def _summarise(batch_size, batches, measurements, model_name) -> list[dict]:
             "tokens_per_s": generated / seconds,
             "same_as_stock": sum(same_rows) / len(same_rows),
             "deterministic": all(r.new_tokens == first.new_tokens for r in runs),
+            "width_histogram": first.width_histogram,
+            "plan_counts": first.plan_counts,
+            "cost_curve": first.cost_curve,
         }
         rows.append(row)
     stock = rows[0]
@@ -566,8 +608,10 @@ def format_table(result: dict) -> str:
         "sequence, uncached, for none); cost = that forward's measured time (fastest of the cost repeats) "
         "/ a 1-token cached forward; pred. = MARS_SPEC §4 cost-model speedup = relative tok/fwd / cost; "
         "=stock = share of rows whose output equals stock generate (measured, also for verify); "
-        "tau v-line / v-quad = verified decoding (mars_acceptance='verify'), linear / quadratic layout."
+        "tau v-auto / v-line / v-quad = verified decoding (mars_acceptance='verify'): the step planner, "
+        "or the fixed linear / quadratic layout."
     )
+    lines += format_planner(result)
     for batch, costs in result["costs"].items():
         cached = ", ".join(f"{k}:{v:.2f}" for k, v in costs["cached_step_cost"].items())
         line = f"batch {batch}: 1-token cached forward {costs['one_token_seconds'] * 1000:.1f} ms at context "
@@ -577,6 +621,26 @@ def format_table(result: dict) -> str:
             line += f"; uncached L-token forward / 1-token cached: {full}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def format_planner(result: dict) -> list[str]:
+    """Per MARS row: columns per row fed by each forward (histogram) and the planner's choices; per
+    batch size, the cost curve the decoder measured (the planner's input)."""
+    lines = ["", "forwards by columns per row (width:count) and planner choices per row-step:"]
+    curves = {}
+    for row in result["rows"]:
+        if row["scheme"] == "stock" or not row.get("width_histogram"):
+            continue
+        widths = " ".join(f"{w}:{n}" for w, n in row["width_histogram"].items())
+        plans = ", ".join(f"{k} {n}" for k, n in sorted((row.get("plan_counts") or {}).items()))
+        label = f"{row['batch']:>5} {_rule(row):>6} {row['scheme']:<7}"
+        lines.append(f"{label} widths {widths}" + (f"; plans: {plans}" if plans else ""))
+        if row.get("cost_curve"):
+            curves.setdefault(row["batch"], row["cost_curve"])
+    for batch, curve in curves.items():
+        points = ", ".join(f"{n}:{float(c):.2f}" for n, c in curve.items())
+        lines.append(f"batch {batch}: the decoder's cost curve (columns per row: relative cost) {points}")
+    return lines
 
 
 def _rule(row) -> str:

@@ -134,7 +134,8 @@ class GPUCheckArguments:
     tau: float = field(default=0.9, metadata={"help": "Threshold τ of the threshold (probability) rows."})
     cache_blocks: list[int] = field(default_factory=lambda: [16, 32], metadata={"help": "Block sizes C."})
     layouts: list[str] = field(
-        default_factory=lambda: ["linear", "quadratic"], metadata={"help": "Verify draft layouts."}
+        default_factory=lambda: ["auto", "linear", "quadratic"],
+        metadata={"help": "Verify draft layouts (auto = the step planner on the measured cost curve)."},
     )
     max_new_tokens: int = field(default=64, metadata={"help": "New tokens per row (greedy)."})
     prompt_length: int = field(default=128, metadata={"help": "Longest prompt (rows vary by up to 15)."})
@@ -1224,6 +1225,25 @@ def _gated_training_available() -> bool:
     return {"adapter_gating", "frozen_clean_stream"} <= names
 
 
+def _planner_lines(result: dict) -> list[str]:
+    """What the step planner chose (forwards by columns per row, choices per row-step) and the cost
+    curve the decoder measured on this device, per model and batch (rows recorded by `bench.run_once`)."""
+    lines = ["", "PLANNER (forwards by columns per row, width:count; choices per row-step; the measured curve)"]
+    curves = {}
+    for row in result["rows"]:
+        if row["scheme"] == "stock" or not row.get("width_histogram"):
+            continue
+        widths = " ".join(f"{w}:{n}" for w, n in row["width_histogram"].items())
+        plans = ", ".join(f"{k} {n}" for k, n in sorted((row.get("plan_counts") or {}).items()))
+        lines.append(f"{row['model']:<13} {row['rate']:>4.2f} {row['batch']:>5} {row['label']:<24} {widths}; {plans}")
+        if row.get("cost_curve"):
+            curves.setdefault((row["model"], row["batch"]), row["cost_curve"])
+    for (model, batch), curve in curves.items():
+        points = ", ".join(f"{n}:{float(c):.2f}" for n, c in curve.items())
+        lines.append(f"{model:<13} batch {batch}: cost curve (columns per row: relative cost) {points}")
+    return lines
+
+
 def run_gpu_check(
     args: GPUCheckArguments,
     budget_seconds: float,
@@ -1278,9 +1298,9 @@ def format_table(result: dict) -> str:
         "implies (exact for cursor/none); speedup = tokens/s vs stock generate; effic. = speedup / "
         "(tok/fwd / stock tok/fwd), the MARS_SPEC §4 cost factor; =stock = share of rows equal to stock; "
         "drafts = verify's accepted / proposed drafts.",
-        "",
-        "EXACTNESS (unforced random model, greedy, vs stock generate)",
     ]
+    lines += _planner_lines(result)
+    lines += ["", "EXACTNESS (unforced random model, greedy, vs stock generate)"]
     for row in result["exactness"]:
         lines.append(
             f"{row['model']:<13} batch {row['batch']:>2} {row['label']:<24} identical rows {row['rows_identical']}/"

@@ -103,7 +103,7 @@ def test_bench_rows_and_fields(tiny_result):
     )
     assert len(result["rows"]) == len(configurations) * len(args.batch_sizes)
     verify_rows = [row for row in result["rows"] if row["acceptance"] == "verify"]
-    assert {row["layout"] for row in verify_rows} == {"linear", "quadratic"}
+    assert {row["layout"] for row in verify_rows} == {"auto", "linear", "quadratic"}
     # verified decoding is lossless, and the bench measures it (it compares every row with stock)
     assert all(row["same_as_stock"] == 1.0 and row["tau"] is None for row in verify_rows)
     fields = {
@@ -132,7 +132,23 @@ def test_bench_rows_and_fields(tiny_result):
     json.loads(json.dumps(result))  # the JSON really is JSON
     table = format_table(result)
     assert "tok/fwd" in table and "speedup" in table and "pred." in table
-    assert len([line for line in table.splitlines() if line.strip().startswith(("1 ", "3 "))]) == len(
+    # the planner's rows: the forwards' widths add up to the model calls, the curve starts at 1.0
+    for row in verify_rows:
+        assert sum(row["width_histogram"].values()) == row["num_forwards"]
+        assert sum(row["plan_counts"].values()) >= row["num_forwards"]  # one choice per row and step
+        if row["layout"] == "auto":
+            curve = {int(n): c for n, c in row["cost_curve"].items()}
+            assert curve[1] == 1.0 and min(curve) == 1 and len(curve) > 1
+            assert set(row["plan_counts"]) <= {"plain", "drafts", "linear", "quadratic"}
+        else:
+            assert set(row["plan_counts"]) == {"fixed"}
+    planner_lines = table[table.index("forwards by columns per row") :].splitlines()
+    assert sum("widths" in line for line in planner_lines) == len(
+        [r for r in result["rows"] if r["scheme"] != "stock"]
+    )
+    assert sum("cost curve" in line for line in planner_lines) == len(args.batch_sizes)
+    main = table[: table.index("forwards by columns per row")]
+    assert len([line for line in main.splitlines() if line.strip().startswith(("1 ", "3 "))]) == len(
         result["rows"]
     )
 
@@ -254,9 +270,11 @@ def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
         ("cursor", 1.0, None),
         ("cursor", 0.5, None),
         ("block", 0.5, None),
+        ("cursor", None, "auto"),
         ("cursor", None, "linear"),
         ("cursor", None, "quadratic"),
     ]
+    assert "the decoder's cost curve" in out and "plans: " in out
     assert result["num_prompts"] == len(PROMPTS)
     assert "stock" in output_file.read_text() and '"rows"' in output_file.read_text()
 

@@ -551,13 +551,14 @@ def test_return_dict_fields_are_exact(tok):
             max_new_tokens=13,
             do_sample=False,
             mars_threshold=0.8,
+            mars_cost_probe=False,  # no cost probe: every model call is a decoding step
             return_dict_in_generate=True,
             output_scores=True,
             output_logits=True,
         )
     finally:
         handle.remove()
-    assert out.num_forwards == len(calls) == out.accepted_counts.shape[0]
+    assert out.num_forwards == len(calls) == out.accepted_counts.shape[0] == len(out.forward_widths)
     assert out.accepted_counts.dtype == torch.long and out.accepted_counts.shape[1] == len(PROMPTS)
     generated = out.sequences.shape[1] - prompt_length
     assert len(out.scores) == len(out.logits) == generated

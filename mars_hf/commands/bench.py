@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify-layouts",
         type=words,
-        default=["linear", "quadratic"],
-        help="Verified-decoding rows to add (lossless, cursor scheme): subset of linear,quadratic; 'none' for none.",
+        default=["auto", "linear", "quadratic"],
+        help="Verified-decoding rows to add (lossless, cursor scheme): subset of auto,linear,quadratic (auto = "
+        "the step planner on the measured cost curve); 'none' for none.",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="Timed repeats per configuration (median).")
