@@ -20,7 +20,8 @@ def tiny_model_dir(tmp_path):
 
 
 def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
-    """A quickstart small enough for a unit test: 6 training prompts, 3 held-out, 6 new tokens."""
+    """A quickstart small enough for a unit test: 6 training prompts, 3 held-out, 6 new tokens, no time
+    budgets (what runs must not depend on the host's speed)."""
     toy = dict(
         model_name_or_path=tiny_model_dir,
         output_dir=str(tmp_path / "out"),
@@ -32,6 +33,8 @@ def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
         cache_dir=str(tmp_path / "cache"),
         progress=False,
         skip_shipped=True,  # the shipped-model section has its own tests below
+        distill_minutes=None,  # every prompt, however slow the host (budgets are tested with 0 minutes)
+        eval_minutes=None,
     )
     return QuickstartConfig(**{**toy, **settings})
 
