@@ -145,7 +145,7 @@ def verify_greedy(drafts: list[int], model_tokens: list[int]) -> int:
 
 
 def verify_sampled(
-    drafts: list[int], proposal: torch.Tensor, target: torch.Tensor, generator: torch.Generator | None = None
+    drafts: list[int], proposal: torch.Tensor | None, target: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[int, int]:
     """Speculative sampling (MARS_SPEC §6): ``(drafts kept, the token that follows them)``.
 
@@ -153,12 +153,19 @@ def verify_sampled(
     distribution at that position (``len(drafts) + 1`` rows: the last one follows every draft). Draft
     ``d`` is kept with probability ``min(1, p(d) / q(d))``; at the first rejection the next token is
     drawn from ``normalise(max(0, p - q))``, so each output token is distributed exactly as ``p``.
+    ``proposal=None``: deterministic drafts (prompt lookup), q is one-hot: keep ``d`` with probability
+    ``p(d)``, on rejection draw from ``p`` without ``d``.
     """
     for j, draft in enumerate(drafts):
-        p, q = target[j, draft], proposal[j, draft]
+        p = target[j, draft]
+        q = proposal[j, draft] if proposal is not None else 1.0
         if float(torch.rand((), device=target.device, generator=generator)) * float(q) < float(p):
             continue
-        residual = (target[j] - proposal[j]).clamp_(min=0)
+        if proposal is None:
+            residual = target[j].clone()
+            residual[draft] = 0
+        else:
+            residual = (target[j] - proposal[j]).clamp_(min=0)
         if float(residual.sum()) <= 0:  # p == q: the rejection has probability 0; guard rounding
             residual = target[j].clone()
         return j, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))

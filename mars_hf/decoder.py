@@ -30,6 +30,7 @@ from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, StepDecisions, one_to
 from .cache import MARSBlockCache, make_scheme
 from .calibration import calibration_for
 from .cost_model import cost_table
+from .draft_sources import LOOKUP, MASKS, expected_chain, lookup_drafts
 from .layouts import LAYOUT_CHOICES, idle_plan, pack, plan_row, position_limit
 from .planner import AUTO, FIXED, THRESHOLD, AcceptanceStats, RowChoice, RowSpec, choose
 
@@ -53,6 +54,9 @@ class RowSettings:
         logits_processor: processors for this row alone (position-free ones only; a server's rows).
         seed: a seed for this row's own random generator (sampling is then reproducible per row,
             whatever else the batch holds); None uses torch's global generator, like ``generate``.
+        prompt_lookup_num_tokens / max_matching_ngram_size: verify only: also propose drafts by prompt
+            lookup (transformers' meaning, ``draft_sources.lookup_drafts``); each step the row feeds the
+            lookup's or the masks' drafts, whichever chain it expects to keep more of.
     """
 
     threshold: float | None = None
@@ -65,6 +69,8 @@ class RowSettings:
     top_p: float = 1.0
     logits_processor: LogitsProcessorList | None = None
     seed: int | None = None
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int = 2
 
 
 @dataclass
@@ -77,6 +83,7 @@ class RowUpdate:
     finish_reason: str | None  # "stop" (EOS / stop criterion), "length", or None while running
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    draft_source: str = MASKS  # where the checked drafts came from ("masks" or "lookup")
 
 
 class _Row:
@@ -112,6 +119,9 @@ class _Row:
         self.proposal: torch.Tensor | None = None  # [len(drafts), vocab] draft distributions (sampling)
         self.finished = False
         self.stats = AcceptanceStats(min(window, max(settings.max_new_tokens, 1)))  # the planner's view
+        self.draft_source = MASKS  # where ``drafts`` came from
+        lookup = settings.prompt_lookup_num_tokens if self.verify else None
+        self.lookup_stats = AcceptanceStats(int(lookup)) if lookup else None  # prompt lookup's acceptance
 
     @property
     def generated(self) -> int:
@@ -312,6 +322,7 @@ class MARSBatchDecoder:
         ]
         plans, specs, choices, width, cost = self._plan_step(rows, deciding)
         checked = [len(r.drafts) if (d and r.verify) else 0 for r, d in zip(rows, deciding)]
+        sources = [r.draft_source for r in rows]
         fed_confidence = [r.draft_confidence for r in rows]  # replaced by the new drafts' below
         logits, where = self._forward(rows, plans, deciding, first, width)
         threshold_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify]
@@ -329,7 +340,9 @@ class MARSBatchDecoder:
             outcome.update(decisions.threshold(rows, plans, threshold_rows))
         if verify_rows:
             outcome.update(decisions.verify(rows, plans, verify_rows))
-        self._learn(rows, specs, choices, outcome, fed_confidence, cost)
+            for i in verify_rows:  # any drafts in hand now are the masks' (or none)
+                rows[i].draft_source = MASKS
+        self._learn(rows, specs, choices, outcome, fed_confidence, cost, checked, sources)
         updates = []
         for i, row in enumerate(rows):
             if i not in outcome:
@@ -344,7 +357,9 @@ class MARSBatchDecoder:
             row.finished = reason is not None
             if row.finished:
                 row.drafts, row.proposal, row.draft_confidence = [], None, []
-            updates.append(RowUpdate(row.row_id, tokens, row.finished, reason, checked[i], kept_drafts))
+            updates.append(
+                RowUpdate(row.row_id, tokens, row.finished, reason, checked[i], kept_drafts, sources[i])
+            )
         return updates
 
     # ------------------------------------------------------------------------------ what rows feed
@@ -359,6 +374,8 @@ class MARSBatchDecoder:
         """
         plans, specs = [], []
         for row, decides in zip(rows, deciding):
+            if decides and row.lookup_stats is not None:
+                self._pick_drafts(row)
             kind = self._kind(row) if decides else FIXED
             if kind == FIXED:
                 plan = self._fixed_plan(row) if decides else idle_plan(self.pad_token_id)
@@ -375,7 +392,9 @@ class MARSBatchDecoder:
             width, table = 1, None
         else:
             table = self._cost_table(len(rows))
-            width, choices = choose(specs, table.effective, self.window)
+            # lookup drafts may outnumber the window: the grid then allows that many
+            longest = max((len(s.draft_probs) for s in specs if s.kind == AUTO), default=0)
+            width, choices = choose(specs, table.effective, max(self.window, longest))
         for i, (row, spec) in enumerate(zip(rows, specs)):
             if spec.kind != FIXED:
                 plans[i] = self._chosen_plan(row, choices[i])
@@ -423,7 +442,7 @@ class MARSBatchDecoder:
         return RowSpec(
             kind,
             base=len(row.tokens) - row.committed + (0 if row.prefilled else row.lead),
-            draft_probs=stats.calibrated(row.draft_confidence) if kind == AUTO else [],
+            draft_probs=self._draft_probs(row) if kind == AUTO else [],
             future=stats.future(),
             gain=max(1.0, stats.gain),
             max_masks=max_masks,
@@ -431,6 +450,36 @@ class MARSBatchDecoder:
             force_masks=stats.probe_due(),
             force_drafts=stats.probing and bool(row.drafts),
         )
+
+    @staticmethod
+    def _draft_probs(row) -> list[float]:
+        """Chance that each draft in hand is kept given the ones before it. Prompt lookup's: its
+        observed acceptance per offset. Sampled mask drafts: the masks' observed acceptance, not the
+        drafts' own probabilities (feeding a sampled draft because of its value would bias the output)."""
+        if row.draft_source == LOOKUP:
+            return row.lookup_stats.future()[: len(row.drafts)]
+        if row.do_sample:
+            return row.stats.future()[: len(row.drafts)]
+        return row.stats.calibrated(row.draft_confidence)
+
+    def _pick_drafts(self, row) -> None:
+        """Prompt lookup's drafts replace the masks' when their chain is expected to keep more (both
+        valued from the row's observed acceptance per source); a re-probe of the masks keeps theirs.
+        The choice never reads a sampled draft's value, so sampling stays exact."""
+        if row.stats.probing and row.drafts:
+            return
+        _, extra = self._room(row)
+        room = min(row.settings.max_new_tokens - row.generated - 1, extra)
+        if room <= 0:
+            return
+        found = lookup_drafts(
+            row.tokens, row.settings.prompt_lookup_num_tokens, row.settings.max_matching_ngram_size, row.eos
+        )[:room]
+        if not found:
+            return
+        mine = expected_chain(row.lookup_stats.future()[: len(found)])
+        if mine > (expected_chain(self._draft_probs(row)) if row.drafts else 0.0):
+            row.drafts, row.draft_confidence, row.proposal, row.draft_source = found, [], None, LOOKUP
 
     def _chosen_plan(self, row, choice: RowChoice):
         self._keep_drafts(row, choice.drafts)
@@ -456,15 +505,19 @@ class MARSBatchDecoder:
             row.draft_confidence = row.draft_confidence[:count]
             row.proposal = row.proposal[:count] if row.proposal is not None else None
 
-    def _learn(self, rows, specs, choices, outcome, fed_confidence, cost: float) -> None:
-        """Update the planner's view of each row it served: acceptance per offset, gain, re-probes."""
+    def _learn(self, rows, specs, choices, outcome, fed_confidence, cost: float, checked, sources) -> None:
+        """Update the planner's view of each row it served: acceptance per offset, gain, re-probes
+        (prompt lookup's acceptance apart from the masks', whatever the layout)."""
         for i, (row, spec, choice) in enumerate(zip(rows, specs, choices)):
+            if i in outcome and sources[i] == LOOKUP:
+                row.lookup_stats.observe(checked[i], outcome[i][2])
             if spec.kind == FIXED or i not in outcome:
                 continue
             tokens, _, kept_drafts, _ = outcome[i]
             stats = row.stats
             if spec.kind == AUTO:
-                stats.observe(choice.drafts, kept_drafts, fed_confidence[i])
+                if sources[i] != LOOKUP:  # lookup's acceptance was counted above
+                    stats.observe(choice.drafts, kept_drafts, fed_confidence[i])
             else:  # τ rows: how many mask predictions passed τ
                 stats.observe(choice.masks, max(len(tokens) - 1, 0))
             if spec.force_drafts:

@@ -37,6 +37,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, one_token_per_step
 from .cache import CACHE_SCHEMES, MARSBlockCache
 from .decoder import MARSBatchDecoder, RowSettings, RowUpdate  # noqa: F401  (public re-exports)
+from .draft_sources import DEFAULT_MAX_NGRAM, SOURCES
 from .layouts import LAYOUT_CHOICES
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class MARSGenerateOutput(GenerateDecoderOnlyOutput):
             prompt's first): what the step planner chose, next to ``cost_curve``.
         plan_counts: how often a row fed nothing extra (``plain``), drafts only, a ``linear`` or a
             ``quadratic`` mask layout, or a ``fixed`` one (explicit layout, τ without the planner).
+        drafts_by_source: ``{"masks": {"proposed": n, "accepted": n}, "lookup": {...}}``: drafts checked
+            and kept per source over the whole call (``lookup``: ``prompt_lookup_num_tokens``).
         cost_curve: the relative forward cost per columns-per-row the planner used (``{n: cost}``), or
             None when no step needed it (one-token decoding).
     """
@@ -83,6 +86,7 @@ class MARSGenerateOutput(GenerateDecoderOnlyOutput):
     forward_widths: torch.LongTensor | None = None
     plan_counts: dict | None = None
     cost_curve: dict | None = None
+    drafts_by_source: dict | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -456,6 +460,7 @@ def mars_generate(
     )
     sequences[:, :prompt_length] = input_ids
     processing = ScoreProcessing(logits_processor, sequences)
+    lookup, ngram = _prompt_lookup(generation_config, acceptance)
     one_token = all(one_token_per_step(acceptance, tau) for tau in taus)
     decoder = MARSBatchDecoder(
         model,
@@ -488,6 +493,8 @@ def mars_generate(
                 max_new_tokens=max_new,
                 eos_token_ids=tuple(eos_ids),
                 do_sample=bool(generation_config.do_sample),
+                prompt_lookup_num_tokens=lookup,
+                max_matching_ngram_size=ngram,
             ),
             processing=processing,
             batch_index=b,
@@ -501,6 +508,7 @@ def mars_generate(
     needs_buffer = not processing.position_free or len(other_criteria) > 0
     generated: list[list[int]] = [[] for _ in range(batch_size)]
     per_step: list[tuple[list[int], list[int], list[int]]] = []
+    by_source = {source: {"proposed": 0, "accepted": 0} for source in SOURCES}
     while max_new and decoder.num_rows:
         updates = decoder.step()
         counts, proposed, accepted = [0] * batch_size, [0] * batch_size, [0] * batch_size
@@ -515,6 +523,8 @@ def mars_generate(
                 update.drafts_proposed,
                 update.drafts_accepted,
             )
+            by_source[update.draft_source]["proposed"] += update.drafts_proposed
+            by_source[update.draft_source]["accepted"] += update.drafts_accepted
             if update.finished:
                 decoder.drop_row(b)
         if places:
@@ -559,7 +569,26 @@ def mars_generate(
         forward_widths=torch.tensor(decoder.forward_widths, dtype=torch.long),
         plan_counts=dict(decoder.plan_counts),
         cost_curve=_cost_curve(decoder),
+        drafts_by_source=by_source,
     )
+
+
+def _prompt_lookup(generation_config, acceptance: str) -> tuple[int | None, int]:
+    """``prompt_lookup_num_tokens`` / ``max_matching_ngram_size`` (transformers' keywords), checked."""
+    lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
+    ngram = getattr(generation_config, "max_matching_ngram_size", None)
+    if lookup is None:
+        return None, DEFAULT_MAX_NGRAM
+    if acceptance != "verify":
+        raise ValueError(
+            "`prompt_lookup_num_tokens` proposes drafts that only verified decoding checks; add "
+            "`mars_acceptance='verify'` (threshold acceptance has no drafts), or drop the MARS settings "
+            "for transformers' own prompt lookup."
+        )
+    for name, value in (("prompt_lookup_num_tokens", lookup), ("max_matching_ngram_size", ngram)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+    return int(lookup), int(ngram) if ngram is not None else DEFAULT_MAX_NGRAM
 
 
 def _cost_curve(decoder) -> dict | None:
@@ -660,10 +689,11 @@ def _refuse_rerouting(kwargs, call_config) -> None:
             "which would decode without MARS. Drop it (MARS keeps its own per-row cache), or serve with "
             "`mars-hf serve`, which batches continuously with MARS."
         )
-    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None:
+    if kwargs.get("assistant_model") is not None:
         raise ValueError(
-            "MARS decoding does not combine with assisted / prompt-lookup decoding; use "
-            "`mars_acceptance='verify'` for lossless multi-token decoding with the model's own masks."
+            "MARS decoding does not combine with an `assistant_model` yet; use `mars_acceptance='verify'` "
+            "(drafts from the model's own masks), with `prompt_lookup_num_tokens=k` for n-gram drafts too, "
+            "or drop the MARS settings for transformers' assisted decoding."
         )
 
 

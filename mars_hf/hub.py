@@ -44,6 +44,7 @@ CUSTOM_GENERATE_FILES = {
     "calibration.py": "calibration.py",
     "cost_model.py": "cost_model.py",
     "planner.py": "planner.py",
+    "draft_sources.py": "draft_sources.py",
 }
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
 _ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}

@@ -1,0 +1,261 @@
+"""Prompt-lookup drafts verified in the MARS step (issue 17 item 1, MARS_SPEC §5-§6).
+
+The n-gram search is transformers' own (compared with its ``PromptLookupCandidateGenerator`` on the
+same inputs); verify + lookup must be stock greedy token for token (tiny float64 models of several
+architectures, left-padded batches with pad = EOS, prompts whose n-grams repeat so that lookup really
+proposes and the model really keeps and rejects its drafts), and sampled verify + lookup must be
+distributed as stock sampling (one-hot proposals in the speculative rule).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+from mars_hf.acceptance import verify_sampled
+from mars_hf.draft_sources import expected_chain, lookup_drafts
+from mars_hf.generation import enable_mars
+from tests.test_generation import peaked_model
+from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
+
+# n-grams repeat inside each prompt (and rows differ in length: left padding with pad = EOS)
+REPEATING = [
+    "the cat sat on a mat and one two three the cat sat on a mat and one",
+    "print x if x in y else z print x if",
+    "hello world",
+    "one two three four five one two three four five six seven one two",
+]
+# drafts and wide feeds are cheap under this curve: the planner feeds lookup drafts and mask groups
+CHEAP = {1: 1.0, 12: 1.1, 40: 1.6, 64: 3.0}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer = tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _lookup(model, encoded, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("prompt_lookup_num_tokens", 6)
+    return model.generate(**encoded, mars_acceptance="verify", return_dict_in_generate=True, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the n-gram search is transformers'
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_lookup_drafts_equal_transformers_prompt_lookup():
+    rng = random.Random(0)
+    checked = found = 0
+    for trial in range(600):
+        vocab = rng.choice([3, 5, 9])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        k, n = rng.choice([1, 2, 5, 10]), rng.choice([1, 2, 3, 4])
+        eos = [rng.randrange(vocab)] if trial % 3 == 0 else []
+        generator = PromptLookupCandidateGenerator(
+            eos_token_id=torch.tensor(eos) if eos else None,
+            num_output_tokens=k,
+            max_matching_ngram_size=n,
+            max_length=10_000,
+        )
+        ids = torch.tensor([tokens])
+        candidates, _ = generator.get_candidates(ids)
+        expected = candidates[0, len(tokens) :].tolist()
+        assert lookup_drafts(tokens, k, n, eos) == expected, (tokens, k, n, eos)
+        checked += 1
+        found += bool(expected)
+    assert found > 300 and checked - found > 50  # both matches and misses were compared
+
+
+def test_lookup_drafts_cases_and_errors():
+    assert lookup_drafts([1, 2, 3, 1, 2], 2, 2) == [3, 1]  # the bigram (1, 2) recurs
+    assert lookup_drafts([1, 2, 3, 1, 2], 9, 2, eos_token_ids={1}) == [3]  # cut before EOS
+    assert lookup_drafts([5, 6, 7], 3, 2) == []
+    assert lookup_drafts([4], 3, 2) == []
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+        lookup_drafts([1, 2], 0, 2)
+    assert expected_chain([0.5, 0.5]) == 0.75 and expected_chain([]) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# greedy: verify + lookup == stock greedy
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_verify_with_lookup_equals_stock_greedy(arch, tok):
+    model = enable_mars(tiny_model(arch, seed=1))
+    encoded = tok(REPEATING, return_tensors="pt", padding=True)
+    assert encoded.attention_mask[:, 0].eq(0).any() and tok.pad_token_id == model.config.eos_token_id
+    stock = model.generate(**encoded, max_new_tokens=20, do_sample=False)
+    proposed = accepted = 0
+    for layout, cache in [("auto", "cursor"), ("linear", "cursor"), ("quadratic", "block"), ("auto", "none")]:
+        out = _lookup(
+            model,
+            encoded,
+            max_new_tokens=20,
+            mars_layout=layout,
+            mars_cache=cache,
+            mars_cache_block=3,
+            mars_cost_table=CHEAP,
+        )
+        assert torch.equal(out.sequences, stock), (arch, layout, cache)
+        lookup = out.drafts_by_source["lookup"]
+        assert (
+            lookup["proposed"] == int(out.drafts_proposed.sum()) - out.drafts_by_source["masks"]["proposed"]
+        )
+        proposed, accepted = proposed + lookup["proposed"], accepted + lookup["accepted"]
+    assert accepted > 10 and proposed > accepted, (proposed, accepted)  # kept and rejected, really
+
+
+def test_lookup_and_masks_share_a_run_and_stops_inside_lookup_drafts(tok):
+    """A model with useful masks: both sources' drafts are fed and kept; EOS, a stop criterion and
+    max_new_tokens falling inside lookup drafts still give stock output."""
+    model = peaked_model("llama")
+    encoded = tok(REPEATING, return_tensors="pt", padding=True)
+    out = _lookup(model, encoded, max_new_tokens=24, mars_cost_table=CHEAP)
+    assert torch.equal(out.sequences, model.generate(**encoded, max_new_tokens=24, do_sample=False))
+    by_source = out.drafts_by_source
+    assert by_source["masks"]["accepted"] > 0 and by_source["lookup"]["accepted"] > 0, by_source
+    eos = tok.convert_tokens_to_ids("two")
+    for max_new in (1, 2, 5, 11):
+        for kwargs in ({}, {"eos_token_id": eos}):
+            stock = model.generate(**encoded, max_new_tokens=max_new, do_sample=False, **kwargs)
+            for layout in ("auto", "linear"):
+                run = _lookup(
+                    model,
+                    encoded,
+                    max_new_tokens=max_new,
+                    mars_layout=layout,
+                    mars_cost_table=CHEAP,
+                    **kwargs,
+                )
+                assert torch.equal(run.sequences, stock), (max_new, kwargs, layout)
+
+
+def test_max_matching_ngram_size_and_lookup_length_are_honoured(tok):
+    model = enable_mars(tiny_model("qwen2", seed=1))
+    encoded = tok(REPEATING[:1], return_tensors="pt")
+    stock = model.generate(**encoded, max_new_tokens=16, do_sample=False)
+    for k, n in [(1, 1), (3, 3), (10, 2)]:
+        out = model.generate(
+            **encoded,
+            max_new_tokens=16,
+            do_sample=False,
+            mars_acceptance="verify",
+            prompt_lookup_num_tokens=k,
+            max_matching_ngram_size=n,
+            mars_layout="linear",
+            return_dict_in_generate=True,
+        )
+        assert torch.equal(out.sequences, stock)
+        if out.drafts_by_source["lookup"]["proposed"]:
+            assert int(out.drafts_proposed.max()) <= max(k, model.config.mars["block_size"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# sampling: one-hot proposals
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_one_hot_rule_reproduces_the_target_distribution():
+    """A deterministic draft d: kept with probability p(d), else a draw from p without d; P(t) = p(t)."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.2, 0.3, 0.2, 0.2]], dtype=torch.float64)
+    for draft in (0, 3):
+        counts = torch.zeros(5, dtype=torch.float64)
+        kept_total, trials = 0, 6000
+        for _ in range(trials):
+            kept, token = verify_sampled([draft], None, p, generator)
+            counts[draft if kept else token] += 1
+            kept_total += kept
+            assert kept or token != draft  # a rejected draft is never the replacement
+        expected = p[0] * trials
+        assert float(((counts - expected) ** 2 / expected).sum()) < 25.0, (draft, counts)
+        assert abs(kept_total / trials - float(p[0, draft])) < 0.03
+
+
+def test_sampled_verify_with_lookup_matches_stock_sampling_statistically(tok):
+    model = peaked_model("qwen3")
+    prompt = tok(["the cat sat on a mat and one two three the cat sat on"], return_tensors="pt")
+    copies = {k: v.repeat(400, 1) for k, v in prompt.items()}
+    kwargs = dict(max_new_tokens=5, do_sample=True, temperature=1.5, top_k=0)
+    torch.manual_seed(1)
+    stock = model.generate(**copies, **kwargs)[:, -5:]
+    torch.manual_seed(2)
+    out = _lookup(model, copies, mars_cost_table=CHEAP, **kwargs)
+    ours = out.sequences[:, -5:]
+    lookup = out.drafts_by_source["lookup"]
+    assert lookup["accepted"] > 100 and lookup["proposed"] - lookup["accepted"] > 30, lookup
+    vocab = model.config.vocab_size
+    for j in range(5):
+        a = torch.bincount(stock[:, j], minlength=vocab).double()
+        b = torch.bincount(ours[:, j], minlength=vocab).double()
+        keep = (a + b) > 10
+        statistic = float(((a - b)[keep] ** 2 / (a + b)[keep]).sum())
+        degrees = max(int(keep.sum()) - 1, 1)
+        assert statistic < degrees + 6 * (2 * degrees) ** 0.5 + 10, (j, statistic, degrees)
+    pair = lambda x: x[:, 1] * vocab + x[:, 2]  # noqa: E731
+    a = torch.bincount(pair(stock), minlength=vocab * vocab).double()
+    b = torch.bincount(pair(ours), minlength=vocab * vocab).double()
+    keep = (a + b) > 10
+    statistic = float(((a - b)[keep] ** 2 / (a + b)[keep]).sum())
+    degrees = max(int(keep.sum()) - 1, 1)
+    assert statistic < degrees + 6 * (2 * degrees) ** 0.5 + 10, (statistic, degrees)
+
+
+# ---------------------------------------------------------------------------------------------------
+# keywords and errors
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_lookup_keywords_are_checked(tok):
+    model = enable_mars(tiny_model("llama"))
+    encoded = tok(REPEATING[:1], return_tensors="pt")
+    with pytest.raises(ValueError, match="mars_acceptance='verify'"):
+        model.generate(**encoded, max_new_tokens=4, mars_threshold=0.5, prompt_lookup_num_tokens=3)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+            _lookup(model, encoded, max_new_tokens=4, **{"prompt_lookup_num_tokens": bad})
+    with pytest.raises(ValueError, match="max_matching_ngram_size"):
+        _lookup(model, encoded, max_new_tokens=4, max_matching_ngram_size=0)
+    with pytest.raises(ValueError, match="assistant_model"):
+        model.generate(**encoded, max_new_tokens=4, mars_acceptance="verify", assistant_model=model)
+    # without MARS settings it is transformers' own prompt lookup
+    stock = model.generate(**encoded, max_new_tokens=8, do_sample=False)
+    assert torch.equal(
+        model.generate(**encoded, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3), stock
+    )
+
+
+def test_lookup_through_custom_generate_in_process(tmp_path, tok):
+    from transformers import AutoModelForCausalLM
+
+    from mars_hf import hub
+    from tests.test_hub import confident_model
+
+    model = confident_model("llama")
+    folder = tmp_path / "ckpt"
+    hub.save_pretrained(model, tok, folder, base_model="tiny")
+    assert (folder / "custom_generate" / "draft_sources.py").is_file()
+    plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    encoded = tok(REPEATING, return_tensors="pt", padding=True)
+    stock = plain.generate(**encoded, max_new_tokens=12, do_sample=False)
+    out = plain.generate(
+        **encoded,
+        max_new_tokens=12,
+        do_sample=False,
+        custom_generate=str(folder),
+        trust_remote_code=True,
+        mars_acceptance="verify",
+        prompt_lookup_num_tokens=4,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, stock)
+    assert out.drafts_by_source["lookup"]["proposed"] > 0
