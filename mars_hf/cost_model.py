@@ -21,6 +21,7 @@ This file depends on torch and transformers only (it ships in a checkpoint's ``c
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import logging
@@ -110,6 +111,7 @@ class CostTable:
                 best, best_cost = size, cost
         return best
 
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (tables live for the process; the planner asks per step)
     def effective(self, n: int) -> float:
         """What ``n`` columns really cost (at their padded width)."""
         return self.cost(self.padded_width(n))

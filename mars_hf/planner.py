@@ -27,17 +27,16 @@ every row fill it with its best plan that fits (the columns are paid for anyway)
 with the best total. Threshold rows (τ) that opt in (``mars_planner=True``) choose only ``m``, valued
 by their observed per-offset pass rates (this changes which tokens τ can accept: never more than ``m``
 predictions past the first). Rows whose feed is fixed (an explicit ``mars_layout``, τ without the
-planner) take part with their fixed width. Everything is a few small tensor operations per step:
-``O(rows · W²)`` numbers, no Python loop over plans.
+planner) take part with their fixed width. The work per step is ``O(rows · W²)`` plain float
+operations and one sort (no tensors: for a small model a handful of tensor ops would cost as much as
+its forward).
 
-This file depends on torch only (it ships in a checkpoint's ``custom_generate/``).
+This file depends on the standard library only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 # row kinds
 AUTO = "auto"  # verify rows the planner serves: drafts, linear or quadratic groups, or none
@@ -100,96 +99,85 @@ def plan_width(spec: RowSpec, choice: RowChoice) -> int:
 def choose(specs: list[RowSpec], cost, window: int) -> tuple[int, list[RowChoice]]:
     """The step's width and each row's choice (``cost(n)``: relative cost of ``n`` columns per row).
 
-    See the module docstring for the objective; ties go to the narrower width.
+    A sweep over every row's plans in order of width: at each width every row holds its best plan that
+    fits (a row without one yet rules the width out), and the total value minus ``Σλ · cost(width)``
+    is compared. Ties go to the narrower width, and within a row to the wider plan (a column the
+    batch pays for anyway is better filled: it tells the row more about its drafts).
     """
-    values, widths = _plan_grid(specs, cost, window)  # [R, P] each; invalid plans: -inf / huge
-    order = widths.argsort(dim=1)
-    sorted_widths = widths.gather(1, order)
-    best, best_at = values.gather(1, order).cummax(dim=1)  # best value within each width
-    valid = values > _NEG
-    lowest = int(sorted_widths[:, 0].max())  # the narrowest width every row has a plan for
-    candidates = torch.unique(widths[valid])
-    candidates = candidates[candidates >= lowest]
-    queries = candidates[None, :].expand(len(specs), -1).contiguous()
-    index = torch.searchsorted(sorted_widths.contiguous(), queries, right=True) - 1
-    per_row = best.gather(1, index)  # [R, C]
-    gains = torch.tensor([s.gain for s in specs], dtype=torch.float64)
-    step_cost = torch.tensor([cost(int(c)) for c in candidates], dtype=torch.float64)
-    total = per_row.sum(0) - gains.sum() * step_cost
-    pick = int(torch.argmax(total))
-    width = int(candidates[pick])
-    flat = order.gather(1, best_at.gather(1, index[:, pick : pick + 1])).squeeze(1).tolist()
-    return width, [_decode(p, window) for p in flat]
-
-
-def _plan_grid(specs: list[RowSpec], cost, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every plan of every row: value and width, ``[rows, 2 · (W + 1)²]`` (linear then quadratic,
-    ``k`` major, ``m`` minor)."""
-    rows, side = len(specs), window + 1
-    f64 = torch.float64
-    probs = torch.zeros(rows, window, dtype=f64)
-    future = torch.zeros(rows, window, dtype=f64)
+    events = []
     for r, spec in enumerate(specs):
-        if spec.draft_probs:
-            probs[r, : len(spec.draft_probs)] = torch.tensor(spec.draft_probs[:window], dtype=f64)
-        if spec.future:
-            future[r, : len(spec.future)] = torch.tensor(spec.future[:window], dtype=f64)
-    ones = torch.ones(rows, 1, dtype=f64)
-    kept_all = torch.cat([ones, probs.cumprod(1)], 1)  # P(first k drafts kept), [R, W+1]
-    now = kept_all.cumsum(1)  # 1 + E[drafts kept among the first k]
-    reach = torch.cat([ones, future.cumprod(1)], 1)
-    expected_new = reach.cumsum(1) - 1  # E[kept among m fresh drafts] (or passes for τ rows)
-    gains = torch.tensor([s.gain for s in specs], dtype=f64)[:, None]
-    extra_cost = torch.tensor([cost(1 + m) - cost(1) for m in range(side)], dtype=f64)[None, :]
-    worth = (expected_new - gains * extra_cost).cummax(1).values  # H(m), >= 0 (m' = 0)
-
-    k = torch.arange(side)[None, :, None]
-    m = torch.arange(side)[None, None, :]
-    linear = now[:, :, None] + kept_all[:, :, None] * worth[:, None, :]
-    quadratic = now[:, :, None] + worth[:, None, :]
-    base = torch.tensor([s.base for s in specs])[:, None, None]
-    widths = torch.stack([base + k + m, base + k + (k + 1) * m], 1)  # [R, 2, W+1, W+1]
-    values = torch.stack([linear, quadratic], 1).clone()
-    allowed = _allowed(specs, side)
-    threshold_rows = [r for r, s in enumerate(specs) if s.kind == THRESHOLD]
-    if threshold_rows:
-        values[threshold_rows, 0, 0, :] = 1 + expected_new[threshold_rows]
-    fixed_rows = [r for r, s in enumerate(specs) if s.kind == FIXED]
-    if fixed_rows:
-        values[fixed_rows] = 0.0
-        widths[fixed_rows] = base[fixed_rows][:, None]
-    values = values.masked_fill(~allowed, _NEG)
-    widths = widths.masked_fill(~allowed, torch.iinfo(torch.long).max // 4)
-    return values.reshape(rows, -1), widths.reshape(rows, -1)
+        events += [(width, r, value, choice) for width, value, choice in _row_plans(spec, cost, window)]
+    events.sort(key=lambda event: event[0])
+    best: list[float | None] = [None] * len(specs)
+    chosen: list[RowChoice | None] = [None] * len(specs)
+    missing, total = len(specs), 0.0
+    gains = sum(spec.gain for spec in specs)
+    top, top_width, top_choices = _NEG, 0, None
+    i = 0
+    while i < len(events):
+        width = events[i][0]
+        while i < len(events) and events[i][0] == width:
+            _, r, value, choice = events[i]
+            if best[r] is None:
+                missing -= 1
+                best[r], chosen[r], total = value, choice, total + value
+            elif value >= best[r]:
+                best[r], chosen[r], total = value, choice, total + value - best[r]
+            i += 1
+        if not missing:
+            objective = total - gains * cost(width)
+            if objective > top:
+                top, top_width, top_choices = objective, width, list(chosen)
+    return top_width, top_choices
 
 
-def _allowed(specs: list[RowSpec], side: int) -> torch.Tensor:
-    """Which (shape, k, m) each row may take: drafts in hand, masks, positions, its kind, re-probes."""
-    k = torch.arange(side)[:, None]
-    m = torch.arange(side)[None, :]
-    masks = []
-    for spec in specs:
-        if spec.kind == FIXED:
-            one = torch.zeros(2, side, side, dtype=torch.bool)
-            one[0, 0, 0] = True
-            masks.append(one)
+def _row_plans(spec: RowSpec, cost, window: int):
+    """``(width, value, choice)`` of every plan the row may take (``O(W²)``, W small)."""
+    if spec.kind == FIXED:
+        return [(spec.base, 0.0, RowChoice())]
+    extra = max(spec.max_extra, 0)
+    masks = min(spec.max_masks, window, extra)
+    new = _cumulative(spec.future, masks)  # E[kept among m fresh drafts], or passes for τ rows
+    if spec.kind == THRESHOLD:
+        plans = [(spec.base + m, 1 + new[m], RowChoice(0, m)) for m in range(masks + 1)]
+    else:
+        plans = _verify_plans(spec, cost, window, extra, masks, new)
+    if spec.force_masks and any(choice.masks for _, _, choice in plans):
+        plans = [plan for plan in plans if plan[2].masks]
+    return plans
+
+
+def _verify_plans(spec: RowSpec, cost, window: int, extra: int, masks: int, new: list[float]):
+    one = cost(1)
+    worth, running = [], _NEG
+    for m in range(masks + 1):  # H(m): the best prefix of m fresh drafts, net of checking it
+        running = max(running, new[m] - spec.gain * (cost(1 + m) - one))
+        worth.append(running)
+    drafts = min(len(spec.draft_probs), window, extra)
+    plans = []
+    now, kept_all = 1.0, 1.0
+    for k in range(drafts + 1):
+        if k:
+            kept_all *= spec.draft_probs[k - 1]
+            now += kept_all
+        if spec.force_drafts and k != drafts:
             continue
-        drafts = len(spec.draft_probs) if spec.kind == AUTO else 0
-        fits = (k <= drafts) & (m <= spec.max_masks) & (k + m <= max(spec.max_extra, 0))
-        if spec.force_drafts and drafts:
-            fits &= k == min(drafts, max(spec.max_extra, 0))
-        if spec.force_masks and bool((fits & (m >= 1)).any()):
-            fits &= m >= 1
-        quadratic = fits & (k >= 1) & (m >= 1) if spec.kind == AUTO else torch.zeros_like(fits)
-        masks.append(torch.stack([fits, quadratic]))
-    return torch.stack(masks)
+        base = spec.base + k
+        for m in range(min(masks, extra - k) + 1):
+            plans.append((base + m, now + kept_all * worth[m], RowChoice(k, m, False)))
+            if k and m:
+                plans.append((base + (k + 1) * m, now + worth[m], RowChoice(k, m, True)))
+    return plans
 
 
-def _decode(index: int, window: int) -> RowChoice:
-    side = window + 1
-    shape, rest = divmod(index, side * side)
-    k, m = divmod(rest, side)
-    return RowChoice(drafts=k, masks=m, quadratic=bool(shape))
+def _cumulative(rates: list[float], count: int) -> list[float]:
+    """``out[m] = Σ_{j≤m} Π_{i≤j} rates[i]``: expected leading successes among ``m`` checks."""
+    out, reach, total = [0.0], 1.0, 0.0
+    for m in range(count):
+        reach *= rates[m] if m < len(rates) else 0.0
+        total += reach
+        out.append(total)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
