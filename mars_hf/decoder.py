@@ -526,6 +526,14 @@ class MARSBatchDecoder:
                 stats.probing = True
             stats.observe_step(len(tokens), cost, fed_masks=choice.masks > 0)
 
+    def measure_costs(self) -> None:
+        """Measure the cost curves of every batch bucket up to ``max_rows`` now (a server at start-up),
+        instead of at the first step that needs each (about 2 s at most per bucket, once per process)."""
+        from .cost_model import batch_bucket
+
+        for rows in sorted({batch_bucket(n) for n in range(1, self.max_rows + 1)}):
+            self._cost_table(rows)
+
     def _cost_table(self, rows: int):
         from .cost_model import batch_bucket
 
