@@ -72,7 +72,11 @@ class CostTable:
             )
         items = {}
         for n, cost in mapping.items():
-            if int(n) != n or int(n) < 1 or not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0):
+            if (
+                int(n) != n
+                or int(n) < 1
+                or not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0)
+            ):
                 raise ValueError(
                     f"`mars_cost_table` needs integer sizes >= 1 and positive finite costs; got {n!r}: {cost!r}."
                 )

@@ -61,9 +61,7 @@ def _expected(probs, count):
 
 def _worth(spec, masks, cost):
     """H(m): the best prefix of m fresh drafts, net of what checking it will cost."""
-    return max(
-        _expected(spec.future, mm) - spec.gain * (cost(1 + mm) - cost(1)) for mm in range(masks + 1)
-    )
+    return max(_expected(spec.future, mm) - spec.gain * (cost(1 + mm) - cost(1)) for mm in range(masks + 1))
 
 
 def _value(spec, choice, cost):
@@ -255,6 +253,10 @@ def test_forced_branches_on_a_model_whose_drafts_are_often_right(arch, tok):
     middle = runs["middle"]
     assert middle.plan_counts.get("linear", 0) > 0 and max(middle.forward_widths[1:].tolist()) <= 9
     assert middle.num_forwards < steep.num_forwards
+    # partial groups: 4 columns cheap, a fifth dear: at most 3 masks (or drafts + masks) per step
+    narrow = _verify(model, encoded, {1: 1.0, 4: 1.05, 5: 30.0, 64: 100.0}, max_new_tokens=24)
+    assert torch.equal(narrow.sequences, stock)
+    assert max(narrow.forward_widths[1:].tolist()) <= 4 and int(narrow.drafts_accepted.sum()) > 0
 
 
 def test_threshold_rows_opt_into_the_planner(tok):
@@ -353,7 +355,11 @@ def test_the_probe_respects_its_budget():
 def test_candidate_widths_cover_every_feed():
     widths = cost_model.candidate_widths(4)
     assert widths[:9] == list(range(1, 10)) and 25 in widths and max(widths) <= cost_model.MAX_PROBED_WIDTH
-    assert cost_model.batch_bucket(1) == 1 and cost_model.batch_bucket(3) == 4 and cost_model.batch_bucket(4) == 4
+    assert (
+        cost_model.batch_bucket(1) == 1
+        and cost_model.batch_bucket(3) == 4
+        and cost_model.batch_bucket(4) == 4
+    )
 
 
 def test_the_disk_cache_is_keyed_and_reused(tmp_path, monkeypatch):
@@ -432,7 +438,11 @@ def test_a_huge_window_is_capped_by_max_new_tokens(tok):
         mars_layout="quadratic",
     )  # fmt: skip
     assert torch.equal(out, stock)
-    capped = model.generate(**encoded, max_new_tokens=8, do_sample=False, mars_threshold=0.3, mars_block_size=7)
-    huge = model.generate(**encoded, max_new_tokens=8, do_sample=False, mars_threshold=0.3, mars_block_size=10**6)
+    capped = model.generate(
+        **encoded, max_new_tokens=8, do_sample=False, mars_threshold=0.3, mars_block_size=7
+    )
+    huge = model.generate(
+        **encoded, max_new_tokens=8, do_sample=False, mars_threshold=0.3, mars_block_size=10**6
+    )
     assert torch.equal(capped, huge)
     assert time.perf_counter() - start < 120  # a hang guard, not a timing
