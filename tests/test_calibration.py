@@ -417,6 +417,13 @@ def test_training_script_fits_a_calibration_on_its_held_out_rows(tmp_path):
     none = tmp_path / "none"
     load_example_script().cli([*argv[:5], str(none), *argv[6:-1], "0"])
     assert "calibration" not in json.loads((none / "config.json").read_text())["mars"]
+    # a gated LoRA adapter (the shipped model's method): the record goes to mars_config.json
+    gated = tmp_path / "gated"
+    gated_argv = ["--use_peft", "--lora_r", "4", "--lora_target_modules", "all-linear", "--adapter_gating", "mask",
+                  "--mask_targets", "soft", "--ar_weight", "0"]  # fmt: skip
+    load_example_script().cli([*argv[:5], str(gated), *argv[6:], *gated_argv])
+    record = json.loads((gated / "mars_config.json").read_text())["calibration"]
+    assert record["num_examples"] == 4 and record["num_samples"][0] > 0
 
 
 def test_custom_generate_copy_applies_the_stored_calibration(tmp_path):
