@@ -259,3 +259,59 @@ def test_lookup_through_custom_generate_in_process(tmp_path, tok):
     )
     assert torch.equal(out.sequences, stock)
     assert out.drafts_by_source["lookup"]["proposed"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# mars-hf serve: per-request prompt_lookup_num_tokens, acceptance by source in usage and /metrics
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_serve_per_request_prompt_lookup(tok):
+    import httpx2 as httpx
+
+    from mars_hf.serving import BackgroundServer, ControllerConfig, ServerConfig, build_server
+
+    model = peaked_model("llama")  # continues its grammar: lookup drafts are really kept
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    config = ServerConfig(
+        model_id="tiny",
+        max_rows=3,
+        max_length=96,
+        controller=ControllerConfig(tau_min=1.0, tau_max=1.0, enabled=False),
+    )
+    app, scheduler = build_server(model, tok, config)
+    scheduler.engine.decoder.cost_given = CHEAP  # a fixed cost curve, not this busy host's
+    with BackgroundServer(app) as server:
+        url = server.base_url + "/v1/completions"
+        kept = 0
+        for prompt in (REPEATING[0], "the dog sat on a red and one two three the"):
+            ids = torch.tensor([tok(prompt)["input_ids"]])
+            greedy = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+            )
+            expected = tok.decode(greedy[0, ids.shape[1] :], skip_special_tokens=True)
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "mars_acceptance": "verify"}
+            r = httpx.post(url, json={**body, "prompt_lookup_num_tokens": 5}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected
+            drafts = r.json()["usage"]["mars_drafts"]
+            kept += drafts["lookup"]["accepted"]
+            assert drafts["lookup"]["proposed"] >= drafts["lookup"]["accepted"], drafts
+            plain = httpx.post(url, json=body, timeout=60).json()
+            assert plain["choices"][0]["text"] == expected and "lookup" not in plain["usage"]["mars_drafts"]
+        assert kept > 0
+        bad = [
+            ({"prompt_lookup_num_tokens": 0, "mars_acceptance": "verify"}, "prompt_lookup_num_tokens"),
+            ({"prompt_lookup_num_tokens": "5", "mars_acceptance": "verify"}, "prompt_lookup_num_tokens"),
+            ({"prompt_lookup_num_tokens": 500, "mars_acceptance": "verify"}, "prompt_lookup_num_tokens"),
+            ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens"),  # not verify
+            ({"max_matching_ngram_size": 2, "mars_acceptance": "verify"}, "max_matching_ngram_size"),
+        ]
+        for extra, name in bad:
+            r = httpx.post(url, json={"model": "tiny", "prompt": "x y", "max_tokens": 4, **extra}, timeout=60)
+            assert r.status_code == 400 and name in r.json()["error"]["message"], (extra, r.text)
+        metrics = httpx.get(server.base_url + "/metrics").text
+        lines = [line for line in metrics.splitlines() if line.startswith("mars_drafts_")]
+        assert any(line.startswith('mars_drafts_accepted_total{source="lookup"}') for line in lines), lines
+        assert any(line.startswith('mars_drafts_proposed_total{source="lookup"}') for line in lines), lines

@@ -34,6 +34,8 @@ class RowSettings:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    prompt_lookup_num_tokens: int | None = None  # verify only: prompt-lookup drafts too
+    max_matching_ngram_size: int = 2
 
 
 @dataclass
@@ -48,6 +50,9 @@ class RowUpdate:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    drafts_proposed: int = 0  # verify: drafts checked this step, from ``draft_source``
+    drafts_accepted: int = 0
+    draft_source: str = "masks"  # "masks" or "lookup"
 
 
 class Engine(Protocol):
@@ -173,7 +178,15 @@ class DecoderEngine:
             if record is not None:
                 record.generated += list(u.tokens)
             out.append(
-                RowUpdate(u.row_id, list(u.tokens), bool(u.finished), u.finish_reason if u.finished else None)
+                RowUpdate(
+                    u.row_id,
+                    list(u.tokens),
+                    bool(u.finished),
+                    u.finish_reason if u.finished else None,
+                    drafts_proposed=u.drafts_proposed,
+                    drafts_accepted=u.drafts_accepted,
+                    draft_source=u.draft_source,
+                )
             )
         return out
 

@@ -42,6 +42,18 @@ class ServingMetrics:
         self.output_tokens = Counter("mars_output_tokens", "Output tokens generated.", registry=registry)
         self.forwards = Counter("mars_forwards", "Batch forwards (MARS steps) run.", registry=registry)
         self.requests = Counter("mars_requests", "Requests by outcome.", ["outcome"], registry=registry)
+        self.drafts_proposed = Counter(
+            "mars_drafts_proposed",
+            "Drafts verify checked, by source (masks, lookup).",
+            ["source"],
+            registry=registry,
+        )
+        self.drafts_accepted = Counter(
+            "mars_drafts_accepted",
+            "Drafts verify kept, by source (masks, lookup).",
+            ["source"],
+            registry=registry,
+        )
         self.ttft = Histogram(
             "mars_time_to_first_token_seconds",
             "Arrival to first token.",
@@ -77,6 +89,11 @@ class ServingMetrics:
             span = max(now - self._window[0][0], 1e-3) if len(self._window) > 1 else RATE_WINDOW_S
         self.tokens_per_second.set(total_tokens / max(span, 1e-3))
         self.tokens_per_forward.set(total_tokens / total_row_steps if total_row_steps else 0.0)
+
+    def record_drafts(self, source: str, proposed: int, accepted: int) -> None:
+        """Drafts one row checked and kept in one step (acceptance by source = accepted / proposed)."""
+        self.drafts_proposed.labels(source=source).inc(proposed)
+        self.drafts_accepted.labels(source=source).inc(accepted)
 
     def idle(self) -> None:
         """No rows: the windowed rate decays to zero instead of showing the last busy value."""

@@ -119,6 +119,28 @@ def _mars_fields(body: dict) -> tuple[float | None, str, bool]:
     return threshold, acceptance, pinned
 
 
+MAX_LOOKUP_TOKENS = 64  # prompt-lookup drafts per step at most (each is a column of the forward)
+
+
+def _prompt_lookup(body: dict, acceptance: str) -> tuple[int | None, int]:
+    """``prompt_lookup_num_tokens`` / ``max_matching_ngram_size`` (transformers' names): n-gram drafts,
+    checked by verified decoding only."""
+    lookup = _integer(body, "prompt_lookup_num_tokens", 1, MAX_LOOKUP_TOKENS)
+    ngram = _integer(body, "max_matching_ngram_size", 1, 16)
+    if lookup is not None and acceptance != "verify":
+        raise RequestError(
+            "`prompt_lookup_num_tokens` proposes drafts that only verified decoding checks; add "
+            '`mars_acceptance: "verify"`.',
+            param="prompt_lookup_num_tokens",
+        )
+    if ngram is not None and lookup is None:
+        raise RequestError(
+            "`max_matching_ngram_size` only applies with `prompt_lookup_num_tokens`.",
+            param="max_matching_ngram_size",
+        )
+    return lookup, ngram if ngram is not None else 2
+
+
 def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -258,6 +280,7 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
         raise RequestError("`top_p` must be > 0.", param="top_p")
     top_k = _integer(body, "top_k", 0, None, default=0)
     seed = _integer(body, "seed")
+    lookup, ngram = _prompt_lookup(body, acceptance)
     stop = _stop(body)
 
     prompt_ids = chat_prompt_ids(body, tokenizer) if chat else completion_prompt_ids(body, tokenizer)
@@ -298,6 +321,8 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
         top_k=top_k,
         top_p=top_p,
         seed=seed,
+        prompt_lookup_num_tokens=lookup,
+        max_matching_ngram_size=ngram,
     )
     return ParsedRequest(prompt_ids, settings, pinned, stream, include_usage, stop)
 
@@ -322,6 +347,7 @@ def usage(request, acceptance: str) -> dict:
         "mars_acceptance": acceptance,
         "mars_tokens_per_forward": None if tpf is None else round(tpf, 4),
         "mars_forwards": request.steps,
+        "mars_drafts": {source: dict(counts) for source, counts in request.drafts.items()},
     }
 
 

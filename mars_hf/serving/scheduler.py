@@ -77,6 +77,8 @@ class GenerationRequest:
     tau_sum: float = 0.0
     tau_steps: int = 0
     finish_reason: str | None = None
+    # verify: drafts checked and kept per source ("masks", "lookup"), reported in ``usage``
+    drafts: dict = field(default_factory=dict)
 
     @property
     def deadline(self) -> float | None:
@@ -371,6 +373,13 @@ class Scheduler:
                 )
                 self._finish(request, Failed(500, message), "error")
                 continue
+            proposed = getattr(update, "drafts_proposed", 0)  # engines without drafts report none
+            if proposed:
+                accepted, source = update.drafts_accepted, update.draft_source
+                counts = request.drafts.setdefault(source, {"proposed": 0, "accepted": 0})
+                counts["proposed"] += proposed
+                counts["accepted"] += accepted
+                self.metrics.record_drafts(source, proposed, accepted)
             if update.tokens:
                 if request.first_token_at is None:
                     request.first_token_at = now
