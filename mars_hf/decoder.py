@@ -518,6 +518,10 @@ class MARSBatchDecoder:
             if spec.kind == AUTO:
                 if sources[i] != LOOKUP:  # lookup's acceptance was counted above
                     stats.observe(choice.drafts, kept_drafts, fed_confidence[i])
+                if choice.masks and row.draft_confidence and not row.do_sample:
+                    # what this step's masks proposed values fresh drafts, checked or not (greedy only:
+                    # a sampled draft's own probability must not steer whether it is fed)
+                    stats.propose(row.draft_confidence)
             else:  # τ rows: how many mask predictions passed τ
                 stats.observe(choice.masks, max(len(tokens) - 1, 0))
             if spec.force_drafts:

@@ -188,6 +188,11 @@ def _cumulative(rates: list[float], count: int) -> list[float]:
 class AcceptanceStats:
     """A row's running acceptance per draft offset, its recent gain, and its re-probe schedule.
 
+    What fresh drafts will be worth (``future``) comes from the drafts the row's masks proposed lately
+    (their own probabilities, rescaled by observed ÷ predicted acceptance), so masks whose drafts are
+    never worth checking stop being fed although those drafts were never checked; τ rows, which have
+    no drafts, use their observed pass rates.
+
     Counts decay by ``DECAY`` per observation so that a row whose text changes character (a list, then
     prose) is re-estimated within a few dozen steps. ``PRIOR`` (weight ``PRIOR_WEIGHT``) is what an
     unobserved offset is assumed to keep. A row that feeds no masks learns nothing about its drafts, so
@@ -206,6 +211,8 @@ class AcceptanceStats:
         self.reached = [0.0] * window
         self.kept = [0.0] * window
         self.predicted = [0.0] * window  # sum of the drafts' own probabilities where they were reached
+        self.proposed = [0.0] * window  # sum of the own probabilities of the drafts proposed lately
+        self.proposals = [0.0] * window
         self.gain = 1.0
         self.idle_steps = 0
         self.probe_every = self.FIRST_PROBE_EVERY
@@ -214,13 +221,32 @@ class AcceptanceStats:
     def future(self) -> list[float]:
         """Chance that a fresh draft (or mask prediction) at each offset is kept, given the earlier ones."""
         w, prior = self.PRIOR_WEIGHT, self.PRIOR
-        return [(kept + w * prior) / (reached + w) for kept, reached in zip(self.kept, self.reached)]
+        out = []
+        for j, (kept, reached) in enumerate(zip(self.kept, self.reached)):
+            count = self.proposals[j]
+            if count > 0:  # drafts proposed here: their own (rescaled) probabilities
+                scaled = self.calibrated([self.proposed[j] / count], offset=j)[0]
+                out.append((count * scaled + w * prior) / (count + w))
+            else:
+                out.append((kept + w * prior) / (reached + w))
+        return out
 
-    def calibrated(self, confidences: list[float]) -> list[float]:
-        """The drafts' own probabilities rescaled by observed ÷ predicted acceptance at their offsets."""
+    def propose(self, confidences: list[float]) -> None:
+        """The masks proposed drafts with these own probabilities (fed or not later)."""
+        for j in range(len(self.proposed)):
+            self.proposed[j] *= self.DECAY
+            self.proposals[j] *= self.DECAY
+        for j, c in enumerate(confidences[: len(self.proposed)]):
+            self.proposed[j] += c
+            self.proposals[j] += 1.0
+
+    def calibrated(self, confidences: list[float], offset: int = 0) -> list[float]:
+        """The drafts' own probabilities rescaled by observed ÷ predicted acceptance at their offsets
+        (``confidences[i]`` is at offset ``offset + i``)."""
         w = self.PRIOR_WEIGHT * self.PRIOR
         out = []
-        for j, c in enumerate(confidences):
+        for i, c in enumerate(confidences):
+            j = offset + i
             scale = (self.kept[j] + w) / (self.predicted[j] + w) if j < len(self.kept) else 1.0
             out.append(min(1.0, max(0.0, c * scale)))
         return out

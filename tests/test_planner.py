@@ -191,6 +191,11 @@ def test_acceptance_stats_learn_and_reprobe():
     for _ in range(30):
         stats.observe(4, 4, [0.5] * 4)  # unsure drafts, always kept
     assert min(stats.future()) > 0.9 and min(stats.calibrated([0.5] * 4)) > 0.85  # 0.5 means ~1 here
+    # drafts proposed with low probabilities make fresh drafts look worthless, checked or not
+    unsure = AcceptanceStats(4)
+    for _ in range(30):
+        unsure.propose([0.02, 0.01])
+    assert max(unsure.future()[:2]) < 0.1 and unsure.future()[2:] == [0.5, 0.5]
     for _ in range(AcceptanceStats.FIRST_PROBE_EVERY):
         assert not stats.probe_due()
         stats.observe_step(1, 1.0, fed_masks=False)
