@@ -56,15 +56,28 @@ BUILTIN_PROMPTS = [
 ]
 
 
+GROUNDED_PROMPTS_FILE = os.path.join(os.path.dirname(__file__), "templates", "grounded_prompts.json")
+PROMPT_SETS = ("chat", "grounded")
+
+
+def grounded_prompts() -> list[str]:
+    """Prompts whose answers repeat their input (rewrite, summarise, convert, edit code): where prompt
+    lookup's drafts are kept (``mars_hf/templates/grounded_prompts.json``)."""
+    with open(GROUNDED_PROMPTS_FILE, encoding="utf-8") as handle:
+        return list(json.load(handle)["prompts"])
+
+
 @dataclass(frozen=True)
 class BenchConfiguration:
-    """One decoding configuration: stock `generate`, or MARS with a cache scheme."""
+    """One decoding configuration: stock `generate`, or MARS with a cache scheme; ``lookup`` adds
+    prompt lookup (``prompt_lookup_num_tokens``): transformers' own with stock, or verified drafts."""
 
     scheme: str
     tau: float | None = None
     window: int | None = None
     cache_block: int | None = None
     layout: str | None = None  # verified decoding (mars_acceptance="verify", no τ): auto, linear, quadratic
+    lookup: int | None = None
 
     @property
     def verify(self) -> bool:
@@ -74,21 +87,25 @@ class BenchConfiguration:
     def rule(self) -> str:
         """The acceptance column: τ, or the verify layout."""
         if self.verify:
-            return f"v-{self.layout[:4]}"
+            return f"v-{self.layout[:4]}" + ("+pl" if self.lookup else "")
+        if self.lookup:
+            return f"pl{self.lookup}"
         return "-" if self.tau is None else f"{self.tau:.2f}"
 
     @property
     def label(self) -> str:
         if self.scheme == "stock":
-            return "stock"
+            return f"stock prompt-lookup={self.lookup}" if self.lookup else "stock"
         label = f"{self.scheme} verify-{self.layout}" if self.verify else f"{self.scheme} tau={self.tau:g}"
-        label += f" W={self.window}"
+        label += f" W={self.window}" + (f" prompt-lookup={self.lookup}" if self.lookup else "")
         return label + (f" C={self.cache_block}" if self.cache_block is not None else "")
 
     def generate_kwargs(self, acceptance: str) -> dict:
         if self.scheme == "stock":
-            return {}
+            return {"prompt_lookup_num_tokens": self.lookup} if self.lookup else {}
         kwargs = {"mars_block_size": self.window, "mars_cache": self.scheme}
+        if self.lookup:
+            kwargs["prompt_lookup_num_tokens"] = self.lookup
         if self.verify:
             kwargs.update(mars_acceptance="verify", mars_layout=self.layout)
         else:
@@ -111,10 +128,13 @@ def build_configurations(
     acceptance: str = "probability",
     one_token_schemes=("cursor",),
     verify_layouts=(),
+    lookup_tokens=(),
 ) -> list[BenchConfiguration]:
     """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
     (τ ≥ 1) the schemes all do the same work, so only ``one_token_schemes`` run there. Each of
-    ``verify_layouts`` adds verified decoding (cursor scheme) for every window."""
+    ``verify_layouts`` adds verified decoding (cursor scheme) for every window. Each k of
+    ``lookup_tokens`` adds transformers' prompt lookup (stock ``generate``, batch 1 only) and every
+    verify row again with prompt-lookup drafts."""
     unknown = set(schemes) - set(SCHEMES)
     if unknown:
         raise ValueError(f"Unknown scheme(s) {sorted(unknown)}; choose from {list(SCHEMES)}.")
@@ -135,6 +155,12 @@ def build_configurations(
     for window in windows:
         for layout in verify_layouts:
             configurations.append(BenchConfiguration("cursor", None, int(window), None, layout))
+    for k in lookup_tokens:
+        if "stock" in schemes:
+            configurations.append(BenchConfiguration("stock", lookup=int(k)))
+        for window in windows:
+            for layout in verify_layouts:
+                configurations.append(BenchConfiguration("cursor", None, int(window), None, layout, int(k)))
     return list(dict.fromkeys(configurations))
 
 
@@ -248,6 +274,7 @@ class RunMeasurement:
     width_histogram: dict[int, int] | None = None  # columns per row of MARS forwards -> count
     plan_counts: dict[str, int] | None = None  # planner choices per row-step (MARS only)
     cost_curve: dict[int, float] | None = None  # the decoder's cost curve (when a step needed it)
+    drafts_by_source: dict | None = None  # verify: {source: {"proposed", "accepted"}} over the run
 
     @property
     def generated_per_row(self) -> list[int]:
@@ -262,7 +289,7 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
     """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``."""
     seconds, new_tokens, forwards, widths, accepted = 0.0, [], [], [], []
     counted = 0
-    histogram, plans, curve = {}, {}, None
+    histogram, plans, curve, sources = {}, {}, None, {}
     for inputs in batches:
         prompt_length = inputs["input_ids"].shape[1]
         counter.reset()
@@ -274,7 +301,9 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
         new = output.sequences[:, prompt_length:]
         lengths = count_generated_tokens(new, _eos_ids(generation_config)).tolist()
         new_tokens.extend(row[:n] for row, n in zip(new.tolist(), lengths))
-        if configuration.scheme == "stock":
+        if configuration.scheme == "stock" and configuration.lookup:
+            forwards.append(counter.count)  # prompt lookup: one forward per verified candidate set
+        elif configuration.scheme == "stock":
             # Stock `generate` makes one forward per new column (the prompt's forward makes the first).
             forwards.append(new.shape[1])
         else:
@@ -285,6 +314,10 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
         if accepted_counts is not None:
             accepted.extend(accepted_counts.sum(dim=0).tolist())
         curve = _add_planner_record(output, histogram, plans) or curve
+        for source, counts in (getattr(output, "drafts_by_source", None) or {}).items():
+            total = sources.setdefault(source, {"proposed": 0, "accepted": 0})
+            total["proposed"] += counts["proposed"]
+            total["accepted"] += counts["accepted"]
     return RunMeasurement(
         seconds=seconds,
         new_tokens=new_tokens,
@@ -295,6 +328,7 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
         width_histogram=dict(sorted(histogram.items())) if configuration.scheme != "stock" else None,
         plan_counts=plans if configuration.scheme != "stock" else None,
         cost_curve=curve,
+        drafts_by_source=sources or None,
     )
 
 
@@ -386,6 +420,13 @@ class BenchArguments:
         default_factory=lambda: ["auto", "linear", "quadratic"],
         metadata={"help": "Verified-decoding layouts to add (lossless; auto = the step planner; `[]` for none)."},
     )
+    lookup_tokens: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "prompt_lookup_num_tokens values: each adds transformers' prompt lookup (stock generate, "
+            "batch 1 only) and the verify rows with prompt-lookup drafts."
+        },
+    )
     max_new_tokens: int = field(default=64, metadata={"help": "New tokens per row (greedy)."})
     repeats: int = field(default=3, metadata={"help": "Timed repeats per configuration (median)."})
     warmup: int = field(default=1, metadata={"help": "Untimed runs per configuration first."})
@@ -406,6 +447,7 @@ def run_benchmark(
         args.acceptance,
         args.one_token_schemes,
         args.verify_layouts,
+        args.lookup_tokens,
     )
     if "stock" not in args.schemes:
         raise ValueError(
@@ -450,11 +492,13 @@ def run_benchmark(
             ]
             if len(configurations) > 1:
                 _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens)
-            measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in configurations}
-            total = len(configurations) * (args.warmup + args.repeats)
+            # transformers' own prompt lookup (assisted decoding) serves batch size 1 only
+            active = [c for c in configurations if batch_size == 1 or not (c.scheme == "stock" and c.lookup)]
+            measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in active}
+            total = len(active) * (args.warmup + args.repeats)
             bar = tqdm(total=total, desc=f"bench batch={batch_size}", disable=not progress)
             for repeat in range(args.warmup + args.repeats):
-                for configuration in configurations:  # interleaved: drift hits everyone alike
+                for configuration in active:  # interleaved: drift hits everyone alike
                     measurement = run_once(
                         model, batches, generation_config, configuration, args.acceptance, counter
                     )
@@ -504,6 +548,7 @@ def _summarise(batch_size, batches, measurements, model_name) -> list[dict]:
             if configuration.verify
             else ("stock" if configuration.scheme == "stock" else None),
             "layout": configuration.layout,
+            "prompt_lookup_num_tokens": configuration.lookup,
             "cache_block": configuration.cache_block,
             "num_batches": len(batches),
             "prompt_tokens": prompt_tokens,
@@ -523,6 +568,12 @@ def _summarise(batch_size, batches, measurements, model_name) -> list[dict]:
             "width_histogram": first.width_histogram,
             "plan_counts": first.plan_counts,
             "cost_curve": first.cost_curve,
+            "drafts_by_source": first.drafts_by_source,
+            # kept drafts per row-forward, by source: what each source added to tokens per forward
+            "tokens_per_forward_by_source": {
+                source: counts["accepted"] / (batch_size * first.num_forwards)
+                for source, counts in (first.drafts_by_source or {}).items()
+            },
         }
         rows.append(row)
     stock = rows[0]
@@ -609,7 +660,8 @@ def format_table(result: dict) -> str:
         "/ a 1-token cached forward; pred. = MARS_SPEC §4 cost-model speedup = relative tok/fwd / cost; "
         "=stock = share of rows whose output equals stock generate (measured, also for verify); "
         "tau v-auto / v-line / v-quad = verified decoding (mars_acceptance='verify'): the step planner, "
-        "or the fixed linear / quadratic layout."
+        "or the fixed linear / quadratic layout; +pl: with prompt-lookup drafts; plK = transformers' own "
+        "prompt lookup (prompt_lookup_num_tokens=K, stock generate)."
     )
     lines += format_planner(result)
     for batch, costs in result["costs"].items():
@@ -635,6 +687,13 @@ def format_planner(result: dict) -> list[str]:
         plans = ", ".join(f"{k} {n}" for k, n in sorted((row.get("plan_counts") or {}).items()))
         label = f"{row['batch']:>5} {_rule(row):>6} {row['scheme']:<7}"
         lines.append(f"{label} widths {widths}" + (f"; plans: {plans}" if plans else ""))
+        if row.get("drafts_by_source"):
+            kept = ", ".join(
+                f"{source} {c['accepted']}/{c['proposed']} kept, +{row['tokens_per_forward_by_source'][source]:.2f} tok/fwd"
+                for source, c in row["drafts_by_source"].items()
+                if c["proposed"]
+            )
+            lines.append(f"{label} drafts by source: {kept or 'none proposed'}")
         if row.get("cost_curve"):
             curves.setdefault(row["batch"], row["cost_curve"])
     for batch, curve in curves.items():
@@ -644,8 +703,11 @@ def format_planner(result: dict) -> list[str]:
 
 
 def _rule(row) -> str:
+    lookup = row.get("prompt_lookup_num_tokens")
     if row.get("layout"):
-        return f"v-{row['layout'][:4]}"
+        return f"v-{row['layout'][:4]}" + ("+pl" if lookup else "")
+    if lookup:
+        return f"pl{lookup}"
     return _fmt(row["tau"], ".2f")
 
 

@@ -315,3 +315,66 @@ def test_serve_per_request_prompt_lookup(tok):
         lines = [line for line in metrics.splitlines() if line.startswith("mars_drafts_")]
         assert any(line.startswith('mars_drafts_accepted_total{source="lookup"}') for line in lines), lines
         assert any(line.startswith('mars_drafts_proposed_total{source="lookup"}') for line in lines), lines
+
+
+# ---------------------------------------------------------------------------------------------------
+# mars-hf bench: the grounded prompt set and the prompt-lookup rows
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_grounded_prompts_repeat_their_input():
+    from mars_hf.bench import grounded_prompts
+
+    prompts = grounded_prompts()
+    assert len(prompts) >= 12 and len(set(prompts)) == len(prompts)
+    assert all(len(p.split()) >= 30 for p in prompts)  # each carries the text it asks to rework
+
+
+def test_bench_cli_prompt_lookup_rows(tmp_path, capsys):
+    import json
+
+    from mars_hf.cli import main
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("qwen2", dtype=torch.float32, tokenizer=tokenizer)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(REPEATING) + "\n")
+    common = ["bench", "--model", str(tmp_path / "model"), "--batch-sizes", "1,2", "--taus", "1.0"]
+    common += [
+        "--schemes",
+        "stock",
+        "--verify-layouts",
+        "auto",
+        "--prompt-lookup",
+        "4",
+        "--max-new-tokens",
+        "6",
+    ]
+    common += ["--repeats", "1", "--warmup", "0", "--cost-repeats", "1", "--no-progress"]
+    assert main(common + ["--prompts", str(prompts)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("JSON: "))[len("JSON: ") :])
+    rows = [(r["batch"], r["scheme"], r["layout"], r["prompt_lookup_num_tokens"]) for r in result["rows"]]
+    assert rows == [  # transformers' prompt lookup serves batch 1 only
+        (1, "stock", None, None),
+        (1, "cursor", "auto", None),
+        (1, "stock", None, 4),
+        (1, "cursor", "auto", 4),
+        (2, "stock", None, None),
+        (2, "cursor", "auto", None),
+        (2, "cursor", "auto", 4),
+    ]
+    for row in result["rows"]:
+        if row["acceptance"] == "verify":
+            assert row["same_as_stock"] == 1.0
+        if row["prompt_lookup_num_tokens"] and row["layout"]:
+            assert row["drafts_by_source"]["lookup"]["proposed"] > 0
+            assert set(row["tokens_per_forward_by_source"]) == {"masks", "lookup"}
+    assert "v-auto+pl" in out and "pl4" in out and "drafts by source" in out
+    # the grounded set is built in
+    assert main(common + ["--prompt-set", "grounded", "--num-prompts", "2", "--batch-sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("JSON: "))[len("JSON: ") :])
+    assert result["num_prompts"] == 2 and len(result["rows"]) == 4

@@ -57,6 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Verified-decoding rows to add (lossless, cursor scheme): subset of auto,linear,quadratic (auto = "
         "the step planner on the measured cost curve); 'none' for none.",
     )
+    parser.add_argument(
+        "--prompt-lookup",
+        type=ints,
+        default=[],
+        help="prompt_lookup_num_tokens values (e.g. 10): each adds transformers' own prompt lookup (stock "
+        "generate, batch 1 only) and every verify row again with prompt-lookup drafts (default: none).",
+    )
+    parser.add_argument(
+        "--prompt-set",
+        choices=["chat", "grounded"],
+        default="chat",
+        help="Built-in prompts: 'chat' (open questions) or 'grounded' (rewrite / summarise / edit a text or "
+        "code given in the prompt: the answer repeats the input). --prompts overrides.",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="Timed repeats per configuration (median).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs per configuration first.")
@@ -77,7 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import torch
 
-    from mars_hf.bench import BUILTIN_PROMPTS, BenchArguments, format_table, load_prompts, run_benchmark
+    from mars_hf.bench import (
+        BUILTIN_PROMPTS,
+        BenchArguments,
+        format_table,
+        grounded_prompts,
+        load_prompts,
+        run_benchmark,
+    )
     from mars_hf.commands.generate import load_model_and_tokenizer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -89,6 +110,8 @@ def run(args) -> int:
     )
     if args.prompts:
         prompts = load_prompts(args.prompts)
+    elif args.prompt_set == "grounded":
+        prompts = grounded_prompts()
     elif args.model == "synthetic":
         from mars_hf.synthetic import synthetic_prompts
 
@@ -106,6 +129,7 @@ def run(args) -> int:
         one_token_schemes=args.one_token_schemes,
         acceptance=args.acceptance,
         verify_layouts=[layout for layout in args.verify_layouts if layout != "none"],
+        lookup_tokens=args.prompt_lookup,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         warmup=args.warmup,
