@@ -319,6 +319,24 @@ def calibrate(model, sequences, labels, *, conditional: bool = True, bins: int =
     return record
 
 
+def attach_calibration(model, tokenizer, rows: Sequence[dict]) -> dict | None:
+    """Fit on held-out training-format ``rows`` and store the record in ``model``'s ``config.mars``.
+
+    Used right after training (``mars-hf train``, the quickstart), so every checkpoint they save carries
+    a τ that means the same thing. Returns the record, or ``None`` (with a warning) when the rows hold
+    no usable sample: the checkpoint then decodes with raw confidences, as before calibration existed.
+    """
+    sequences, labels = examples_from_records(tokenizer, list(rows))
+    try:
+        record = calibrate(model, sequences, labels)
+    except ValueError as error:
+        logger.warning("No confidence calibration fitted: %s", error)
+        return None
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    target.config.mars = {**target.config.mars, CALIBRATION_KEY: record}
+    return record
+
+
 # --------------------------------------------------------------------------------------------------
 # Data and checkpoints
 # --------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from .calibration_fit import attach_calibration, held_out_split
 from .data import chat_prompt_ids
 from .evaluation import run_label, summarize_runs
 from .prompts import held_out_prompts, training_prompts
@@ -201,6 +202,13 @@ class QuickstartConfig:
         metadata={
             "help": "bf16 autocast during training (default: chosen at start-up, only where a bf16 matmul is "
             "measurably faster than float32)."
+        },
+    )
+    calibration_holdout: float = dataclasses.field(
+        default=0.1,
+        metadata={
+            "help": "Self-distilled answers held out of training to fit the confidence calibration (a fraction "
+            "< 1 or a count; 0: none)."
         },
     )
     thresholds: tuple[float, ...] = dataclasses.field(
@@ -400,6 +408,16 @@ def save_checkpoint(
 # --------------------------------------------------------------------------------------------------
 # The pipeline
 # --------------------------------------------------------------------------------------------------
+def _calibration_split(dataset, config: QuickstartConfig):
+    """``(training rows, calibration rows or None)``: a seeded slice of the self-distilled answers that
+    training never sees fits the confidence calibration (none when the set is too small to spare one)."""
+    count = held_out_split(len(dataset), config.calibration_holdout)
+    if count == 0:
+        return dataset, None
+    parts = dataset.train_test_split(test_size=count, seed=config.seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
 def run_quickstart(config: QuickstartConfig) -> dict:
     """Run the whole quickstart; returns (and writes to ``results.json``) everything measured."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -448,9 +466,12 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         [ids + out for ids, out in zip(eval_ids, reference)],
         [[-100] * len(ids) + out for ids, out in zip(eval_ids, reference)],
     )
+    train_rows, calibration_rows = _calibration_split(dataset, config)
     with tempfile.TemporaryDirectory(prefix="mars_quickstart_") as work_dir:
-        trained, training = train_mars(train_model, tokenizer, dataset, config, work_dir, tracking=tracking)
+        trained, training = train_mars(train_model, tokenizer, train_rows, config, work_dir, tracking=tracking)
     timings["train"] = time.monotonic() - start
+    if calibration_rows is not None:  # every checkpoint gets a τ that means the same thing
+        training["calibration"] = attach_calibration(trained, tokenizer, calibration_rows)
     from .evaluation import teacher_forced_acceptance
 
     training["teacher_forced"] = teacher_forced_acceptance(trained, *tracking, config.thresholds)

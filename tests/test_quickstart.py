@@ -51,6 +51,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method):
         lora_alpha=8,
         thresholds=(1.0, 0.5, 0.0),
         track_every=1,
+        calibration_holdout=2,
     )
     results = run_quickstart(config)
     out = tmp_path / "out"
@@ -88,6 +89,9 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method):
     else:
         mars = json.loads((checkpoint / "config.json").read_text())["mars"]
     assert mars["block_size"] == config.block_size
+    # Two self-distilled answers never trained on fit the checkpoint's confidence calibration.
+    assert mars["calibration"]["num_examples"] == 2 == results["training"]["calibration"]["num_examples"]
+    assert mars["calibration"]["method"] == "isotonic"
     assert "stock" in summary(results) and "tokens/forward" in summary(results)
 
     # A rerun reuses the cached self-distillation and reference.

@@ -149,25 +149,16 @@ def hold_out_for_calibration(dataset, script_args, training_args, logger):
 
 def fit_calibration_after_training(trainer, rows, logger):
     """Fit ``config.mars["calibration"]`` on the held-out rows; ``save_model`` then writes it."""
-    from peft import PeftModel
-
-    from mars_hf.calibration import CALIBRATION_KEY
-    from mars_hf.calibration_fit import calibrate, examples_from_records
+    from mars_hf.calibration_fit import attach_calibration
 
     model = trainer.accelerator.unwrap_model(trainer.model)
-    sequences, labels = examples_from_records(trainer.processing_class, list(rows))
-    try:
-        record = calibrate(model, sequences, labels)
-    except ValueError as error:  # training succeeded; the checkpoint is saved without a calibration
-        logger.warning(f"No confidence calibration fitted: {error}")
-        return
-    target = model.get_base_model() if isinstance(model, PeftModel) else model
-    target.config.mars = {**target.config.mars, CALIBRATION_KEY: record}
-    reliability = record.get("reliability", {})
-    logger.info(
-        f"Confidence calibration fitted on {record['num_examples']} held-out rows: held-out calibration error "
-        f"{reliability.get('pooled_before')} -> {reliability.get('pooled_after')}."
-    )
+    record = attach_calibration(model, trainer.processing_class, rows)
+    if record is not None:
+        reliability = record.get("reliability", {})
+        logger.info(
+            f"Confidence calibration fitted on {record['num_examples']} held-out rows: held-out calibration "
+            f"error {reliability.get('pooled_before')} -> {reliability.get('pooled_after')}."
+        )
 
 
 def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None):
