@@ -320,7 +320,7 @@ class StepDecisions:
                 if reason is None and len(final) == len(new) and has_group:
                     followers.append((i, kept))
                 else:
-                    row.drafts, row.proposal = [], None
+                    row.drafts, row.proposal, row.draft_confidence = [], None, []
             if followers:
                 self._propose(rows, plans, followers, processing, do_sample, generator, outcome)
         return outcome

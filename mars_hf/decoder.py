@@ -30,7 +30,7 @@ from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, StepDecisions, one_to
 from .cache import MARSBlockCache, make_scheme
 from .calibration import calibration_for
 from .cost_model import cost_table
-from .draft_sources import LOOKUP, MASKS, expected_chain, lookup_drafts
+from .draft_sources import LOOKUP, MASKS, lookup_drafts
 from .layouts import LAYOUT_CHOICES, idle_plan, pack, plan_row, position_limit
 from .planner import AUTO, FIXED, THRESHOLD, AcceptanceStats, RowChoice, RowSpec, choose
 
@@ -86,6 +86,22 @@ class RowUpdate:
     draft_source: str = MASKS  # where the checked drafts came from ("masks" or "lookup")
 
 
+class _LookupStats(AcceptanceStats):
+    """Prompt lookup's acceptance per offset. Its prior is optimistic: a source is only observed when
+    fed, and a verbatim n-gram match's continuation is usually the model's own on input-grounded text
+    (a row whose lookups fail drops below the masks within two or three tries)."""
+
+    PRIOR = 0.8
+
+    def future(self) -> list[float]:
+        """Offsets not yet reached lean on the first offset's estimate, not on the prior: a row whose
+        lookups fail at once must not keep valuing the unobserved tail of its chains at 0.8."""
+        w = self.PRIOR_WEIGHT
+        first = (self.kept[0] + w * self.PRIOR) / (self.reached[0] + w)
+        tail = zip(self.kept[1:], self.reached[1:])
+        return [first] + [(kept + w * first) / (reached + w) for kept, reached in tail]
+
+
 class _Row:
     """One row's decoding state."""
 
@@ -121,7 +137,7 @@ class _Row:
         self.stats = AcceptanceStats(min(window, max(settings.max_new_tokens, 1)))  # the planner's view
         self.draft_source = MASKS  # where ``drafts`` came from
         lookup = settings.prompt_lookup_num_tokens if self.verify else None
-        self.lookup_stats = AcceptanceStats(int(lookup)) if lookup else None  # prompt lookup's acceptance
+        self.lookup_stats = _LookupStats(int(lookup)) if lookup else None  # prompt lookup's acceptance
 
     @property
     def generated(self) -> int:
@@ -375,7 +391,7 @@ class MARSBatchDecoder:
         plans, specs = [], []
         for row, decides in zip(rows, deciding):
             if decides and row.lookup_stats is not None:
-                self._pick_drafts(row)
+                self._pick_drafts(row, len(rows))
             kind = self._kind(row) if decides else FIXED
             if kind == FIXED:
                 plan = self._fixed_plan(row) if decides else idle_plan(self.pad_token_id)
@@ -460,12 +476,13 @@ class MARSBatchDecoder:
             return row.lookup_stats.future()[: len(row.drafts)]
         if row.do_sample:
             return row.stats.future()[: len(row.drafts)]
-        return row.stats.calibrated(row.draft_confidence)
+        return row.stats.calibrated(row.draft_confidence[: len(row.drafts)])
 
-    def _pick_drafts(self, row) -> None:
-        """Prompt lookup's drafts replace the masks' when their chain is expected to keep more (both
-        valued from the row's observed acceptance per source); a re-probe of the masks keeps theirs.
-        The choice never reads a sampled draft's value, so sampling stays exact."""
+    def _pick_drafts(self, row, batch: int) -> None:
+        """Prompt lookup's drafts replace the masks' when their chain is worth more: expected drafts
+        kept (from the row's observed acceptance per source) less what checking them costs, at the
+        best length (``_draft_value``); a re-probe of the masks keeps theirs. The choice never reads a
+        sampled draft's value, so sampling stays exact."""
         if row.stats.probing and row.drafts:
             return
         _, extra = self._room(row)
@@ -477,9 +494,23 @@ class MARSBatchDecoder:
         )[:room]
         if not found:
             return
-        mine = expected_chain(row.lookup_stats.future()[: len(found)])
-        if mine > (expected_chain(self._draft_probs(row)) if row.drafts else 0.0):
+        table = self._cost_table(batch)
+        mine = self._draft_value(row, row.lookup_stats.future()[: len(found)], table)
+        if mine > (self._draft_value(row, self._draft_probs(row), table) if row.drafts else 0.0):
             row.drafts, row.draft_confidence, row.proposal, row.draft_source = found, [], None, LOOKUP
+
+    @staticmethod
+    def _draft_value(row, probs, table) -> float:
+        """``max_k [E[kept among the first k drafts] − λ·(cost(base + k) − cost(base))]`` (k = 0: 0):
+        what feeding a chain of drafts alone is worth this step (the planner's objective, no masks)."""
+        base = len(row.tokens) - row.committed + (0 if row.prefilled else row.lead)
+        gain, start = max(1.0, row.stats.gain), table.effective(base)
+        best, chain, reach = 0.0, 0.0, 1.0
+        for k, p in enumerate(probs, 1):
+            reach *= p
+            chain += reach
+            best = max(best, chain - gain * (table.effective(base + k) - start))
+        return best
 
     def _chosen_plan(self, row, choice: RowChoice):
         self._keep_drafts(row, choice.drafts)
