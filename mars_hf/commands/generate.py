@@ -49,9 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--layout",
-        choices=["linear", "quadratic"],
+        choices=["auto", "linear", "quadratic"],
         default=None,
-        help="Draft layout of --acceptance verify (default per device: linear on CPU).",
+        help="Draft layout of --acceptance verify (default 'auto': the step planner sizes each step from the "
+        "forward cost measured on this machine).",
     )
     parser.add_argument(
         "--cache", choices=["cursor", "block", "none"], default=None, help="MARS KV-cache scheme."
