@@ -483,7 +483,10 @@ class MARSBatchDecoder:
         kept (from the row's observed acceptance per source) less what checking them costs, at the
         best length (``_draft_value``); a re-probe of the masks keeps theirs. The choice never reads a
         sampled draft's value, so sampling stays exact."""
-        if row.stats.probing and row.drafts:
+        if not row.prefilled or (row.stats.probing and row.drafts):
+            # the prompt's last n-gram is its end (a chat template's assistant header), whose earlier
+            # occurrences continue into another turn: a first lookup there fails and would cost the
+            # source its prior
             return
         _, extra = self._room(row)
         room = min(row.settings.max_new_tokens - row.generated - 1, extra)

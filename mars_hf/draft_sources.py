@@ -51,12 +51,3 @@ def lookup_drafts(
                 return chosen
     return []
 
-
-def expected_chain(probabilities: Sequence[float]) -> float:
-    """Expected drafts kept from a chain whose draft ``j`` is kept with ``probabilities[j]`` given the
-    ones before it (``Σ_j Π_{i≤j} p_i``): what a source's drafts are worth this step."""
-    total, reach = 0.0, 1.0
-    for p in probabilities:
-        reach *= p
-        total += reach
-    return total

@@ -16,7 +16,7 @@ import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from mars_hf.acceptance import verify_sampled
-from mars_hf.draft_sources import expected_chain, lookup_drafts
+from mars_hf.draft_sources import lookup_drafts
 from mars_hf.generation import enable_mars
 from tests.test_generation import peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
@@ -80,7 +80,6 @@ def test_lookup_drafts_cases_and_errors():
     assert lookup_drafts([4], 3, 2) == []
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
         lookup_drafts([1, 2], 0, 2)
-    assert expected_chain([0.5, 0.5]) == 0.75 and expected_chain([]) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -295,9 +294,9 @@ def test_serve_per_request_prompt_lookup(tok):
             r = httpx.post(url, json={**body, "prompt_lookup_num_tokens": 5}, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == expected
-            drafts = r.json()["usage"]["mars_drafts"]
-            kept += drafts["lookup"]["accepted"]
-            assert drafts["lookup"]["proposed"] >= drafts["lookup"]["accepted"], drafts
+            lookup = r.json()["usage"]["mars_drafts"].get("lookup", {"proposed": 0, "accepted": 0})
+            kept += lookup["accepted"]
+            assert lookup["proposed"] >= lookup["accepted"], lookup
             plain = httpx.post(url, json=body, timeout=60).json()
             assert plain["choices"][0]["text"] == expected and "lookup" not in plain["usage"]["mars_drafts"]
         assert kept > 0
@@ -370,7 +369,8 @@ def test_bench_cli_prompt_lookup_rows(tmp_path, capsys):
         if row["acceptance"] == "verify":
             assert row["same_as_stock"] == 1.0
         if row["prompt_lookup_num_tokens"] and row["layout"]:
-            assert row["drafts_by_source"]["lookup"]["proposed"] > 0
+            # whether lookup pays depends on this host's measured cost curve: only the bookkeeping here
+            assert set(row["drafts_by_source"]["lookup"]) == {"proposed", "accepted"}
             assert set(row["tokens_per_forward_by_source"]) == {"masks", "lookup"}
     assert "v-auto+pl" in out and "pl4" in out and "drafts by source" in out
     # the grounded set is built in
