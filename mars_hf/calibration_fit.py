@@ -141,50 +141,27 @@ def collect_samples(
     ``labels`` are -100 on the prompt (as in training data). ``conditional``: a mask counts only when
     the masks before it in its step predicted the model's own tokens (see the module docstring).
     """
-    from .attention_mask import build_mars_inputs, mars_attention_mask
-    from .mask_token import get_mars_config
+    from .evaluation import mars_block, teacher_forced_forward
 
-    mars = get_mars_config(model)
-    block_size = int(block_size or mars["block_size"])
-    mask_token_id = int(mask_token_id if mask_token_id is not None else mars["mask_token_id"])
-    device = next(model.parameters()).device
-    attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-    dtype = model.get_input_embeddings().weight.dtype
+    block_size, mask_token_id = mars_block(model, block_size, mask_token_id)
     was_training = model.training
     model.eval()
     per_example = []
     try:
         for ids, labs in zip(sequences, labels):
-            ids_t = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
-            labs_t = torch.as_tensor([list(labs)], dtype=torch.long, device=device)
-            inputs = build_mars_inputs(
-                ids_t,
-                None,
-                labs_t,
-                block_size=block_size,
-                mask_token_id=mask_token_id,
-                drop_target_free_blocks=False,
-            )
-            logits = (
-                model(
-                    input_ids=inputs.input_ids,
-                    attention_mask=mars_attention_mask(inputs, attn, dtype=dtype),
-                    position_ids=inputs.position_ids,
-                    use_cache=False,
-                )
-                .logits[0]
-                .float()
+            tokens, labs_t, logits, length = teacher_forced_forward(
+                model, ids, labs, block_size=block_size, mask_token_id=mask_token_id
             )
             if mask_token_id < logits.shape[-1]:  # decoding suppresses the mask token as an output
                 logits[:, mask_token_id] = float("-inf")
             confidence, prediction = logits.softmax(-1).max(-1)
             per_example.append(
                 _samples_of(
-                    ids_t[0].tolist(),
-                    (labs_t[0] != -100).tolist(),
+                    tokens.tolist(),
+                    (labs_t != -100).tolist(),
                     prediction.tolist(),
                     confidence.tolist(),
-                    inputs.clean_length,
+                    length,
                     block_size,
                     conditional,
                 )

@@ -86,6 +86,93 @@ def _trim_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
     return tokens
 
 
+def _pad_id(tokenizer, eos_ids: set[int]) -> int:
+    """The tokenizer's pad token, else the smallest EOS id (padding is masked out either way)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+
+
+def greedy_kwargs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    pad_token_id: int,
+    eos_ids: set[int],
+    **generate_kwargs,
+) -> dict:
+    """The keywords of one greedy ``generate`` call.
+
+    The sampling knobs are cleared so a checkpoint's ``generation_config`` cannot warn about or turn
+    the measured call into sampling; ``generate_kwargs`` may add keywords but not repeat these.
+    """
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_token_id,
+        eos_token_id=sorted(eos_ids),
+        **generate_kwargs,
+    )
+
+
+def greedy_generate(
+    model, kwargs: dict, threshold: float | None, mars_kwargs: dict | None = None
+) -> tuple[torch.Tensor, int | None]:
+    """Stock ``generate`` (``threshold`` None) or MARS at τ. Returns ``(sequences, forwards)``.
+
+    ``forwards`` is MARS's own count (the prompt's included) and None for stock, whose count the
+    caller knows (one forward per generated column).
+    """
+    if threshold is None:
+        return model.generate(**kwargs), None
+    output = model.generate(
+        **kwargs, mars_threshold=float(threshold), return_dict_in_generate=True, **(mars_kwargs or {})
+    )
+    return output.sequences, int(output.num_forwards)
+
+
+def mars_block(model, block_size: int | None, mask_token_id: int | None) -> tuple[int, int]:
+    """``(block_size, mask_token_id)``: the given values, else the model's MARS config."""
+    from .mask_token import get_mars_config
+
+    mars = get_mars_config(model)
+    block_size = int(block_size or mars["block_size"])
+    return block_size, int(mask_token_id if mask_token_id is not None else mars["mask_token_id"])
+
+
+def teacher_forced_forward(
+    model, ids: Sequence[int], labels: Sequence[int], *, block_size: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One two-stream MARS forward over ``ids`` as in training: ``(tokens, labels, float32 logits, T)``.
+
+    ``labels`` (-100 on the prompt) place the mask blocks; no block is dropped, so every supervised
+    start gets its step. ``tokens`` and ``labels`` come back as 1-D tensors on the model's device;
+    the logits cover the clean stream (rows ``< T``, the clean length) then the noisy one, and the
+    caller decides what to do with the mask token's column.
+    """
+    from .attention_mask import build_mars_inputs, mars_attention_mask
+
+    device = next(model.parameters()).device
+    ids_t = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
+    labs_t = torch.as_tensor([list(labels)], dtype=torch.long, device=device)
+    attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    dtype = model.get_input_embeddings().weight.dtype
+    inputs = build_mars_inputs(
+        ids_t, None, labs_t, block_size=block_size, mask_token_id=mask_token_id, drop_target_free_blocks=False
+    )
+    logits = model(
+        input_ids=inputs.input_ids,
+        attention_mask=mars_attention_mask(inputs, attn, dtype=dtype),
+        position_ids=inputs.position_ids,
+        use_cache=False,
+    ).logits[0]
+    return ids_t[0], labs_t[0], logits.float(), inputs.clean_length
+
+
 @torch.no_grad()
 def measure_decoding(
     model,
@@ -114,38 +201,29 @@ def measure_decoding(
     if any(threshold is not None for threshold in thresholds):
         _ensure_mars_enabled(model)
     eos_ids = _eos_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    pad_id = _pad_id(tokenizer, eos_ids)
     device = next(model.parameters()).device
     runs = {run_label(threshold): DecodingRun(run_label(threshold), threshold) for threshold in thresholds}
     model.eval()
 
     def call(ids: Sequence[int], threshold: float | None):
         input_ids = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
-        kwargs = dict(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
+        kwargs = greedy_kwargs(
+            input_ids,
+            torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
             pad_token_id=pad_id,
-            eos_token_id=sorted(eos_ids),
+            eos_ids=eos_ids,
             **(generate_kwargs or {}),
         )
         if stop_sequences:
             kwargs["stopping_criteria"] = StoppingCriteriaList(
                 [StopOnSequences(tokenizer, stop_sequences, prompt_length=input_ids.shape[1])]
             )
-        if threshold is None:
-            sequences = model.generate(**kwargs)
-            tokens = _trim_at_eos(sequences[0, input_ids.shape[1] :].tolist(), eos_ids)
-            return tokens, len(tokens)  # one forward per token, the prefill yielding the first
-        output = model.generate(
-            **kwargs, mars_threshold=float(threshold), return_dict_in_generate=True, **(mars_kwargs or {})
-        )
-        tokens = _trim_at_eos(output.sequences[0, input_ids.shape[1] :].tolist(), eos_ids)
-        return tokens, int(output.num_forwards)
+        sequences, forwards = greedy_generate(model, kwargs, threshold, mars_kwargs)
+        tokens = _trim_at_eos(sequences[0, input_ids.shape[1] :].tolist(), eos_ids)
+        # stock: one forward per token, the prefill yielding the first
+        return tokens, (len(tokens) if forwards is None else forwards)
 
     if warmup and len(prompt_ids):  # first calls pay one-off costs (allocations, kernel selection)
         for threshold in thresholds:
@@ -235,14 +313,7 @@ def teacher_forced_acceptance(
     Returns ``{"tokens_per_step@τ", "accepted_correct@τ" for each τ, "clean_top1", "mask_top1": [per
     offset 2..B+1], "mask_confident@0.9": [per offset]}``.
     """
-    from .attention_mask import build_mars_inputs, mars_attention_mask
-    from .mask_token import get_mars_config
-
-    mars = get_mars_config(model)
-    block_size = int(block_size or mars["block_size"])
-    mask_token_id = int(mask_token_id if mask_token_id is not None else mars["mask_token_id"])
-    device = next(model.parameters()).device
-    attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    block_size, mask_token_id = mars_block(model, block_size, mask_token_id)
     was_training = model.training
     model.eval()
     steps = {tau: [] for tau in thresholds}
@@ -253,34 +324,14 @@ def teacher_forced_acceptance(
     offset_total = [0] * block_size
     try:
         for ids, labs in zip(sequences, labels):
-            ids_t = torch.as_tensor([list(ids)], dtype=torch.long, device=device)
-            labs_t = torch.as_tensor([list(labs)], dtype=torch.long, device=device)
-            inputs = build_mars_inputs(
-                ids_t,
-                None,
-                labs_t,
-                block_size=block_size,
-                mask_token_id=mask_token_id,
-                drop_target_free_blocks=False,
+            tokens, labs_t, logits, length = teacher_forced_forward(
+                model, ids, labs, block_size=block_size, mask_token_id=mask_token_id
             )
-            dtype = model.get_input_embeddings().weight.dtype
-            logits = (
-                model(
-                    input_ids=inputs.input_ids,
-                    attention_mask=mars_attention_mask(inputs, attn, dtype=dtype),
-                    position_ids=inputs.position_ids,
-                    use_cache=False,
-                )
-                .logits[0]
-                .float()
-            )
-            length = inputs.clean_length
             probs = logits.softmax(-1)
             confidence, prediction = probs.max(-1)
             clean_pred, noisy_pred = prediction[:length], prediction[length:]
             noisy_conf = confidence[length:]
-            tokens = ids_t[0]
-            supervised = labs_t[0] != -100
+            supervised = labs_t != -100
             for position in range(1, length):
                 if supervised[position]:
                     clean_hits += int(clean_pred[position - 1] == tokens[position])

@@ -189,37 +189,32 @@ def decode_batch(
     ``threshold`` None is stock ``generate``: one forward per generated column. MARS reports its own
     forward count (the prompt's included).
     """
-    from .evaluation import _ensure_mars_enabled, _eos_ids, _trim_at_eos
+    from .evaluation import (
+        _ensure_mars_enabled,
+        _eos_ids,
+        _pad_id,
+        _trim_at_eos,
+        greedy_generate,
+        greedy_kwargs,
+    )
 
     eos_ids = _eos_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    pad_id = _pad_id(tokenizer, eos_ids)
     device = next(model.parameters()).device
     width = max(len(ids) for ids in rows)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in rows], device=device)
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device)
-    kwargs = dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad_id,
-        eos_token_id=sorted(eos_ids),
+    kwargs = greedy_kwargs(
+        input_ids, attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_ids=eos_ids
     )
     model.eval()
     start = time.perf_counter()
-    if threshold is None:
-        sequences = model.generate(**kwargs)
-        forwards = sequences.shape[1] - width
-    else:
+    if threshold is not None:
         _ensure_mars_enabled(model)
-        extra = {"mars_acceptance": "verify"} if verify else {}
-        output = model.generate(
-            **kwargs, mars_threshold=float(threshold), return_dict_in_generate=True, **extra
-        )
-        sequences, forwards = output.sequences, int(output.num_forwards)
+    extra = {"mars_acceptance": "verify"} if verify else {}
+    sequences, forwards = greedy_generate(model, kwargs, threshold, extra)
+    if forwards is None:  # stock: one forward per generated column
+        forwards = sequences.shape[1] - width
     seconds = time.perf_counter() - start
     outputs = [_trim_at_eos(row[width:].tolist(), eos_ids) for row in sequences]
     return outputs, max(1, forwards), seconds
