@@ -19,9 +19,11 @@ import pytest
 from mars_hf.serving import BackgroundServer, ControllerConfig, ServerConfig, TauController, build_server
 from mars_hf.serving.engine import RowUpdate
 from mars_hf.serving.protocol import TextAssembler
+from mars_hf.serving.scheduler import Scheduler
 from tests.tiny import tiny_tokenizer
 
 WORD_IDS = list(range(3, 40))  # plain words of the tiny tokenizer
+HANG_GUARD_S = 60.0  # waits that only catch a hang: no verdict depends on how fast this host is
 
 
 class ScriptedEngine:
@@ -30,15 +32,29 @@ class ScriptedEngine:
     Tokens per step = 1 for τ >= 1 or verify, else 1 + round(4 * (1 - τ)) — a stand-in for MARS
     acceptance that makes lower τ faster, as on a high-acceptance model. Each step sleeps
     ``step_s`` (the cost of one batched forward, independent of the rows in it).
+
+    A queue or a race a test needs is arranged, not hoped for: steps after the first ``hold_after``
+    wait for ``release`` (set by the test, or by the engine itself once ``release_at`` requests were
+    submitted to the scheduler, accepted or refused: see the ``counted_submissions`` fixture).
     """
 
-    def __init__(self, max_rows=4, max_length=256, step_s=0.002, fail_on_step=None):
+    def __init__(
+        self, max_rows=4, max_length=256, step_s=0.002, fail_on_step=None, hold_after=None, release_at=None
+    ):
         self.max_rows, self.max_length, self.step_s = max_rows, max_length, step_s
         self.rows: dict[int, dict] = {}
         self.added, self.dropped, self.thresholds = [], [], []
         self.next_id, self.forwards, self.max_seen = 0, 0, 0
         self.fail_on_step = fail_on_step
         self.lock = threading.Lock()
+        self.hold_after, self.release_at = hold_after, release_at
+        self.release = threading.Event()
+        self.submitted = 0
+
+    def on_submit(self):
+        self.submitted += 1
+        if self.release_at is not None and self.submitted >= self.release_at:
+            self.release.set()
 
     @staticmethod
     def expected(prompt_ids, max_new_tokens):
@@ -64,6 +80,9 @@ class ScriptedEngine:
         self.forwards += 1
         if self.fail_on_step == self.forwards:
             raise RuntimeError("boom")
+        if self.hold_after is not None and self.forwards > self.hold_after:
+            if not self.release.wait(HANG_GUARD_S):
+                raise RuntimeError("the scripted engine was never released (a hang guard)")
         time.sleep(self.step_s)
         updates = []
         for rid, row in list(self.rows.items()):
@@ -102,6 +121,39 @@ class ScriptedEngine:
 @pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()
+
+
+@pytest.fixture
+def counted_submissions(monkeypatch):
+    """Tell a `ScriptedEngine` of every request handed to its scheduler (queued or refused as full)."""
+    submit = Scheduler.submit
+
+    def counted(self, request):
+        try:
+            submit(self, request)
+        finally:
+            hook = getattr(self.engine, "on_submit", None)
+            if hook is not None:
+                hook()
+
+    monkeypatch.setattr(Scheduler, "submit", counted)
+
+
+class FrozenClock:
+    """The controller's time: it passes only when the test says so (``now += seconds``)."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wait_until(condition, what: str):
+    end = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < end, f"{what} never happened (a hang guard)"
+        time.sleep(0.01)
 
 
 def start(tok, engine=None, **config):
@@ -262,8 +314,11 @@ def test_malformed_requests_are_4xx_with_a_message(tok):
         assert metric(metrics, 'mars_requests_total{outcome="bad_request"}') == len(BAD_BODIES) + 3
 
 
-def test_full_queue_is_429_with_retry_after(tok):
-    server, engine, _ = start(tok, ScriptedEngine(max_rows=1, step_s=0.02), max_queue=2)
+def test_full_queue_is_429_with_retry_after(tok, counted_submissions):
+    # No step ends before all six requests reached the scheduler: one slot and a queue of two hold
+    # two or three of them (three if the first was admitted before the third arrived), the rest are 429.
+    engine = ScriptedEngine(max_rows=1, step_s=0.02, hold_after=0, release_at=6)
+    server, engine, _ = start(tok, engine, max_queue=2)
     with server:
         url = server.base_url + "/v1/completions"
 
@@ -275,25 +330,29 @@ def test_full_queue_is_429_with_retry_after(tok):
 
         responses = asyncio.run(main())
         codes = sorted(r.status_code for r in responses)
-        assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+        assert codes.count(200) in (2, 3) and codes.count(429) == 6 - codes.count(200), codes
         busy = next(r for r in responses if r.status_code == 429)
         assert int(busy.headers["retry-after"]) >= 1 and "Retry later" in busy.json()["error"]["message"]
         assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
 
 
 def test_disconnect_mid_stream_frees_the_row(tok):
-    server, engine, scheduler = start(tok, ScriptedEngine(max_rows=2, step_s=0.01), max_new_tokens=200)
+    # Two steps run (the two chunks the client reads), then the engine holds until the server has seen
+    # the client go: the row can neither finish nor be freed first, however slow or fast the host.
+    engine = ScriptedEngine(max_rows=2, step_s=0.01, hold_after=2)
+    server, engine, scheduler = start(tok, engine, max_new_tokens=200)
     with server:
-        with httpx.Client(timeout=10) as hc:
+        with httpx.Client(timeout=HANG_GUARD_S) as hc:
             body = {"prompt": "the cat", "max_tokens": 200, "stream": True}
             with hc.stream("POST", server.base_url + "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 got = [next(lines) for _ in range(3)]
                 assert any(line.startswith("data: ") for line in got)
             # the connection is closed here, 200 tokens are far from done
-        end = time.monotonic() + 5
-        while (engine.dropped == [] or scheduler.running) and time.monotonic() < end:
-            time.sleep(0.02)
+        wait_until(lambda: any(r.cancelled for r in list(scheduler.running.values())), "the disconnect seen")
+        assert engine.dropped == [] and engine.num_rows == 1  # freed at the next step boundary, not before
+        engine.release.set()
+        wait_until(lambda: engine.dropped and not scheduler.running, "the row freed")
         assert engine.dropped == [0] and engine.num_rows == 0 and not scheduler.running
         metrics = httpx.get(server.base_url + "/metrics").text
         assert metric(metrics, "mars_running_rows") == 0
@@ -349,9 +408,15 @@ def test_controller_keeps_tau_max_at_low_load_and_lowers_it_under_pressure():
         ControllerConfig(tau_min=0.9, tau_max=0.5)
 
 
-def test_controller_lowers_tau_of_unpinned_rows_under_load_and_reports_it(tok):
+def test_controller_lowers_tau_of_unpinned_rows_under_load_and_reports_it(tok, counted_submissions):
+    """The queue is arranged (no step ends before all nine requests are in: seven or eight wait for
+    two slots, full pressure) and the controller's time is frozen (τ cannot climb back during the
+    burst), so every unpinned row is lowered, to exactly τ_min, on any host."""
     controller = ControllerConfig(tau_min=0.5, tau_max=1.0, raise_per_second=100.0)
-    server, engine, scheduler = start(tok, ScriptedEngine(max_rows=2, step_s=0.01), controller=controller)
+    engine = ScriptedEngine(max_rows=2, step_s=0.01, hold_after=0, release_at=9)
+    server, engine, scheduler = start(tok, engine, controller=controller)
+    clock = FrozenClock()
+    scheduler.controller.clock = clock
 
     async def main():
         ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
@@ -366,21 +431,27 @@ def test_controller_lowers_tau_of_unpinned_rows_under_load_and_reports_it(tok):
 
     with server:
         results = asyncio.run(main())
-        # after the burst, at low load, τ returns to τ_max
-        time.sleep(0.05)
-        client(server).completions.create(model="tiny", prompt="the", max_tokens=2)
-        assert scheduler.tau == 1.0
+        assert scheduler.tau == 0.5  # no controller time has passed: τ has not climbed back
+        burst_thresholds = list(engine.thresholds)
+        # after the burst, at low load, τ returns to τ_max: 0.01 s at 100 per second is enough
+        clock.now += 0.01
+        after = client(server).completions.create(model="tiny", prompt="the", max_tokens=2)
+        assert scheduler.tau == 1.0 and after.usage.model_dump()["mars_threshold"] == 1.0
     pinned_usage = results[0].usage.model_dump()
     assert pinned_usage["mars_threshold"] == 1.0 and pinned_usage["mars_tokens_per_forward"] == 1.0
     lowered = [r.usage.model_dump()["mars_threshold"] for r in results[1:]]
-    assert min(lowered) < 1.0  # the queue pushed τ down for rows that did not pin it
-    assert min(engine.thresholds) < 1.0
+    assert max(lowered) < 1.0  # the queue pushed τ down for every row that did not pin it
+    # rows admitted before the queue was full were lowered too, and with the controller's time frozen τ
+    # only fell during the burst, down to τ_min (a row admitted at τ = 1 may be handed that τ first)
+    fallen = [t for t in burst_thresholds if t < 1.0]
+    assert fallen == sorted(fallen, reverse=True) and fallen[-1] == 0.5, burst_thresholds
     for r, w in zip(results[1:], ("sat", "on", "the", "mat", "red", "blue", "one", "two")):
         assert r.choices[0].text == expected_text(tok, tok(f"the cat {w}")["input_ids"], 16)
 
 
-def test_metrics_under_load(tok):
-    server, engine, _ = start(tok, ScriptedEngine(max_rows=2, step_s=0.01))
+def test_metrics_under_load(tok, counted_submissions):
+    """The first step holds until all six requests are in, so /metrics shows the queue on any host."""
+    server, engine, _ = start(tok, ScriptedEngine(max_rows=2, step_s=0.01, hold_after=0))
     names = [
         "mars_queue_depth",
         "mars_running_rows",
@@ -391,7 +462,6 @@ def test_metrics_under_load(tok):
         "mars_request_latency_seconds_count",
     ]
     with server:
-        seen_running = []
 
         async def main():
             ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
@@ -399,20 +469,27 @@ def test_metrics_under_load(tok):
                 asyncio.create_task(ac.completions.create(model="tiny", prompt="x y", max_tokens=30))
                 for _ in range(6)
             ]
-            async with httpx.AsyncClient() as hc:
-                while not all(j.done() for j in jobs):
+            end = time.monotonic() + HANG_GUARD_S
+            async with httpx.AsyncClient(timeout=HANG_GUARD_S) as hc:
+                while True:  # the engine holds: this state stays until it is released
                     text = (await hc.get(server.base_url + "/metrics")).text
-                    seen_running.append((metric(text, "mars_running_rows"), metric(text, "mars_queue_depth")))
-                    await asyncio.sleep(0.02)
+                    held = (metric(text, "mars_running_rows"), metric(text, "mars_queue_depth"))
+                    if engine.submitted == 6 and sum(held) == 6:
+                        break
+                    assert time.monotonic() < end, "the six requests never reached the server (a hang guard)"
+                    await asyncio.sleep(0.01)
+            engine.release.set()
             await asyncio.gather(*jobs)
+            return held
 
-        asyncio.run(main())
+        running, queued = asyncio.run(main())
         text = httpx.get(server.base_url + "/metrics").text
         for name in names:
             metric(text, name)
         assert metric(text, "mars_request_latency_seconds_count") == 6
         assert metric(text, "mars_output_tokens_total") == 180
-        assert max(r for r, _ in seen_running) == 2 and max(q for _, q in seen_running) >= 1
+        assert running in (1, 2) and queued == 6 - running  # one or both slots taken, the rest queued
+        assert engine.max_seen == 2  # once released, both slots ran at once
 
 
 def test_engine_failure_fails_running_requests_and_the_server_lives_on(tok):
@@ -449,8 +526,18 @@ def test_graceful_shutdown_finishes_running_rows(tok):
     assert not scheduler._thread.is_alive() and scheduler.closing
 
 
-def test_loadtest_reports_every_run_and_plots(tok, tmp_path):
-    from mars_hf.serving.loadtest import LoadTestConfig, format_table, run_loadtest
+def test_loadtest_reports_every_run_and_plots(tok, tmp_path, counted_submissions, monkeypatch):
+    """Every run's queue is arranged (no step ends before its eight requests are in, two slots) and the
+    controller's time is frozen (τ goes down with pressure and cannot climb back within a run), so
+    what each mode does is the same on any host; throughput is compared in tokens per forward."""
+    from mars_hf.serving import server as server_module
+    from mars_hf.serving.loadtest import MODES, LoadTestConfig, format_table, run_loadtest
+
+    monkeypatch.setattr(
+        server_module,
+        "TauController",
+        lambda config, slots: TauController(config, slots, clock=FrozenClock()),
+    )
 
     config = LoadTestConfig(
         model="scripted",
@@ -462,7 +549,10 @@ def test_loadtest_reports_every_run_and_plots(tok, tmp_path):
         tau_max=0.75,
     )
     result = run_loadtest(
-        config, tmp_path, tokenizer=tok, engine_factory=lambda: ScriptedEngine(max_rows=2, step_s=0.004)
+        config,
+        tmp_path,
+        tokenizer=tok,
+        engine_factory=lambda: ScriptedEngine(max_rows=2, step_s=0.004, hold_after=0, release_at=8),
     )
     runs = {(r["mode"], r["rate"]): r for r in result["runs"]}
     assert len(runs) == 6 and all(r["completed"] == 8 and r["failed"] == 0 for r in runs.values())
@@ -471,8 +561,17 @@ def test_loadtest_reports_every_run_and_plots(tok, tmp_path):
         assert runs[("tau1", rate)]["agreement_with_tau1"] == 1.0
         # the scripted engine's output does not depend on τ, only its speed does
         assert runs[("controller", rate)]["agreement_with_tau1"] == 1.0
-    assert runs[("controller", 400.0)]["mean_tau"] < 0.75  # saturated: the controller went below τ_max
-    assert runs[("controller", 400.0)]["output_tokens_per_s"] > runs[("tau1", 400.0)]["output_tokens_per_s"]
+        # saturated: the controller went below τ_max, and lower τ is more tokens per forward here
+        assert runs[("controller", rate)]["mean_tau"] < 0.75
+        tokens_per_forward = {mode: runs[(mode, rate)]["mean_tokens_per_forward"] for mode in MODES}
+        assert (
+            tokens_per_forward["controller"]
+            > tokens_per_forward["fixed-max"]
+            > tokens_per_forward["tau1"]
+            == 1
+        )
+        assert all(runs[(mode, rate)]["output_tokens"] == 8 * 16 for mode in MODES)
+        assert all(runs[(mode, rate)]["output_tokens_per_s"] > 0 for mode in MODES)
     assert (tmp_path / "loadtest.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "loadtest.json").read_text())["runs"][0]["tau_trace"]
     assert "controller" in format_table(result)

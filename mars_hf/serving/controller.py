@@ -49,8 +49,11 @@ class ControllerConfig:
 class TauController:
     """Chooses the τ in force for unpinned rows from the queue depth and the oldest wait."""
 
-    def __init__(self, config: ControllerConfig, slots: int):
+    def __init__(self, config: ControllerConfig, slots: int, clock=None):
+        """``clock``: a time source (seconds) used instead of the caller's ``now``, so that a test can
+        arrange how much time passes between updates (the scheduler passes ``time.monotonic()``)."""
         self.config = config
+        self.clock = clock
         self.queue_high = config.queue_high or max(1, slots)
         self.tau = config.tau_max
         self.pressure = 0.0
@@ -67,6 +70,7 @@ class TauController:
     def update(self, queue_depth: int, oldest_wait_s: float, now: float) -> float:
         """Advance the controller to time ``now`` (seconds, monotonic) and return the τ in force."""
         target = self.target(queue_depth, oldest_wait_s)
+        now = self.clock() if self.clock is not None else now
         dt = 0.0 if self._last_time is None else max(0.0, now - self._last_time)
         self._last_time = now
         if target <= self.tau:
