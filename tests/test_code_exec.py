@@ -4,6 +4,7 @@ import dataclasses
 import glob
 import logging
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -18,8 +19,12 @@ from mars_hf.evaluation import humaneval_program, load_humaneval
 from mars_hf.metrics import load_metric
 
 GUARDS = active_guards()
-needs_netns = pytest.mark.skipif(not GUARDS["network_namespace"], reason="no network namespace here")
-needs_nobody = pytest.mark.skipif(GUARDS["unprivileged_user"] is None, reason="not root / no nobody python")
+
+
+def _require(guard: str, what: str) -> None:
+    """The suite runs as root where `unshare` works (the README's test setup): a guard missing here is a
+    failure that names it, not a skip (the fallbacks are tested on purpose, with ``no_namespaces``)."""
+    assert GUARDS[guard], f"{what} is not active here ({guard}={GUARDS[guard]!r}); see active_guards()"
 
 
 def test_humaneval_known_correct_and_known_wrong_completion():
@@ -90,8 +95,8 @@ def test_a_detached_grandchild_neither_outlives_the_call_nor_holds_it_up(main_sl
             assert result.passed, result.output
             assert took < timeout, "a program that exited waited for its detached grandchild"
         pid = int(result.output.split("grandchild")[1].split()[0])
-        if GUARDS["pid_namespace"]:  # else it survives, as the guards say (the fallback has its own test)
-            assert not _holders(marker) and not _alive(pid)
+        _require("pid_namespace", "the PID namespace")  # without it the grandchild survives (own test)
+        assert not _holders(marker) and not _alive(pid)
     finally:
         for pid in _holders(marker):
             os.kill(pid, signal.SIGKILL)
@@ -136,7 +141,12 @@ def test_memory_limit():
     assert run_program("x = bytearray(100 * 2**20)\n", memory_mb=512).passed  # below the cap it works
 
 
-def test_file_size_limit_and_private_working_folder():
+@pytest.mark.parametrize("isolated", [True, False], ids=["namespaces", "fallback"])
+def test_file_size_limit_and_private_working_folder(isolated, request):
+    if isolated:
+        _require("private_tmp_views", "the mount namespace's private /tmp")
+    else:
+        request.getfixturevalue("no_namespaces")
     name = f"mars-hf-{uuid.uuid4().hex}"
     program = (
         "import os, tempfile\n"
@@ -148,9 +158,9 @@ def test_file_size_limit_and_private_working_folder():
     assert not result.passed and "File too large" in result.output
     cwd, tmp, home = result.output.splitlines()[0].split()
     assert cwd == tmp == home
-    if GUARDS["private_tmp_views"]:  # the private folder is the program's /tmp
+    if isolated:  # the private folder is the program's /tmp
         assert cwd == "/tmp" and not os.path.exists(os.path.join("/tmp", name))
-    else:
+    else:  # a private folder under our temp folder
         assert os.path.basename(cwd).startswith("mars_hf_exec_")
     assert not glob.glob(os.path.join(tempfile.gettempdir(), "mars_hf_exec_*", name))  # removed afterwards
 
@@ -166,9 +176,9 @@ def test_environment_is_emptied():
     assert result.passed, result.output
 
 
-@needs_netns
 def test_network_namespace_blocks_even_the_raw_socket_module():
     """The in-process socket guard is bypassable (`import _socket`); the namespace is not."""
+    _require("network_namespace", "the empty network namespace")
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -191,16 +201,27 @@ def test_network_namespace_blocks_even_the_raw_socket_module():
     assert result.passed and "blocked" in result.output, result.output
 
 
-@needs_nobody
-def test_runs_unprivileged_cannot_write_our_files_and_process_count_is_capped(tmp_path):
-    ours = tmp_path / "ours.txt"
-    ours.write_text("keep")
-    os.chmod(tmp_path, 0o755)
-    result = run_program(f"import os\nprint(os.getuid())\nopen({str(ours)!r}, 'a').write('x')\n")
-    hidden = GUARDS["private_tmp_views"] and str(ours).startswith("/tmp/")  # /tmp is the program's own
-    assert not result.passed and ("FileNotFoundError" if hidden else "PermissionError") in result.output
-    assert result.output.splitlines()[0] == str(code_execution.NOBODY_UID)
-    assert ours.read_text() == "keep"
+def test_runs_unprivileged_cannot_write_our_files_and_process_count_is_capped():
+    """As nobody: our file outside the private views is visible but not writable; one under /tmp is not
+    even visible (the program's /tmp is its own folder)."""
+    _require("unprivileged_user", "running as nobody")
+    _require("private_tmp_views", "the mount namespace's private /tmp")
+    outside = tempfile.mkdtemp(prefix="mars-hf-ours-", dir=os.path.dirname(os.path.abspath(__file__)))
+    inside = tempfile.mkdtemp(prefix="mars-hf-ours-", dir="/tmp")
+    try:
+        for folder, error in ((outside, "PermissionError"), (inside, "FileNotFoundError")):
+            ours = os.path.join(folder, "ours.txt")
+            with open(ours, "w") as handle:
+                handle.write("keep")
+            os.chmod(folder, 0o755)
+            result = run_program(f"import os\nprint(os.getuid())\nopen({ours!r}, 'a').write('x')\n")
+            assert not result.passed and error in result.output, (folder, result.output)
+            assert result.output.splitlines()[0] == str(code_execution.NOBODY_UID)
+            with open(ours) as handle:
+                assert handle.read() == "keep"
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+        shutil.rmtree(inside, ignore_errors=True)
     fork = "import subprocess\nps = [subprocess.Popen(['sleep', '5']) for _ in range(40)]\n"
     result = run_program(fork, max_processes=8, timeout=20)
     assert not result.passed and (
