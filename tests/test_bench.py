@@ -12,6 +12,7 @@ import statistics
 import pytest
 import torch
 
+from mars_hf import cost_model
 from mars_hf.bench import (
     BenchArguments,
     BenchConfiguration,
@@ -21,6 +22,7 @@ from mars_hf.bench import (
     prepare_inputs,
     run_benchmark,
 )
+from mars_hf.cost_model import CostTable
 from mars_hf.synthetic import synthetic_examples, synthetic_pair, synthetic_prompts, synthetic_tokenizer
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -92,7 +94,16 @@ def tiny_result():
         warmup=0,
         cost_repeats=1,
     )
-    result = run_benchmark(model, tokenizer, PROMPTS, args, model_name="tiny-llama", progress=False)
+    # The planner's rows plan on a fixed curve, not this host's measured one (issue 21): a curve under
+    # which they mix drafts-only steps and groups of several widths, the same on any machine.
+    curve = {1: 1.0, 2: 1.02, 3: 1.05, 4: 1.3, 6: 3.0}
+
+    def fixed(model, *, batch, sizes, mask_token_id, **_):
+        return CostTable.from_mapping(curve, "measured", batch)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost_model, "measure", fixed)
+        result = run_benchmark(model, tokenizer, PROMPTS, args, model_name="tiny-llama", progress=False)
     return model, tokenizer, args, result
 
 
@@ -138,7 +149,7 @@ def test_bench_rows_and_fields(tiny_result):
         assert sum(row["plan_counts"].values()) >= row["num_forwards"]  # one choice per row and step
         if row["layout"] == "auto":
             curve = {int(n): c for n, c in row["cost_curve"].items()}
-            assert curve[1] == 1.0 and min(curve) == 1 and len(curve) > 1
+            assert curve == {1: 1.0, 2: 1.02, 3: 1.05, 4: 1.3, 6: 3.0}  # what the decoder was given
             assert set(row["plan_counts"]) <= {"plain", "drafts", "linear", "quadratic"}
         else:
             assert set(row["plan_counts"]) == {"fixed"}

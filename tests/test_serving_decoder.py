@@ -8,6 +8,7 @@ loopback; concurrent requests with different τ / verify share the batch and mus
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import openai
 import pytest
@@ -143,6 +144,22 @@ def test_synthetic_controller_lowers_tau_under_load_and_keeps_tau_max_at_low_loa
             model="syn", messages=[{"role": "user", "content": prompts[0]}], max_tokens=40
         )
         assert alone.usage.model_dump()["mars_threshold"] == 0.95  # low load: τ_max
+        # The burst's queue is arranged, not hoped for: no step ends before all 16 requests are in.
+        release, submit, step = threading.Event(), scheduler.submit, scheduler.engine.step
+        submitted = []
+
+        def counted(request):
+            submit(request)
+            submitted.append(request)
+            if len(submitted) == len(prompts):
+                release.set()
+
+        def held():
+            if not release.wait(60):  # a hang guard
+                raise RuntimeError("the burst never reached the server")
+            return step()
+
+        scheduler.submit, scheduler.engine.step = counted, held
         results = asyncio.run(
             burst(openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0))
         )

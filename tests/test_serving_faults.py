@@ -350,9 +350,12 @@ def test_drain_finishes_running_rows_and_answers_new_and_queued_requests_503():
 
 
 def test_drain_past_the_grace_period_ends_every_request_properly():
-    """Issue 19's probe: rows still running when the grace ends got plain-text 500s and cut streams."""
+    """Issue 19's probe: rows still running when the grace ends got plain-text 500s and cut streams.
+
+    The engine's steps are held until the drain has begun, so no row can finish first on any host (200
+    tokens a row; past the grace of 0 s the next step boundary ends every running row)."""
     tok = tiny_tokenizer()
-    engine = ScriptedEngine(max_rows=4, max_length=256, step_s=0.05)  # 200 tokens: 10 s a row
+    engine = GatedEngine(max_rows=4, max_length=256, step_s=0.0)
     app, scheduler = _scripted_server(tok, engine, grace_s=0.0)
     jobs = [
         ("/v1/chat/completions" if i % 3 else "/v1/completions",
@@ -365,9 +368,16 @@ def test_drain_past_the_grace_period_ends_every_request_properly():
     server = BackgroundServer(app).start()
     log, watched = _watch_logs()
     try:
-        classes = drain_under_load(server.base_url, jobs, server.terminate, timeout_s=HANG_GUARD_S)
+
+        def trigger():
+            server.terminate()
+            wait_until(lambda: scheduler.closing, what="the drain")
+            engine.gate.set()  # the held step ends; the next step boundary is past the grace
+
+        classes = drain_under_load(server.base_url, jobs, trigger, timeout_s=HANG_GUARD_S)
         server.thread.join(HANG_GUARD_S)
     finally:
+        engine.gate.set()
         for logger in watched:
             logger.removeHandler(log)
         server.stop()
@@ -379,13 +389,26 @@ def test_drain_past_the_grace_period_ends_every_request_properly():
 
 
 SIGTERM_SCRIPT = """
-import sys
+import os, sys, time
 from mars_hf.serving import ServerConfig, ControllerConfig, build_server
 from mars_hf.serving.server import run_app
 from tests.test_serving import ScriptedEngine
 from tests.tiny import tiny_tokenizer
 
-engine = ScriptedEngine(max_rows=4, max_length=256, step_s=0.05)
+
+class HeldEngine(ScriptedEngine):
+    # steps wait until the test creates the file argv[2] (after SIGTERM): no row finishes before it
+
+    def step(self):
+        end = time.monotonic() + 60
+        while not os.path.exists(sys.argv[2]):
+            if time.monotonic() > end:
+                raise RuntimeError("the test never released the engine (a hang guard)")
+            time.sleep(0.01)
+        return super().step()
+
+
+engine = HeldEngine(max_rows=4, max_length=256, step_s=0.05)  # then 200 tokens: 10 s, past the grace
 config = ServerConfig(model_id="tiny", max_length=256, max_new_tokens=200, shutdown_grace_s=0.5,
                       controller=ControllerConfig(tau_min=1.0, tau_max=1.0, enabled=False))
 app, _ = build_server(engine, tiny_tokenizer(), config)
@@ -398,11 +421,12 @@ def test_sigterm_under_load_in_a_real_serve_process(tmp_path):
     """The real signal path (uvicorn's handler in the main thread): answers classified, no traceback."""
     port = free_port()
     log_path = tmp_path / "serve.log"
+    release = tmp_path / "release"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": root}
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-c", SIGTERM_SCRIPT, str(port)],
+            [sys.executable, "-c", SIGTERM_SCRIPT, str(port), str(release)],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
@@ -421,9 +445,19 @@ def test_sigterm_under_load_in_a_real_serve_process(tmp_path):
         wait_until(up, what="the server to come up")
         jobs = [("/v1/completions", {"prompt": f"the {i}", "max_tokens": 200, "stream": i % 2 == 0}, i % 2 == 0)
                 for i in range(16)]  # fmt: skip
-        classes = drain_under_load(
-            base, jobs, lambda: process.send_signal(signal.SIGTERM), timeout_s=HANG_GUARD_S
-        )
+
+        def draining():
+            try:
+                return httpx.get(base + "/health", timeout=2).status_code != 200
+            except httpx.TransportError:
+                return True
+
+        def trigger():
+            process.send_signal(signal.SIGTERM)
+            wait_until(draining, what="the drain to begin")
+            release.touch()  # the held steps go on; the 0.5 s grace ends long before any row could
+
+        classes = drain_under_load(base, jobs, trigger, timeout_s=HANG_GUARD_S)
         process.wait(timeout=HANG_GUARD_S)
     finally:
         if process.poll() is None:
