@@ -156,6 +156,8 @@ def verify_sampled(
     ``proposal=None``: deterministic drafts (prompt lookup), q is one-hot: keep ``d`` with probability
     ``p(d)``, on rejection draw from ``p`` without ``d``.
     """
+    if proposal is not None and proposal.shape[-1] < target.shape[-1]:  # a draft model without the mask row
+        proposal = torch.nn.functional.pad(proposal, (0, target.shape[-1] - proposal.shape[-1]))
     for j, draft in enumerate(drafts):
         p = target[j, draft]
         q = proposal[j, draft] if proposal is not None else 1.0

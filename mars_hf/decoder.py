@@ -30,7 +30,7 @@ from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, StepDecisions, one_to
 from .cache import MARSBlockCache, make_scheme
 from .calibration import calibration_for
 from .cost_model import cost_table
-from .draft_sources import LOOKUP, MASKS, lookup_drafts
+from .draft_sources import ASSISTANT, LOOKUP, MASKS, lookup_drafts
 from .layouts import LAYOUT_CHOICES, idle_plan, pack, plan_row, position_limit
 from .planner import AUTO, FIXED, THRESHOLD, AcceptanceStats, RowChoice, RowSpec, choose
 
@@ -138,6 +138,11 @@ class _Row:
         self.draft_source = MASKS  # where ``drafts`` came from
         lookup = settings.prompt_lookup_num_tokens if self.verify else None
         self.lookup_stats = _LookupStats(int(lookup)) if lookup else None  # prompt lookup's acceptance
+        self.assistant_stats = None  # an assistant model's acceptance (set by the decoder that has one)
+
+    def source_stats(self, source: str):
+        """The acceptance statistics of a draft source other than the masks."""
+        return self.lookup_stats if source == LOOKUP else self.assistant_stats
 
     @property
     def generated(self) -> int:
@@ -194,8 +199,12 @@ class MARSBatchDecoder:
         cost_probe: bool = True,
         kv_cache: MARSBlockCache | None = None,
         stopping_criteria=None,
+        assistant_model=None,
+        assistant_tokens: int = 5,
     ):
         self.model = model
+        self.assistant = assistant_model  # verify rows also get a draft model's drafts (MARS_SPEC §5)
+        self.assistant_tokens = int(assistant_tokens)
         self.device = model.device
         self.window = window
         self.mask_token_id = mask_token_id
@@ -277,6 +286,8 @@ class MARSBatchDecoder:
         )
         if settings.max_new_tokens <= 0:
             row.finished = True
+        if self.assistant is not None and verify:
+            row.assistant_stats = _LookupStats(self.assistant_tokens)
         self.joining.append(row)
         return row_id
 
@@ -389,6 +400,9 @@ class MARSBatchDecoder:
         cheapest measured width at least as wide as it needs (the padding replaces a fixed minimum).
         """
         plans, specs = [], []
+        if self.assistant is not None:
+            assisted = [r for r, d in zip(rows, deciding) if d and r.assistant_stats is not None]
+            self._assistant_drafts(assisted, len(rows))
         for row, decides in zip(rows, deciding):
             if decides and row.lookup_stats is not None:
                 self._pick_drafts(row, len(rows))
@@ -472,8 +486,8 @@ class MARSBatchDecoder:
         """Chance that each draft in hand is kept given the ones before it. Prompt lookup's: its
         observed acceptance per offset. Sampled mask drafts: the masks' observed acceptance, not the
         drafts' own probabilities (feeding a sampled draft because of its value would bias the output)."""
-        if row.draft_source == LOOKUP:
-            return row.lookup_stats.future()[: len(row.drafts)]
+        if row.draft_source != MASKS:
+            return row.source_stats(row.draft_source).future()[: len(row.drafts)]
         if row.do_sample:
             return row.stats.future()[: len(row.drafts)]
         return row.stats.calibrated(row.draft_confidence[: len(row.drafts)])
@@ -501,6 +515,58 @@ class MARSBatchDecoder:
         mine = self._draft_value(row, row.lookup_stats.future()[: len(found)], table)
         if mine > (self._draft_value(row, self._draft_probs(row), table) if row.drafts else 0.0):
             row.drafts, row.draft_confidence, row.proposal, row.draft_source = found, [], None, LOOKUP
+
+    @torch.no_grad()
+    def _assistant_drafts(self, rows, batch: int) -> None:
+        """MARS_SPEC §5: a draft model proposes ``assistant_tokens`` tokens after each row's tokens (one
+        batched stock ``generate`` call, left-padded; greedy rows greedily, sampled rows sampled with
+        their distributions kept as the proposals q); a row takes them instead of its masks' drafts
+        when they are worth more net of cost (``_draft_value``). The planner then feeds them with mask
+        groups after them (quadratic: fresh mask drafts after whatever prefix is kept)."""
+        for do_sample in (False, True):
+            group = [r for r in rows if r.do_sample == do_sample and not (r.stats.probing and r.drafts)]
+            rooms = [min(r.settings.max_new_tokens - r.generated - 1, self._room(r)[1]) for r in group]
+            group = [(r, room) for r, room in zip(group, rooms) if room > 0]
+            if not group:
+                continue
+            longest = max(len(r.tokens) for r, _ in group)
+            pad = self.pad_token_id
+            ids = [[pad] * (longest - len(r.tokens)) + r.tokens for r, _ in group]
+            ids = torch.tensor(ids, device=self.device)
+            mask = torch.tensor(
+                [[0] * (longest - len(r.tokens)) + [1] * len(r.tokens) for r, _ in group], device=self.device
+            )
+            sampling = {"top_k": 0, "top_p": 1.0, "temperature": 1.0} if do_sample else {}
+            out = self.assistant.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=self.assistant_tokens,
+                min_new_tokens=0,
+                do_sample=do_sample,
+                pad_token_id=pad,
+                eos_token_id=None,  # every row proposes its tokens; verify stops at an EOS it keeps
+                return_dict_in_generate=True,
+                output_scores=do_sample,
+                **sampling,
+            )
+            new = out.sequences[:, longest:].tolist()
+            table = self._cost_table(batch)
+            for b, (row, room) in enumerate(group):
+                drafts = new[b][:room]
+                for j, token in enumerate(drafts):
+                    if token in row.eos:
+                        drafts = drafts[: j + 1]
+                        break
+                value = self._draft_value(row, row.assistant_stats.future()[: len(drafts)], table)
+                current = self._draft_value(row, self._draft_probs(row), table) if row.drafts else 0.0
+                if drafts and value > current:
+                    proposal = None
+                    if do_sample:
+                        proposal = torch.stack(
+                            [torch.softmax(out.scores[j][b].float(), -1) for j in range(len(drafts))]
+                        ).to(self.device)
+                    row.drafts, row.draft_confidence, row.proposal = drafts, [], proposal
+                    row.draft_source = ASSISTANT
 
     @staticmethod
     def _draft_value(row, probs, table) -> float:
@@ -543,14 +609,14 @@ class MARSBatchDecoder:
         """Update the planner's view of each row it served: acceptance per offset, gain, re-probes
         (prompt lookup's acceptance apart from the masks', whatever the layout)."""
         for i, (row, spec, choice) in enumerate(zip(rows, specs, choices)):
-            if i in outcome and sources[i] == LOOKUP:
-                row.lookup_stats.observe(checked[i], outcome[i][2])
+            if i in outcome and sources[i] != MASKS:
+                row.source_stats(sources[i]).observe(checked[i], outcome[i][2])
             if spec.kind == FIXED or i not in outcome:
                 continue
             tokens, _, kept_drafts, _ = outcome[i]
             stats = row.stats
             if spec.kind == AUTO:
-                if sources[i] != LOOKUP:  # lookup's acceptance was counted above
+                if sources[i] == MASKS:  # the other sources' acceptance was counted above
                     stats.observe(choice.drafts, kept_drafts, fed_confidence[i])
                 if choice.masks and row.draft_confidence and not row.do_sample:
                     # what this step's masks proposed values fresh drafts, checked or not (greedy only:

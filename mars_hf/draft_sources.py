@@ -16,7 +16,8 @@ from collections.abc import Collection, Sequence
 
 LOOKUP = "lookup"  # the prompt-lookup source's name in statistics (``MARSGenerateOutput``, serving usage)
 MASKS = "masks"  # the masks' own drafts
-SOURCES = (MASKS, LOOKUP)
+ASSISTANT = "assistant"  # a separate draft model's (``assistant_model=``, MARS_SPEC §5)
+SOURCES = (MASKS, LOOKUP, ASSISTANT)
 DEFAULT_MAX_NGRAM = 2  # transformers' default ``max_matching_ngram_size``
 
 

@@ -338,6 +338,7 @@ def mars_generate(
     mars_cost_table: dict | None = None,
     mars_cost_probe: bool | None = None,
     mars_streamer=None,
+    mars_assistant_model=None,
     **model_kwargs,
 ):
     """MARS decoding loop for ``generate(custom_generate=mars_generate, mars_threshold=τ, ...)``.
@@ -378,6 +379,9 @@ def mars_generate(
             the process, and on disk under ``$MARS_HF_COST_CACHE`` when set).
         mars_streamer: the streamer (the MARS entry points pass it here because transformers does not
             forward ``streamer`` to custom decoding functions).
+        mars_assistant_model: ``generate(assistant_model=...)`` (moved here by the entry points): a draft
+            model with the same tokenizer, verify only; it proposes ``num_assistant_tokens`` drafts per
+            step beside the masks' (MARS_SPEC §5).
     """
     generation_config = generation_config if generation_config is not None else model.generation_config
     prompt_already_streamed = False
@@ -461,6 +465,12 @@ def mars_generate(
     sequences[:, :prompt_length] = input_ids
     processing = ScoreProcessing(logits_processor, sequences)
     lookup, ngram = _prompt_lookup(generation_config, acceptance)
+    if mars_assistant_model is not None and acceptance != "verify":
+        raise ValueError(
+            "An `assistant_model` proposes drafts that only verified decoding checks; add "
+            "`mars_acceptance='verify'`, or drop the MARS settings for transformers' assisted decoding."
+        )
+    assistant_tokens = getattr(generation_config, "num_assistant_tokens", None) or 5
     one_token = all(one_token_per_step(acceptance, tau) for tau in taus)
     decoder = MARSBatchDecoder(
         model,
@@ -478,6 +488,8 @@ def mars_generate(
         cost_probe=values["mars_cost_probe"] is not False,
         kv_cache=user_cache,
         stopping_criteria=other_criteria if len(other_criteria) else None,
+        assistant_model=mars_assistant_model,
+        assistant_tokens=int(assistant_tokens),
     )
     return_dict = bool(generation_config.return_dict_in_generate)
     keep_scores = return_dict and bool(generation_config.output_scores)
@@ -689,12 +701,6 @@ def _refuse_rerouting(kwargs, call_config) -> None:
             "which would decode without MARS. Drop it (MARS keeps its own per-row cache), or serve with "
             "`mars-hf serve`, which batches continuously with MARS."
         )
-    if kwargs.get("assistant_model") is not None:
-        raise ValueError(
-            "MARS decoding does not combine with an `assistant_model` yet; use `mars_acceptance='verify'` "
-            "(drafts from the model's own masks), with `prompt_lookup_num_tokens=k` for n-gram drafts too, "
-            "or drop the MARS settings for transformers' assisted decoding."
-        )
 
 
 def _route_to_mars(model, args, kwargs, values=None):
@@ -707,6 +713,8 @@ def _route_to_mars(model, args, kwargs, values=None):
     _stop_strings_as_criteria(model, args, kwargs)
     kwargs.update({key: value for key, value in values.items() if value is not None})
     kwargs["mars_streamer"] = kwargs.pop("streamer", None)
+    # transformers hands a custom decoding function only its own keywords: the draft model travels as one
+    kwargs["mars_assistant_model"] = kwargs.pop("assistant_model", None)
     return GenerationMixin.generate(model, *args, custom_generate=mars_generate, **kwargs)
 
 
