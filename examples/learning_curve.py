@@ -78,12 +78,15 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--held-out-data", required=True, help="JSONL of self-distilled answers not trained on.")
+    parser.add_argument(
+        "--held-out-data", required=True, help="JSONL of self-distilled answers not trained on."
+    )
     parser.add_argument("--num-examples", type=int, default=64, help="Teacher-forced answers.")
     parser.add_argument("--num-prompts", type=int, default=8, help="Held-out prompts decoded.")
     parser.add_argument("--prompt-seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--only", default=None, help="Comma-separated checkpoint steps to evaluate.")
+    parser.add_argument("--no-decode", action="store_true", help="Teacher-forced numbers only (fast).")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
 
@@ -93,8 +96,14 @@ def main() -> None:
     eos = [tokenizer.eos_token_id]
     prompts = held_out_prompts(args.num_prompts, seed=args.prompt_seed)
     prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
-    references = [decode(base, ids, eos, max_new_tokens=args.max_new_tokens)[0] for ids in prompt_ids]
-    rows = [json.loads(line) for line in Path(args.held_out_data).read_text().splitlines()[: args.num_examples]]
+    references = (
+        []
+        if args.no_decode
+        else [decode(base, ids, eos, max_new_tokens=args.max_new_tokens)[0] for ids in prompt_ids]
+    )
+    rows = [
+        json.loads(line) for line in Path(args.held_out_data).read_text().splitlines()[: args.num_examples]
+    ]
     results = json.loads(args.output.read_text()) if args.output.exists() else []
     done = {entry["checkpoint"] for entry in results}
     only = {int(step) for step in args.only.split(",")} if args.only else None
@@ -108,7 +117,12 @@ def main() -> None:
             model, [row["input_ids"] for row in rows], [row["labels"] for row in rows], thresholds=(0.9,)
         )
         entry = {"checkpoint": label, "teacher_forced": forced}
-        for name, kwargs in (("verify", {"mars_acceptance": "verify"}), ("tau0.9", {"mars_threshold": 0.9})):
+        runs = (
+            ()
+            if args.no_decode
+            else (("verify", {"mars_acceptance": "verify"}), ("tau0.9", {"mars_threshold": 0.9}))
+        )
+        for name, kwargs in runs:
             tokens = forwards = 0
             agreement, identical = [], 0
             for ids, reference in zip(prompt_ids, references):

@@ -21,7 +21,9 @@ COLUMNS = ("messages", "input_ids", "labels", "completion_mask", "ends_with_eos"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="embedded", help="Model folder or Hub id (default: embedded SmolLM2).")
+    parser.add_argument(
+        "--model", default="embedded", help="Model folder or Hub id (default: embedded SmolLM2)."
+    )
     parser.add_argument("--out", required=True, help="JSONL file to write (TRL-ready, already tokenized).")
     parser.add_argument("--num-prompts", type=int, default=1024, help="Training-split prompts to answer.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the prompt draw.")
@@ -62,7 +64,10 @@ def run(args: argparse.Namespace) -> int:
                 handle.write(json.dumps({name: row[name] for name in COLUMNS}) + "\n")
             handle.flush()
             logger.warning(
-                "distill: %d/%d prompts (%.1f min)", index + len(chunk), len(prompts), (time.monotonic() - start) / 60
+                "distill: %d/%d prompts (%.1f min)",
+                index + len(chunk),
+                len(prompts),
+                (time.monotonic() - start) / 60,
             )
     partial.replace(out)
     print(f"Wrote {len(prompts)} self-distilled answers to {out}.")
