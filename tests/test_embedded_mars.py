@@ -173,7 +173,8 @@ def test_the_shipped_folder_is_package_data():
     files = [
         p.relative_to(REPO_ROOT / "mars_hf").as_posix() for p in EMBEDDED_MARS_DIR.rglob("*") if p.is_file()
     ]
-    assert {"adapter_model.safetensors", "adapter_config.json", "mars_config.json", "README.md"} <= set(files)
+    needed = {"adapter_model.safetensors", "adapter_config.json", "mars_config.json", "README.md"}
+    assert {f"embedded_mars/{name}" for name in needed} <= set(files)
     assert all(any(fnmatch.fnmatch(f, pattern) for pattern in patterns) for f in files)
     size = sum(p.stat().st_size for p in EMBEDDED_MARS_DIR.rglob("*") if p.is_file())
     assert size < 100 * 2**20  # tens of MB at most
