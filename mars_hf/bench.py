@@ -675,6 +675,14 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def planner_choices(row: dict) -> tuple[str, str]:
+    """``(widths, plans)`` of one MARS row as text: forwards by columns per row (``width:count``) and the
+    planner's choices per row-step (``name count``); shared by `bench` and `gpu-check` tables."""
+    widths = " ".join(f"{w}:{n}" for w, n in row["width_histogram"].items())
+    plans = ", ".join(f"{k} {n}" for k, n in sorted((row.get("plan_counts") or {}).items()))
+    return widths, plans
+
+
 def format_planner(result: dict) -> list[str]:
     """Per MARS row: columns per row fed by each forward (histogram) and the planner's choices; per
     batch size, the cost curve the decoder measured (the planner's input)."""
@@ -683,8 +691,7 @@ def format_planner(result: dict) -> list[str]:
     for row in result["rows"]:
         if row["scheme"] == "stock" or not row.get("width_histogram"):
             continue
-        widths = " ".join(f"{w}:{n}" for w, n in row["width_histogram"].items())
-        plans = ", ".join(f"{k} {n}" for k, n in sorted((row.get("plan_counts") or {}).items()))
+        widths, plans = planner_choices(row)
         label = f"{row['batch']:>5} {_rule(row):>6} {row['scheme']:<7}"
         lines.append(f"{label} widths {widths}" + (f"; plans: {plans}" if plans else ""))
         if row.get("drafts_by_source"):

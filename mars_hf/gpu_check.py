@@ -34,7 +34,14 @@ from functools import partial
 
 import torch
 
-from .bench import BenchConfiguration, ForwardCounter, _summarise, count_generated_tokens, run_once
+from .bench import (
+    BenchConfiguration,
+    ForwardCounter,
+    _summarise,
+    count_generated_tokens,
+    planner_choices,
+    run_once,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -1233,8 +1240,7 @@ def _planner_lines(result: dict) -> list[str]:
     for row in result["rows"]:
         if row["scheme"] == "stock" or not row.get("width_histogram"):
             continue
-        widths = " ".join(f"{w}:{n}" for w, n in row["width_histogram"].items())
-        plans = ", ".join(f"{k} {n}" for k, n in sorted((row.get("plan_counts") or {}).items()))
+        widths, plans = planner_choices(row)
         lines.append(f"{row['model']:<13} {row['rate']:>4.2f} {row['batch']:>5} {row['label']:<24} {widths}; {plans}")
         if row.get("cost_curve"):
             curves.setdefault((row["model"], row["batch"]), row["cost_curve"])
