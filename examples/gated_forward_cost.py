@@ -1,7 +1,7 @@
 """What the mask gate costs: a gated checkpoint's forward of n rows against the base model's (issue 22 item 4).
 
 Loads the embedded SmolLM2-135M-Instruct twice, once plain (the base) and once with a mask-gated LoRA
-attached by the shipped loader (``mars_hf.gated_lora.attach_shipped_adapter``, what a checkpoint's
+attached by the shipped loader (``mars_hf.decoding.gated_lora.attach_shipped_adapter``, what a checkpoint's
 ``custom_generate/`` runs): ``--checkpoint`` (a gated adapter folder, or ``embedded-mars``), or by default
 a random-initialised gated LoRA r = 32 on all 210 linear layers (written to a temporary folder in the
 checkpoint format; its numbers do not matter, only its cost). ``--variants`` can add ``hooks``: the same
@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mars_hf import gated_lora
-from mars_hf.embedded_model import embedded_model_dir, resolve_model_path
+from mars_hf.decoding import gated_lora
+from mars_hf.models.embedded_model import embedded_model_dir, resolve_model_path
 
 INTERESTING_FLAGS = (
     "avx2",

@@ -71,10 +71,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mars_hf import AutoMARSModelForCausalLM
-    from mars_hf.data import chat_prompt_ids
-    from mars_hf.embedded_model import embedded_model_dir
-    from mars_hf.evaluation import teacher_forced_acceptance
-    from mars_hf.prompts import held_out_prompts
+    from mars_hf.evaluation.runs import teacher_forced_acceptance
+    from mars_hf.models.embedded_model import embedded_model_dir
+    from mars_hf.training.data import chat_prompt_ids
+    from mars_hf.training.prompts import held_out_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)

@@ -140,8 +140,8 @@ def measure(args_dict: dict, mode: str, regime: str, queue) -> None:
     from trl import SFTConfig, SFTTrainer
 
     from mars_hf import MARSConfig, MARSTrainer
-    from mars_hf.attention_mask import build_mars_inputs
-    from mars_hf.embedded_model import resolve_model_path
+    from mars_hf.models.embedded_model import resolve_model_path
+    from mars_hf.training.attention_mask import build_mars_inputs
 
     args = argparse.Namespace(**args_dict)
     torch.manual_seed(0)

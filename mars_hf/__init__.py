@@ -9,22 +9,22 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "MARSConfig": "mars_hf.config",
-    "MARSTrainer": "mars_hf.trainer",
-    "MARSDataCollator": "mars_hf.trainer",
-    "mars_generate": "mars_hf.generation",
-    "MARSGenerationMixin": "mars_hf.generation",
-    "MARSGenerateOutput": "mars_hf.generation",
-    "enable_mars": "mars_hf.generation",
-    "MARSBatchDecoder": "mars_hf.decoder",
-    "RowSettings": "mars_hf.decoder",
-    "MARSBlockCache": "mars_hf.cache",
-    "AutoMARSModelForCausalLM": "mars_hf.modeling",
-    "add_mask_token": "mars_hf.mask_token",
-    "get_mars_config": "mars_hf.mask_token",
-    "set_mars_config": "mars_hf.mask_token",
-    "self_distill": "mars_hf.data",
-    "embedded_mars_checkpoint": "mars_hf.embedded_model",
+    "MARSConfig": "mars_hf.training.config",
+    "MARSTrainer": "mars_hf.training.trainer",
+    "MARSDataCollator": "mars_hf.training.trainer",
+    "mars_generate": "mars_hf.decoding.generation",
+    "MARSGenerationMixin": "mars_hf.decoding.generation",
+    "MARSGenerateOutput": "mars_hf.decoding.generation",
+    "enable_mars": "mars_hf.decoding.generation",
+    "MARSBatchDecoder": "mars_hf.decoding.decoder",
+    "RowSettings": "mars_hf.decoding.decoder",
+    "MARSBlockCache": "mars_hf.decoding.cache",
+    "AutoMARSModelForCausalLM": "mars_hf.models.modeling",
+    "add_mask_token": "mars_hf.models.mask_token",
+    "get_mars_config": "mars_hf.models.mask_token",
+    "set_mars_config": "mars_hf.models.mask_token",
+    "self_distill": "mars_hf.training.data",
+    "embedded_mars_checkpoint": "mars_hf.models.embedded_model",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

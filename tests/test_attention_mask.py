@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mars_hf.attention_mask import (
+from mars_hf.training.attention_mask import (
     build_mars_inputs,
     check_attn_implementation,
     dense_mars_mask,

@@ -12,8 +12,9 @@ import statistics
 import pytest
 import torch
 
-from mars_hf import cost_model
-from mars_hf.bench import (
+from mars_hf.decoding import cost_model
+from mars_hf.decoding.cost_model import CostTable
+from mars_hf.tools.bench import (
     BenchArguments,
     BenchConfiguration,
     build_configurations,
@@ -22,8 +23,7 @@ from mars_hf.bench import (
     prepare_inputs,
     run_benchmark,
 )
-from mars_hf.cost_model import CostTable
-from mars_hf.synthetic import synthetic_examples, synthetic_pair, synthetic_prompts, synthetic_tokenizer
+from mars_hf.tools.synthetic import synthetic_examples, synthetic_pair, synthetic_prompts, synthetic_tokenizer
 from tests.tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = ["the cat sat on the mat", "one two three", "hello world print x", "a red dog is not blue"]
@@ -51,7 +51,7 @@ def test_count_generated_tokens_stops_at_first_eos():
 
 
 def test_prepare_batches_cover_every_prompt(tokenizer):
-    from mars_hf.bench import prepare_batches
+    from mars_hf.tools.bench import prepare_batches
 
     batches = prepare_batches(tokenizer, PROMPTS, 3)
     assert [b["input_ids"].shape[0] for b in batches] == [3, 3]
@@ -79,7 +79,7 @@ def test_prepare_inputs_left_pads_chat_prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def tiny_result():
-    from mars_hf.generation import enable_mars
+    from mars_hf.decoding.generation import enable_mars
 
     tokenizer = tiny_tokenizer()
     model = tiny_model("llama", dtype=torch.float32, tokenizer=tokenizer)
@@ -314,8 +314,8 @@ def test_synthetic_language_is_a_function_of_the_prompt():
 def test_synthetic_model_accepts_several_tokens_per_forward(tmp_path):
     """MARSTrainer on the synthetic language (about a minute) gives a model MARS accelerates, and
     what it accepts is still the right answer."""
-    from mars_hf.generation import enable_mars
-    from mars_hf.synthetic import train_synthetic_model
+    from mars_hf.decoding.generation import enable_mars
+    from mars_hf.tools.synthetic import train_synthetic_model
 
     model, tokenizer = train_synthetic_model(tmp_path / "synthetic")
     assert model.config.mars["block_size"] == 4
@@ -343,7 +343,7 @@ def test_synthetic_model_accepts_several_tokens_per_forward(tmp_path):
 
 
 def test_load_prompts_from_text_and_jsonl(tmp_path):
-    from mars_hf.bench import load_prompts
+    from mars_hf.tools.bench import load_prompts
 
     text = tmp_path / "prompts.txt"
     text.write_text("first prompt\n\nsecond prompt\n")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config
 
-from mars_hf.cache import BlockScheme, MARSBlockCache, MARSCacheLayer
+from mars_hf.decoding.cache import BlockScheme, MARSBlockCache, MARSCacheLayer
 from tests.test_generation import PROMPTS, SCHEMES, _batch, _generated, peaked_model
 from tests.tiny import tiny_tokenizer
 

@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from mars_hf.calibration import ConfidenceCalibration, calibration_disabled, calibration_for, interpolate
-from mars_hf.calibration_fit import (
+from mars_hf.decoding.calibration import (
+    ConfidenceCalibration,
+    calibration_disabled,
+    calibration_for,
+    interpolate,
+)
+from mars_hf.decoding.generation import enable_mars
+from mars_hf.training.calibration_fit import (
     collect_samples,
     examples_from_records,
     expected_calibration_error,
@@ -21,7 +27,6 @@ from mars_hf.calibration_fit import (
     pool_adjacent_violators,
     write_calibration,
 )
-from mars_hf.generation import enable_mars
 from tests.tiny import tiny_model, tiny_tokenizer
 
 WINDOW = 4
@@ -349,7 +354,7 @@ def test_offsets_beyond_the_fit_are_never_accepted():
 def test_calibrate_command_writes_the_record_and_loading_applies_it(tmp_path):
     from mars_hf import AutoMARSModelForCausalLM
     from mars_hf.cli import main
-    from mars_hf.decoder import MARSBatchDecoder
+    from mars_hf.decoding.decoder import MARSBatchDecoder
 
     tokenizer = tiny_tokenizer()
     model = _peaked(tiny_model("llama", seed=1, tokenizer=tokenizer, vocab_size=len(tokenizer)))
@@ -431,7 +436,7 @@ def test_custom_generate_copy_applies_the_stored_calibration(tmp_path):
     """A checkpoint's custom_generate/ (no mars_hf import) decodes τ with the calibration in config.json."""
     from transformers import AutoModelForCausalLM
 
-    from mars_hf import hub
+    from mars_hf.hub import checkpoint as hub
 
     tokenizer = tiny_tokenizer()
     prompts = [tokenizer("the cat sat", add_special_tokens=False).input_ids]

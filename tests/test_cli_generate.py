@@ -29,7 +29,7 @@ def _reference(folder, prompts, **generate_kwargs):
     """Decode with transformers directly: what the command should print."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mars_hf.generation import enable_mars
+    from mars_hf.decoding.generation import enable_mars
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
@@ -226,11 +226,11 @@ def test_bad_window_is_refused(saved_model, capsys):
 def test_dtype_auto_keeps_a_small_model_in_float32_and_says_so(saved_model, capsys, caplog, monkeypatch):
     """`--dtype auto` (the default): a model narrower than precision.MIN_AUTO_HIDDEN_SIZE stays float32
     (on any CPU), so the text is the float32 decoding's; the choice is logged."""
-    from mars_hf import precision
+    from mars_hf.models import precision
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)  # as on a bf16 CPU
     argv = ["generate", "the cat sat", "--model", str(saved_model), "--tau", "0.0", "--max-new-tokens", "8"]
-    with caplog.at_level(logging.INFO, logger="mars_hf.precision"):
+    with caplog.at_level(logging.INFO, logger="mars_hf.models.precision"):
         assert main(argv) == 0
     auto = capsys.readouterr().out
     assert "float32" in caplog.text and "too small" in caplog.text

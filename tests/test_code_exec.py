@@ -1,4 +1,4 @@
-"""The generated-code executor (mars_hf/code_execution.py): every guard checked by a program that trips it."""
+"""The generated-code executor (mars_hf/evaluation/code_execution.py): every guard checked by a program that trips it."""
 
 import dataclasses
 import glob
@@ -13,10 +13,10 @@ import uuid
 
 import pytest
 
-from mars_hf import code_execution
-from mars_hf.code_execution import ExecutionLimits, active_guards, run_program
-from mars_hf.evaluation import humaneval_program, load_humaneval
-from mars_hf.metrics import load_metric
+from mars_hf.evaluation import code_execution
+from mars_hf.evaluation.code_execution import ExecutionLimits, active_guards, run_program
+from mars_hf.evaluation.metrics import load_metric
+from mars_hf.evaluation.runs import humaneval_program, load_humaneval
 
 GUARDS = active_guards()
 
@@ -240,7 +240,7 @@ def no_namespaces(monkeypatch):
 
 
 def test_missing_namespaces_are_logged_as_warnings(no_namespaces, caplog):
-    with caplog.at_level(logging.INFO, logger="mars_hf.code_execution"):
+    with caplog.at_level(logging.INFO, logger="mars_hf.evaluation.code_execution"):
         result = run_program(
             "import socket\ntry:\n    socket.socket()\nexcept OSError:\n    print('guarded')\n"
         )

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from mars_hf.data import chat_prompt_ids, self_distill
-from mars_hf.prompts import held_out_prompts, is_held_out, training_prompts
+from mars_hf.training.data import chat_prompt_ids, self_distill
+from mars_hf.training.prompts import held_out_prompts, is_held_out, training_prompts
 from tests.tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = [
@@ -84,8 +84,8 @@ def test_self_distill_batching_does_not_change_outputs(model_with_frequent_eos):
 
 def test_trainer_collator_pads_only_responses_that_end_with_eos(model_with_frequent_eos, tmp_path):
     """Contract with MARSTrainer: EOS block padding goes to ended responses only, never to cut ones."""
-    from mars_hf.config import MARSConfig
-    from mars_hf.trainer import MARSTrainer
+    from mars_hf.training.config import MARSConfig
+    from mars_hf.training.trainer import MARSTrainer
 
     model, tokenizer = model_with_frequent_eos
     tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model.generation_config.eos_token_id[-1])

@@ -1,7 +1,7 @@
 """`embedded-mars`: the MARS model shipped inside the package, loaded by name, offline; `--dtype auto`.
 
 The resolver is tested on a tiny gated checkpoint (monkeypatched folder and base); the last tests run
-on the real shipped folder, `mars_hf/embedded_mars/`, and its real base, the embedded SmolLM2.
+on the real shipped folder, `mars_hf/models/embedded_mars/`, and its real base, the embedded SmolLM2.
 """
 
 import fnmatch
@@ -16,11 +16,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import mars_hf
-from mars_hf import embedded_model, gated_lora, hub, precision
 from mars_hf.cli import main
-from mars_hf.embedded_model import EMBEDDED_MARS_DIR, EMBEDDED_MODEL_NAME, resolve_model_path
-from mars_hf.mask_token import add_mask_token, set_mars_config
-from mars_hf.modeling import AutoMARSModelForCausalLM, load_mars_model
+from mars_hf.decoding import gated_lora
+from mars_hf.hub import checkpoint as hub
+from mars_hf.models import embedded_model, precision
+from mars_hf.models.embedded_model import EMBEDDED_MARS_DIR, EMBEDDED_MODEL_NAME, resolve_model_path
+from mars_hf.models.mask_token import add_mask_token, set_mars_config
+from mars_hf.models.modeling import AutoMARSModelForCausalLM, load_mars_model
 from tests.tiny import tiny_model, tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -141,12 +143,12 @@ def test_choose_dtype(monkeypatch):
 
 
 def test_auto_dtype_is_logged_and_generate_keeps_the_models_dtype(shipped, caplog, monkeypatch):
-    from mars_hf.commands.generate import load_model_and_tokenizer
+    from mars_hf.tools.loading import load_model_and_tokenizer
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(precision, "bf16_speedup", lambda *args: 2.0)
     monkeypatch.setattr(precision, "MIN_AUTO_HIDDEN_SIZE", 8)  # the tiny model counts as large here
-    with caplog.at_level(logging.INFO, logger="mars_hf.precision"):
+    with caplog.at_level(logging.INFO, logger="mars_hf.models.precision"):
         model, tokenizer, trained = load_model_and_tokenizer("embedded-mars", dtype="auto")
     assert trained and next(model.parameters()).dtype == torch.bfloat16
     assert "bfloat16" in caplog.text and "probe 2.00" in caplog.text
@@ -212,7 +214,7 @@ def test_the_shipped_model_loads_offline_by_name_and_stays_the_base_model(monkey
 def test_calibrate_embedded_mars_writes_mars_config_and_decoding_applies_it(shipped, tmp_path, monkeypatch):
     import shutil
 
-    from mars_hf.decoder import MARSBatchDecoder
+    from mars_hf.decoding.decoder import MARSBatchDecoder
 
     base_dir, folder, _ = shipped
     copy = tmp_path / "embedded_mars"

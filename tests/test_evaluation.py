@@ -5,15 +5,15 @@ The code executor itself is tested in tests/test_code_exec.py."""
 import pytest
 import torch
 
-from mars_hf.data import chat_prompt_ids
-from mars_hf.evaluation import (
+from mars_hf.evaluation.metrics import load_metric
+from mars_hf.evaluation.runs import (
     evaluate_humaneval,
     format_table,
     measure_decoding,
     summarize_runs,
     truncate_completion,
 )
-from mars_hf.metrics import load_metric
+from mars_hf.training.data import chat_prompt_ids
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -121,7 +121,7 @@ def _slow_acceptance(model, ids, labels, tau, block_size, mask_token_id):
 
 @pytest.mark.parametrize("block_size", [2, 3])
 def test_teacher_forced_acceptance_equals_plain_causal_decoding_inputs(block_size):
-    from mars_hf.evaluation import teacher_forced_acceptance
+    from mars_hf.evaluation.runs import teacher_forced_acceptance
 
     tokenizer = tiny_tokenizer()
     model = tiny_model("llama", seed=5, tokenizer=tokenizer, block_size=block_size)
@@ -172,7 +172,7 @@ def test_mars_hf_eval_command_on_a_saved_checkpoint(tmp_path, capsys):
 
 def test_suppress_mask_token_keeps_a_tied_mask_row_out_of_the_output():
     """A trained mask row of a tied-embedding model can win the output argmax; suppression stops that only."""
-    from mars_hf.mask_token import suppress_mask_token
+    from mars_hf.models.mask_token import suppress_mask_token
 
     tokenizer = tiny_tokenizer()
     model = tiny_model("llama", seed=6, tokenizer=tokenizer, tie_word_embeddings=True)

@@ -49,16 +49,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_hf.cli import main as cli_main
-from mars_hf.embedded_model import embedded_model_dir
-from mars_hf.export import (
+from mars_hf.hub.export import (
     VLLM_MASK_KEYS,
     ExportRefusedError,
     export_for_vllm,
     read_drafter_mask_token_like_vllm,
     vocab_size_like_vllm,
 )
-from mars_hf.mask_token import add_mask_token, set_mars_config
-from mars_hf.modeling import load_mars_model
+from mars_hf.models.embedded_model import embedded_model_dir
+from mars_hf.models.mask_token import add_mask_token, set_mars_config
+from mars_hf.models.modeling import load_mars_model
 from tests.tiny import tiny_model, tiny_tokenizer
 
 K_VALUES = [1, 2, 4, 8]
@@ -315,7 +315,8 @@ def test_replayed_layout_matches_the_kernel_by_hand():
 def test_gated_adapter_is_refused_or_merged_everywhere_for_a_drafter(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from mars_hf import gated_lora, hub
+    from mars_hf.decoding import gated_lora
+    from mars_hf.hub import checkpoint as hub
 
     tokenizer = tiny_tokenizer(with_mask=False)
     base = tiny_model("qwen2", block_size=None)
@@ -360,7 +361,7 @@ def test_gated_adapter_is_refused_or_merged_everywhere_for_a_drafter(tmp_path):
 def test_ungated_lora_adapter_is_merged_exactly(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from mars_hf import hub
+    from mars_hf.hub import checkpoint as hub
 
     tokenizer = tiny_tokenizer(with_mask=False)
     base = tiny_model("qwen2", block_size=None)
@@ -398,7 +399,7 @@ def test_refuses_mismatched_vocabularies(tmp_path):
     other = tmp_path / "other"
     AutoModelForCausalLM.from_pretrained(target).save_pretrained(other)
     words = tiny_tokenizer(with_mask=False).get_vocab()
-    from mars_hf.synthetic import word_level_chat_tokenizer
+    from mars_hf.tools.synthetic import word_level_chat_tokenizer
     from tests.tiny import CHAT_TEMPLATE
 
     shuffled = sorted(words, key=lambda w: (words[w] < 3, w), reverse=True)  # specials first, words reordered

@@ -20,12 +20,13 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 
-from mars_hf import gated_lora, hub
-from mars_hf.attention_mask import build_mars_inputs, mars_attention_mask
-from mars_hf.config import MARSConfig
-from mars_hf.generation import enable_mars
-from mars_hf.modeling import load_mars_model
-from mars_hf.trainer import MARSTrainer
+from mars_hf.decoding import gated_lora
+from mars_hf.decoding.generation import enable_mars
+from mars_hf.hub import checkpoint as hub
+from mars_hf.models.modeling import load_mars_model
+from mars_hf.training.attention_mask import build_mars_inputs, mars_attention_mask
+from mars_hf.training.config import MARSConfig
+from mars_hf.training.trainer import MARSTrainer
 from tests.bare_venv import run_in_bare_venv
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
@@ -115,10 +116,10 @@ def test_tau_1_decoding_is_the_base_models_greedy_output(arch, tokenizer):
     expected = base.generate(**inputs, **common)
     assert torch.equal(gated.generate(**inputs, **common), expected)
     assert torch.equal(gated.generate(**inputs, mars_threshold=1.0, **common), expected)
-    from mars_hf import generation
+    from mars_hf.decoding import generation
 
     if "verify" not in getattr(generation, "ACCEPTANCE_METRICS", ()):
-        pytest.skip("verified decoding (mars_acceptance='verify') has not landed in mars_hf.generation yet")
+        pytest.skip("verified decoding (mars_acceptance='verify') has not landed in mars_hf.decoding.generation yet")
     out = gated.generate(**inputs, mars_acceptance="verify", return_dict_in_generate=True, **common)
     assert torch.equal(out.sequences, expected)
 
@@ -468,7 +469,7 @@ def test_custom_generate_applies_the_gated_adapter(trained_gated):
 
     source = (REPO_ROOT / "mars_hf" / "generation.py").read_text()
     if "attach_shipped_adapter" not in source:
-        pytest.skip("mars_hf/generation.py does not call gated_lora.attach_shipped_adapter yet (lead's file)")
+        pytest.skip("mars_hf/decoding/generation.py does not call gated_lora.attach_shipped_adapter yet (lead's file)")
     peft_model, tokenizer, base_dir, folder, _ = trained_gated
     enable_mars(peft_model.get_base_model())
     inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)

@@ -19,7 +19,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import mars_hf
-from mars_hf.generation import (
+from mars_hf.decoding.generation import (
     MARSGenerateOutput,
     MARSGenerationMixin,
     enable_mars,
@@ -611,7 +611,7 @@ def test_entry_points_agree(tok, tmp_path):
     assert mars_hf.mars_generate is mars_generate
     assert torch.equal(generate(plain, **encoded, **kwargs), expected)
     # the string form: this module shipped verbatim as custom_generate/generate.py (+ its siblings)
-    from mars_hf.hub import write_custom_generate
+    from mars_hf.hub.checkpoint import write_custom_generate
 
     write_custom_generate(tmp_path / "custom_generate")
     out = plain.generate(**encoded, custom_generate=str(tmp_path), trust_remote_code=True, **kwargs)
@@ -739,7 +739,7 @@ def test_forwards_are_padded_to_a_cheaper_measured_width_without_changing_anythi
     curve never pads) and the reference decoder's. Two runs: τ = 0.5 (several tokens per step), and an
     entropy bound of 0, which never accepts a mask, so that every step but the last feeds 1 + W < 4
     columns on any host."""
-    from mars_hf.cost_model import CostTable
+    from mars_hf.decoding.cost_model import CostTable
 
     model = peaked_model("llama")
     encoded = tok(["the cat sat"], return_tensors="pt")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-import mars_hf.generation as generation
-from mars_hf.generation import enable_mars, generate
+import mars_hf.decoding.generation as generation
+from mars_hf.decoding.generation import enable_mars, generate
 from tests.tiny import tiny_model, tiny_tokenizer
 
 MAX_NEW = 8

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from mars_hf import gpu_check
 from mars_hf.cli import main
-from mars_hf.gpu_check import (
+from mars_hf.tools import gpu_check
+from mars_hf.tools.gpu_check import (
     VERIFY_UNAVAILABLE,
     Budget,
     BudgetExceeded,

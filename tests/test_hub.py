@@ -22,9 +22,9 @@ import torch
 from huggingface_hub import HfApi, ModelCard
 from transformers import AutoModelForCausalLM
 
-from mars_hf import hub
-from mars_hf.mask_token import add_mask_token, set_mars_config
-from mars_hf.modeling import AutoMARSModelForCausalLM, load_mars_model, resolve_block_size
+from mars_hf.hub import checkpoint as hub
+from mars_hf.models.mask_token import add_mask_token, set_mars_config
+from mars_hf.models.modeling import AutoMARSModelForCausalLM, load_mars_model, resolve_block_size
 from tests.bare_venv import run_in_bare_venv
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -55,7 +55,7 @@ def batch(tokenizer, prompts=PROMPTS):
 
 def mars_tokens(model, tokenizer, **kwargs):
     """Tokens from mars_hf's own generate (the reference for every other path)."""
-    from mars_hf.generation import enable_mars
+    from mars_hf.decoding.generation import enable_mars
 
     enable_mars(model)
     out = model.generate(**batch(tokenizer), max_new_tokens=12, do_sample=False, mars_threshold=0.9, **kwargs)
@@ -152,9 +152,9 @@ def test_saved_folder_has_weights_tokenizer_mars_config_and_custom_generate(save
     assert "format_version" in config["mars"]
     # custom_generate/ is the package's decoding module, byte for byte.
     assert (folder / "custom_generate/generate.py").read_bytes() == (
-        REPO_ROOT / "mars_hf/generation.py"
+        REPO_ROOT / "mars_hf/decoding/generation.py"
     ).read_bytes()
-    assert (folder / "custom_generate/cache.py").read_bytes() == (REPO_ROOT / "mars_hf/cache.py").read_bytes()
+    assert (folder / "custom_generate/cache.py").read_bytes() == (REPO_ROOT / "mars_hf/decoding/cache.py").read_bytes()
     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name
@@ -453,7 +453,7 @@ def test_block_size_sources_and_log_line(caplog):
     assert resolve_block_size({}, "/cache/models--org--m-blk16/snapshots/abc", None)[0] == 16
     assert resolve_block_size({}, "org/plain", 3) == (3, "from the block_size argument")
     assert resolve_block_size({}, "org/blk4-not-a-suffix", 5)[0] == 5
-    with caplog.at_level(logging.WARNING, logger="mars_hf.modeling"):
+    with caplog.at_level(logging.WARNING, logger="mars_hf.models.modeling"):
         assert resolve_block_size({}, "org/m-blk4", 8)[0] == 4
     assert "Ignoring block_size=8" in caplog.text
 
@@ -464,7 +464,7 @@ def test_block_size_sources_and_log_line(caplog):
 def test_paper_format_maps_onto_stock_classes(tmp_path, caplog):
     for model_type, arch in (("a2d-qwen2", "qwen2"), ("a2d-qwen3", "qwen3")):
         folder = paper_format_folder(tmp_path / f"MARS-{arch}-blk8", model_type, arch)
-        with caplog.at_level(logging.INFO, logger="mars_hf.modeling"):
+        with caplog.at_level(logging.INFO, logger="mars_hf.models.modeling"):
             model, tokenizer = load_mars_model(folder, enable=False)
         assert type(model).__name__ == f"{arch.capitalize()}ForCausalLM"
         assert model.config.mars["block_size"] == 8
@@ -489,7 +489,7 @@ def test_paper_checkpoint_loads_by_hub_id_offline_and_decodes(tmp_path):
         f"""
         import json, logging, sys, torch
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-        from mars_hf.hub import load
+        from mars_hf.hub.checkpoint import load
         model, tokenizer = load({PAPER_REPO!r})
         inputs = {{k: torch.tensor(v) for k, v in json.loads(sys.argv[1]).items()}}
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False, mars_threshold=0.9)

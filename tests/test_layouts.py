@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mars_hf.layouts import idle_plan, pack, plan_row
+from mars_hf.decoding.layouts import idle_plan, pack, plan_row
 
 MASK, PAD = 99, 0
 
@@ -107,7 +107,7 @@ def test_padding_columns_stay_inside_the_position_table():
 def test_position_limit_and_layout_choices():
     from transformers import GPT2Config, LlamaConfig
 
-    from mars_hf.layouts import LAYOUT_CHOICES, LAYOUTS, position_limit
+    from mars_hf.decoding.layouts import LAYOUT_CHOICES, LAYOUTS, position_limit
 
     assert position_limit(GPT2Config(n_positions=40)) == 40
     assert position_limit(LlamaConfig(max_position_embeddings=128)) == 128

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness with MARS (mars_hf/lm_eval_harness.py): what lm-eval hands `generate` arrives right.
+"""lm-evaluation-harness with MARS (mars_hf/evaluation/lm_eval_harness.py): what lm-eval hands `generate` arrives right.
 
 The reference for every generation is a direct, unbatched `model.generate` call on the same float64 weights,
 cut at the first stop string the way lm-eval cuts its outputs.
@@ -14,7 +14,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.utils_hf import stop_sequences_criteria
 
 from mars_hf.cli import main as cli_main
-from mars_hf.lm_eval_harness import MARSLM, TASKS_DIR, StopStringsPerRow
+from mars_hf.evaluation.lm_eval_harness import MARSLM, TASKS_DIR, StopStringsPerRow
 from tests.tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = ["the cat sat", "hello world and yes one two three", "one", "is the dog red or blue"]
@@ -156,7 +156,7 @@ def test_offline_local_json_task_end_to_end(checkpoint, tmp_path):
 
 
 def test_humaneval_task_ships_offline_and_scores_canonical_solutions():
-    from mars_hf.lm_eval_harness import task_manager
+    from mars_hf.evaluation.lm_eval_harness import task_manager
 
     spec = importlib.util.spec_from_file_location(
         "humaneval_utils", TASKS_DIR / "humaneval_mars" / "utils.py"
@@ -202,8 +202,8 @@ def test_embedded_model_humaneval_a_few_problems(tmp_path):
     """SmolLM2-135M with a fresh mask token (block size 2): τ = 1 scores exactly what stock decoding scores."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mars_hf.embedded_model import resolve_model_path
-    from mars_hf.mask_token import add_mask_token, set_mars_config
+    from mars_hf.models.embedded_model import resolve_model_path
+    from mars_hf.models.mask_token import add_mask_token, set_mars_config
 
     source = resolve_model_path("embedded")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
@@ -224,8 +224,8 @@ def test_embedded_model_humaneval_a_few_problems(tmp_path):
 
 @pytest.mark.slow
 def test_lm_eval_command_line_with_the_registered_model(checkpoint, capsys):
-    """`python -m mars_hf.lm_eval_harness run ...`: lm-eval's own CLI, MARS gen_kwargs, tokens per forward printed."""
-    from mars_hf.lm_eval_harness import cli_evaluate
+    """`python -m mars_hf.evaluation.lm_eval_harness run ...`: lm-eval's own CLI, MARS gen_kwargs, tokens per forward printed."""
+    from mars_hf.evaluation.lm_eval_harness import cli_evaluate
 
     cli_evaluate(["--tasks-dir"])
     assert capsys.readouterr().out.strip() == str(TASKS_DIR)

@@ -3,8 +3,8 @@ import copy
 import pytest
 import torch
 
-from mars_hf.embedded_model import embedded_model_dir
-from mars_hf.mask_token import (
+from mars_hf.models.embedded_model import embedded_model_dir
+from mars_hf.models.mask_token import (
     MASK_PLACEMENTS,
     add_mask_token,
     find_unused_special_token,
@@ -149,8 +149,8 @@ def test_no_unused_token_and_no_spare_row_is_refused():
 def test_mars_config_field_reaches_the_trainer(tmp_path):
     from datasets import Dataset
 
-    from mars_hf.config import MARSConfig
-    from mars_hf.trainer import MARSTrainer
+    from mars_hf.training.config import MARSConfig
+    from mars_hf.training.trainer import MARSTrainer
 
     with pytest.raises(ValueError, match="mask_token_placement must be one of"):
         MARSConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, mask_token_placement="x")

@@ -20,10 +20,19 @@ import time
 import pytest
 import torch
 
-from mars_hf import cost_model
-from mars_hf.cost_model import CostTable
-from mars_hf.generation import enable_mars
-from mars_hf.planner import AUTO, FIXED, THRESHOLD, AcceptanceStats, RowChoice, RowSpec, choose, plan_width
+from mars_hf.decoding import cost_model
+from mars_hf.decoding.cost_model import CostTable
+from mars_hf.decoding.generation import enable_mars
+from mars_hf.decoding.planner import (
+    AUTO,
+    FIXED,
+    THRESHOLD,
+    AcceptanceStats,
+    RowChoice,
+    RowSpec,
+    choose,
+    plan_width,
+)
 from tests.test_generation import _batch, peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
@@ -388,7 +397,7 @@ def test_the_disk_cache_is_keyed_and_reused(tmp_path, monkeypatch):
 def _gpt2(tok, positions=24):
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from mars_hf.mask_token import add_mask_token, set_mars_config
+    from mars_hf.models.mask_token import add_mask_token, set_mars_config
 
     torch.manual_seed(0)
     config = GPT2Config(

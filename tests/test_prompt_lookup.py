@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from mars_hf.acceptance import verify_sampled
-from mars_hf.draft_sources import lookup_drafts
-from mars_hf.generation import enable_mars
+from mars_hf.decoding.acceptance import verify_sampled
+from mars_hf.decoding.draft_sources import lookup_drafts
+from mars_hf.decoding.generation import enable_mars
 from tests.test_generation import peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
@@ -234,7 +234,7 @@ def test_lookup_keywords_are_checked(tok):
 def test_lookup_through_custom_generate_in_process(tmp_path, tok):
     from transformers import AutoModelForCausalLM
 
-    from mars_hf import hub
+    from mars_hf.hub import checkpoint as hub
     from tests.test_hub import confident_model
 
     model = confident_model("llama")
@@ -321,7 +321,7 @@ def test_serve_per_request_prompt_lookup(tok):
 
 
 def test_grounded_prompts_repeat_their_input():
-    from mars_hf.bench import grounded_prompts
+    from mars_hf.tools.bench import grounded_prompts
 
     prompts = grounded_prompts()
     assert len(prompts) >= 12 and len(set(prompts)) == len(prompts)

@@ -5,7 +5,13 @@ import json
 import pytest
 import torch
 
-from mars_hf.quickstart import QuickstartConfig, TimeBudget, run_quickstart, summary, verify_available
+from mars_hf.tools.quickstart.pipeline import (
+    QuickstartConfig,
+    TimeBudget,
+    run_quickstart,
+    summary,
+    verify_available,
+)
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -41,7 +47,7 @@ def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
 
 @pytest.mark.parametrize("method", ["gated_lora", "lora", "full", "mask_row"])
 def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch):
-    from mars_hf import cost_model
+    from mars_hf.decoding import cost_model
 
     # The verify row plans on a fixed cost curve, not this host's measured one (issue 21): in float32
     # the widths it feeds are part of what the verify == stock agreement check sees.
@@ -108,7 +114,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch
 
 def test_time_budget_schedule_warms_up_and_ends_at_zero(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("mars_hf.quickstart.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("mars_hf.tools.quickstart.pipeline.time.monotonic", lambda: clock[0])
     budget = TimeBudget(seconds=100.0, warmup_fraction=0.1)
     assert budget(0) == pytest.approx(0.02)  # starts the clock
     clock[0] = 105.0
@@ -159,8 +165,8 @@ def test_trained_model_runs_in_its_own_dtype_after_bf16_training(tiny_model_dir)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mars_hf.data import self_distill
-    from mars_hf.quickstart import train_mars
+    from mars_hf.tools.quickstart.pipeline import train_mars
+    from mars_hf.training.data import self_distill
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -179,14 +185,14 @@ def test_precision_is_chosen_by_measurement(monkeypatch, caplog):
     """bf16 only where it measures faster; an explicit setting wins; the choice is logged."""
     import logging
 
-    from mars_hf import quickstart
+    from mars_hf.tools.quickstart import pipeline as quickstart
 
     rates = {torch.float32: 100.0, torch.bfloat16: 20.0}  # a CPU without native bf16 (5x slower)
     monkeypatch.setattr(quickstart, "_matmul_rate", lambda dtype, seconds: rates[dtype])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     threads = torch.get_num_threads()
     try:
-        with caplog.at_level(logging.INFO, logger="mars_hf.quickstart"):
+        with caplog.at_level(logging.INFO, logger="mars_hf.tools.quickstart.pipeline"):
             info = quickstart.choose_precision_and_threads(QuickstartConfig())
         assert info["bf16"] is False and "float32" in caplog.text and "0.20×" in caplog.text
         rates[torch.bfloat16] = 300.0  # native bf16 (AVX512-BF16 / AMX)
@@ -232,7 +238,9 @@ def shipped_checkpoint(tmp_path, monkeypatch):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from mars_hf import embedded_model, gated_lora, hub
+    from mars_hf.decoding import gated_lora
+    from mars_hf.hub import checkpoint as hub
+    from mars_hf.models import embedded_model
 
     tokenizer = tiny_tokenizer()
     base = tiny_model("llama", seed=2, tokenizer=tokenizer, block_size=2)
@@ -308,7 +316,7 @@ def test_quickstart_shows_the_shipped_model_first_then_its_own(tiny_model_dir, t
 
 
 def test_shipped_model_missing_names_the_way_out(tiny_model_dir, tmp_path, monkeypatch):
-    from mars_hf import embedded_model
+    from mars_hf.models import embedded_model
 
     monkeypatch.setattr(embedded_model, "EMBEDDED_MARS_DIR", tmp_path / "no-such-folder")
     with pytest.raises(FileNotFoundError, match="--skip-shipped"):
@@ -317,10 +325,10 @@ def test_shipped_model_missing_names_the_way_out(tiny_model_dir, tmp_path, monke
 
 def test_batch_decoding_matches_batch_one_rows_and_counts_batch_forwards(shipped_checkpoint):
     """Left-padded batch decoding gives each row its batch-1 answer; stock forwards = generated columns."""
-    from mars_hf.data import chat_prompt_ids
-    from mars_hf.modeling import load_mars_model
-    from mars_hf.prompts import held_out_prompts
-    from mars_hf.quickstart_eval import decode_batch
+    from mars_hf.models.modeling import load_mars_model
+    from mars_hf.tools.quickstart.evaluate import decode_batch
+    from mars_hf.training.data import chat_prompt_ids
+    from mars_hf.training.prompts import held_out_prompts
 
     model, tokenizer = load_mars_model(str(shipped_checkpoint), dtype=torch.float64)
     rows = [chat_prompt_ids(tokenizer, prompt) for prompt in held_out_prompts(4, seed=0)]
@@ -334,10 +342,10 @@ def test_batch_decoding_matches_batch_one_rows_and_counts_batch_forwards(shipped
 
 
 def test_shipped_budget_spent_still_gives_four_prompts_and_one_batch(shipped_checkpoint):
-    from mars_hf.data import chat_prompt_ids
-    from mars_hf.modeling import load_mars_model
-    from mars_hf.prompts import held_out_prompts
-    from mars_hf.quickstart_eval import evaluate_shipped
+    from mars_hf.models.modeling import load_mars_model
+    from mars_hf.tools.quickstart.evaluate import evaluate_shipped
+    from mars_hf.training.data import chat_prompt_ids
+    from mars_hf.training.prompts import held_out_prompts
 
     model, tokenizer = load_mars_model(str(shipped_checkpoint), dtype=torch.float64)
     ids = [chat_prompt_ids(tokenizer, prompt) for prompt in held_out_prompts(12, seed=0)]
@@ -354,7 +362,7 @@ def test_command_line_options_for_the_shipped_model():
     import argparse
 
     from mars_hf.commands import quickstart as command
-    from mars_hf.quickstart import config_from_args
+    from mars_hf.tools.quickstart.pipeline import config_from_args
 
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)

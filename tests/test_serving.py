@@ -531,7 +531,7 @@ def test_loadtest_reports_every_run_and_plots(tok, tmp_path, counted_submissions
     controller's time is frozen (τ goes down with pressure and cannot climb back within a run), so
     what each mode does is the same on any host; throughput is compared in tokens per forward."""
     from mars_hf.serving import server as server_module
-    from mars_hf.serving.loadtest import MODES, LoadTestConfig, format_table, run_loadtest
+    from mars_hf.tools.loadtest import MODES, LoadTestConfig, format_table, run_loadtest
 
     monkeypatch.setattr(
         server_module,
@@ -579,7 +579,7 @@ def test_loadtest_reports_every_run_and_plots(tok, tmp_path, counted_submissions
 
 def test_fault_run_answers_every_well_formed_request_once(tok):
     """The fault run on the scripted engine (no model faults); the real decoder's: test_serving_faults.py."""
-    from mars_hf.serving.loadtest import fault_run
+    from mars_hf.tools.loadtest import fault_run
 
     report = fault_run(
         None,

@@ -13,8 +13,8 @@ import openai
 import pytest
 import torch
 
-from mars_hf import hub
-from mars_hf.generation import enable_mars
+from mars_hf.decoding.generation import enable_mars
+from mars_hf.hub import checkpoint as hub
 from tests.tiny import tiny_model, tiny_tokenizer
 
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from mars_hf.generation import enable_mars
+from mars_hf.decoding.generation import enable_mars
 from mars_hf.serving import BackgroundServer, ControllerConfig, ServerConfig, build_server
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -118,7 +118,7 @@ def test_chat_stream_equals_non_stream_and_a_seed_reproduces_samples(served):
 
 @pytest.mark.slow
 def test_synthetic_controller_lowers_tau_under_load_and_keeps_tau_max_at_low_load():
-    from mars_hf.synthetic import load_synthetic_model, synthetic_prompts
+    from mars_hf.tools.synthetic import load_synthetic_model, synthetic_prompts
 
     model, tok = load_synthetic_model()
     enable_mars(model)

@@ -7,7 +7,7 @@
 - a prompt that holds the mask token is refused (400);
 - drain on SIGTERM: new and queued requests get 503 + Retry-After, running rows finish within the
   grace, the rest end with a JSON 503 or an SSE error event then ``[DONE]``; no tracebacks;
-- a bounded fault run (`mars_hf.serving.loadtest.fault_run`) mixing all of it, memory flat.
+- a bounded fault run (`mars_hf.tools.loadtest.fault_run`) mixing all of it, memory flat.
 
 Faults are injected with forward hooks on the tiny model (`loadtest.inject_faults`: a marker token
 twice in a row in the input raises). Every wait is bounded.
@@ -29,9 +29,10 @@ import httpx2 as httpx
 import pytest
 import torch
 
-from mars_hf.generation import enable_mars
+from mars_hf.decoding.generation import enable_mars
 from mars_hf.serving import BackgroundServer, ControllerConfig, ServerConfig, build_server
-from mars_hf.serving.loadtest import (
+from mars_hf.serving.server import free_port
+from mars_hf.tools.loadtest import (
     ROW_FAILED,
     _ErrorLog,
     _post,
@@ -40,7 +41,6 @@ from mars_hf.serving.loadtest import (
     greedy_reference,
     inject_faults,
 )
-from mars_hf.serving.server import free_port
 from tests.test_serving import ScriptedEngine
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -185,7 +185,7 @@ def test_a_row_that_raises_mid_decoding_fails_alone_after_its_tokens():
 def _gpt2(tok):
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from mars_hf.mask_token import add_mask_token, set_mars_config
+    from mars_hf.models.mask_token import add_mask_token, set_mars_config
 
     torch.manual_seed(1)
     config = GPT2Config(

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, StoppingCriteriaList
 
-from mars_hf.acceptance import verify_sampled
-from mars_hf.decoder import MARSBatchDecoder, RowSettings
-from mars_hf.generation import enable_mars
+from mars_hf.decoding.acceptance import verify_sampled
+from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings
+from mars_hf.decoding.generation import enable_mars
 from tests.bare_venv import run_in_bare_venv
 from tests.test_generation import PEAKED_ARCHS, PROMPTS, SCHEMES, Recorder, StopOnToken, _batch, peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
@@ -364,7 +364,7 @@ VERIFY_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_verify_through_custom_generate_without_mars_hf(tmp_path, tok, bare_venv):
-    from mars_hf import hub
+    from mars_hf.hub import checkpoint as hub
     from tests.test_hub import batch_json, confident_model
 
     model = confident_model("qwen2")
@@ -380,7 +380,7 @@ def test_verify_through_custom_generate_without_mars_hf(tmp_path, tok, bare_venv
 
 
 def test_verify_through_custom_generate_in_process(tmp_path, tok):
-    from mars_hf import hub
+    from mars_hf.hub import checkpoint as hub
     from tests.test_hub import batch, confident_model
 
     model = confident_model("llama")
@@ -405,7 +405,7 @@ def test_verify_on_the_embedded_model_left_padded_with_stop_strings():
     from transformers import AutoTokenizer
 
     from mars_hf import add_mask_token, set_mars_config
-    from mars_hf.embedded_model import resolve_model_path
+    from mars_hf.models.embedded_model import resolve_model_path
 
     path = resolve_model_path("embedded")
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")

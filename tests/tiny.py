@@ -15,8 +15,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from mars_hf.mask_token import add_mask_token, set_mars_config
-from mars_hf.synthetic import word_level_chat_tokenizer
+from mars_hf.models.mask_token import add_mask_token, set_mars_config
+from mars_hf.tools.synthetic import word_level_chat_tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = (

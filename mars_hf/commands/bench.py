@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="Model folder (default: the embedded SmolLM2-135M-Instruct, given an untrained mask token if it "
-        "has no config.mars); 'synthetic' is the tiny model trained on mars_hf.synthetic's counting language.",
+        "has no config.mars); 'synthetic' is the tiny model trained on mars_hf.tools.synthetic's counting language.",
     )
     parser.add_argument(
         "--batch-sizes", type=ints, default=[1, 4, 8], help="Comma-separated (default 1,4,8)."
@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import torch
 
-    from mars_hf.bench import (
+    from mars_hf.tools.bench import (
         BUILTIN_PROMPTS,
         BenchArguments,
         format_table,
@@ -99,10 +99,10 @@ def run(args) -> int:
         load_prompts,
         run_benchmark,
     )
-    from mars_hf.commands.generate import load_model_and_tokenizer
+    from mars_hf.tools.loading import load_model_and_tokenizer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("mars_hf.precision").setLevel(logging.INFO)  # say which dtype --dtype auto chose
+    logging.getLogger("mars_hf.models.precision").setLevel(logging.INFO)  # say which dtype --dtype auto chose
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, trained = load_model_and_tokenizer(
@@ -113,7 +113,7 @@ def run(args) -> int:
     elif args.prompt_set == "grounded":
         prompts = grounded_prompts()
     elif args.model == "synthetic":
-        from mars_hf.synthetic import synthetic_prompts
+        from mars_hf.tools.synthetic import synthetic_prompts
 
         prompts = synthetic_prompts()
     else:

@@ -43,9 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import torch
 
-    from mars_hf.calibration_fit import calibrate, examples_from_records, read_jsonl, write_calibration
-    from mars_hf.embedded_model import resolve_model_path
-    from mars_hf.modeling import load_mars_model
+    from mars_hf.models.embedded_model import resolve_model_path
+    from mars_hf.models.modeling import load_mars_model
+    from mars_hf.training.calibration_fit import (
+        calibrate,
+        examples_from_records,
+        read_jsonl,
+        write_calibration,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "peft", "httpx"):

@@ -2,7 +2,7 @@
 
 Why a command: the shipped MARS model is trained by ``mars-hf train`` from a committed recipe, and its
 data must be rebuilt by anyone with the same two commands. The prompts come from the project's
-templates (``mars_hf.prompts``), training split only, so no evaluation prompt can ever be trained on.
+templates (``mars_hf.training.prompts``), training split only, so no evaluation prompt can ever be trained on.
 The file is written in chunks with a ``.partial`` suffix until complete; a rerun resumes from it.
 """
 
@@ -42,9 +42,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mars_hf.data import self_distill
-    from mars_hf.embedded_model import resolve_model_path
-    from mars_hf.prompts import training_prompts
+    from mars_hf.models.embedded_model import resolve_model_path
+    from mars_hf.training.data import self_distill
+    from mars_hf.training.prompts import training_prompts
 
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -2,7 +2,7 @@
 
 Two modes:
 
-* `--tasks a,b` runs lm-evaluation-harness tasks (`mars_hf/lm_eval_harness.py`, model `mars-hf`):
+* `--tasks a,b` runs lm-evaluation-harness tasks (`mars_hf/evaluation/lm_eval_harness.py`, model `mars-hf`):
   stock decoding, MARS at each τ (and `--verify`), one row per task and run with lm-eval's scores and
   tokens per forward. `humaneval_mars` ships offline; other tasks need their data (docs/lm_eval.md).
 * otherwise, the built-in loop: HumanEval pass@1 and held-out chat prompts, greedy, max 256 new
@@ -17,7 +17,8 @@ import json
 import logging
 from pathlib import Path
 
-from mars_hf.commands.generate import add_dtype_argument, resolve_dtype
+from mars_hf.commands.generate import add_dtype_argument
+from mars_hf.tools.loading import resolve_dtype
 
 HELP = "Evaluate a MARS checkpoint: HumanEval pass@1, tokens/forward and speed over τ, agreement with a base model."
 
@@ -34,7 +35,7 @@ def run_tasks(args: argparse.Namespace) -> int:
     """`--tasks`: lm-eval runs through the registered `mars-hf` model."""
     from lm_eval.utils import simple_parse_args_string
 
-    from mars_hf.lm_eval_harness import evaluate_tasks, format_rows
+    from mars_hf.evaluation.lm_eval_harness import evaluate_tasks, format_rows
 
     gen_kwargs = simple_parse_args_string(args.gen_kwargs) if args.gen_kwargs else {}
     if args.max_new_tokens is not None:
@@ -141,18 +142,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mars_hf.data import chat_prompt_ids
-    from mars_hf.embedded_model import resolve_model_path
-    from mars_hf.evaluation import (
+    from mars_hf.evaluation.runs import (
         evaluate_humaneval,
         format_table,
         measure_decoding,
         run_label,
         summarize_runs,
     )
-    from mars_hf.mask_token import suppress_mask_token
-    from mars_hf.modeling import load_mars_model
-    from mars_hf.prompts import held_out_prompts
+    from mars_hf.models.embedded_model import resolve_model_path
+    from mars_hf.models.mask_token import suppress_mask_token
+    from mars_hf.models.modeling import load_mars_model
+    from mars_hf.training.data import chat_prompt_ids
+    from mars_hf.training.prompts import held_out_prompts
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "datasets", "peft", "httpx"):

@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export import ExportRefusedError, export_for_vllm
-    from ..mask_token import get_mars_config
+    from mars_hf.hub.export import ExportRefusedError, export_for_vllm
+    from mars_hf.models.mask_token import get_mars_config
 
     try:
         out = export_for_vllm(

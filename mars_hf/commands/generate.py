@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from pathlib import Path
+
+from mars_hf.tools.loading import DEFAULT_BLOCK_SIZE, load_model_and_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -16,7 +16,6 @@ HELP = "Generate text with MARS decoding (prompts in, chat template applied, tex
 CHUNK_COLOURS = ["\033[48;5;153m", "\033[48;5;223m", "\033[48;5;194m", "\033[48;5;225m", "\033[48;5;230m"]
 RESET = "\033[0m"
 DEFAULT_TAU = 0.9
-DEFAULT_BLOCK_SIZE = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,89 +95,6 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_dtype(name_or_path: str | None, dtype="auto"):
-    """The torch dtype to load ``name_or_path`` in (``"auto"`` decided by `mars_hf.precision`); logged."""
-    import torch
-
-    from mars_hf.precision import choose_dtype, log_choice, model_shapes
-
-    if dtype != "auto":
-        return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if name_or_path == "synthetic":
-        torch_dtype, why = choose_dtype("auto", hidden_size=None)
-    else:
-        from mars_hf.embedded_model import resolve_model_path
-
-        hidden, intermediate = model_shapes(resolve_model_path(name_or_path))
-        torch_dtype, why = choose_dtype("auto", hidden_size=hidden, intermediate_size=intermediate)
-    log_choice(torch_dtype, why, name_or_path or "embedded model")
-    return torch_dtype
-
-
-def load_model_and_tokenizer(
-    name_or_path: str | None = None, *, block_size: int = DEFAULT_BLOCK_SIZE, dtype="float32"
-):
-    """Load a model ready for ``generate(mars_threshold=...)``; returns ``(model, tokenizer, trained)``.
-
-    ``trained`` is False when the model had no ``config.mars``: then a mask token is added (its
-    embedding is untrained, so MARS accepts about one token per step) and a warning is logged.
-    ``"synthetic"`` loads the tiny model trained on `mars_hf.synthetic` (training it once if needed);
-    ``"embedded-mars"`` the MARS model shipped with the package. ``dtype="auto"``: see
-    `mars_hf.precision.choose_dtype`.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mars_hf.embedded_model import resolve_model_path
-    from mars_hf.generation import enable_mars
-    from mars_hf.mask_token import add_mask_token, set_mars_config
-
-    torch_dtype = resolve_dtype(name_or_path, dtype)
-    if name_or_path == "synthetic":
-        from mars_hf.synthetic import load_synthetic_model
-
-        model, tokenizer = load_synthetic_model(dtype=torch_dtype)
-    else:
-        path = resolve_model_path(name_or_path)
-        if _is_mars_checkpoint(path):
-            from mars_hf.modeling import load_mars_model
-
-            model, tokenizer = load_mars_model(path, dtype=torch_dtype)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    model.eval()
-    trained = isinstance(getattr(model.config, "mars", None), dict)
-    if not trained:
-        logger.warning(
-            "%s has no MARS metadata (config.mars): adding a mask token with an UNTRAINED embedding and "
-            "block_size=%d. MARS will accept about one token per forward; train it with MARSTrainer first "
-            "for real speed-ups.",
-            name_or_path or "The embedded model",
-            block_size,
-        )
-        mask_token_id = add_mask_token(model, tokenizer)
-        set_mars_config(model, block_size=block_size, mask_token_id=mask_token_id)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    enable_mars(model)
-    return model, tokenizer, trained
-
-
-def _is_mars_checkpoint(path: str) -> bool:
-    """A local folder with ``config.mars``, a LoRA adapter, or the paper's ``a2d-*`` model type; a Hub id
-    (not a local folder) is left to `mars_hf.modeling.load_mars_model`, which knows every format."""
-    folder = Path(path)
-    if not folder.is_dir():
-        return True
-    if (folder / "adapter_config.json").exists() and not (folder / "config.json").exists():
-        return True
-    config_file = folder / "config.json"
-    if not config_file.exists():
-        return False
-    config = json.loads(config_file.read_text())
-    return isinstance(config.get("mars"), dict) or str(config.get("model_type", "")).startswith("a2d-")
-
-
 def chat_inputs(tokenizer, prompts: list[str], system: str | None = None) -> dict:
     """Chat-template each prompt and left-pad them into one batch."""
     texts = []
@@ -240,7 +156,7 @@ def run(args) -> int:
     from transformers import set_seed
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("mars_hf.precision").setLevel(logging.INFO)  # say which dtype --dtype auto chose
+    logging.getLogger("mars_hf.models.precision").setLevel(logging.INFO)  # say which dtype --dtype auto chose
     if args.window is not None and args.window < 1:
         print(f"--window must be >= 1, got {args.window}.", file=sys.stderr)
         return 2

@@ -62,10 +62,10 @@ def run(args) -> int:
     start = time.monotonic()  # the budget counts from here: heavy imports included
     import torch
 
-    from mars_hf.gpu_check import GPUCheckArguments, format_table, run_gpu_check, tiny_arguments
+    from mars_hf.tools.gpu_check import GPUCheckArguments, format_table, run_gpu_check, tiny_arguments
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("mars_hf.gpu_check").setLevel(logging.INFO)
+    logging.getLogger("mars_hf.tools.gpu_check").setLevel(logging.INFO)
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from mars_hf.serving.loadtest import LoadTestConfig, format_table, run_loadtest
+    from mars_hf.tools.loadtest import LoadTestConfig, format_table, run_loadtest
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = LoadTestConfig(
@@ -68,13 +68,13 @@ def run(args) -> int:
         import json
         from pathlib import Path
 
-        from mars_hf.serving.loadtest import fault_run
-        from mars_hf.serving.server import load_model
+        from mars_hf.tools.loading import load_served_model
+        from mars_hf.tools.loadtest import fault_run
 
-        model, tokenizer = load_model(args.model, args.dtype)
+        model, tokenizer = load_served_model(args.model, args.dtype)
         prompts = None
         if args.model == "synthetic":
-            from mars_hf.synthetic import synthetic_prompts
+            from mars_hf.tools.synthetic import synthetic_prompts
 
             prompts = synthetic_prompts(64, seed=args.seed + 99)
         logging.getLogger("mars_hf.serving.engine").setLevel(logging.CRITICAL)  # the injected faults' lines

@@ -1,4 +1,4 @@
-"""`mars-hf quickstart`: the newcomer's first command (see `mars_hf.quickstart`)."""
+"""`mars-hf quickstart`: the newcomer's first command (see `mars_hf.tools.quickstart.pipeline`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _float_list(text: str) -> list[float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mars_hf.quickstart import QuickstartConfig
+    from mars_hf.tools.quickstart.pipeline import QuickstartConfig
 
     defaults = QuickstartConfig()
     help_of = {field.name: field.metadata.get("help", "") for field in dataclasses.fields(QuickstartConfig)}
@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mars_hf.quickstart import config_from_args, run_quickstart, summary
+    from mars_hf.tools.quickstart.pipeline import config_from_args, run_quickstart, summary
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "datasets", "trl", "peft", "accelerate", "httpx"):

@@ -67,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from mars_hf.serving import ControllerConfig, ServerConfig, serve
+    from mars_hf.tools.loading import load_served_model
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
@@ -86,5 +87,6 @@ def run(args) -> int:
             wait_high_s=args.wait_high,
         ),
     )
-    serve(args.model, config, host=args.host, port=args.port, dtype=args.dtype)
+    model, tokenizer = load_served_model(args.model, args.dtype)
+    serve(model, tokenizer, config, host=args.host, port=args.port)
     return 0

@@ -65,7 +65,7 @@ def main(script_args, training_args, model_args):
     from trl import get_peft_config
 
     from mars_hf import MARSTrainer
-    from mars_hf.embedded_model import resolve_model_path
+    from mars_hf.models.embedded_model import resolve_model_path
 
     logger = get_logger(__name__)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -124,7 +124,7 @@ def main(script_args, training_args, model_args):
 
 def hold_out_for_calibration(dataset, script_args, training_args, logger):
     """Take ``calibration_holdout`` rows out of the training split (seeded), for the calibration fit."""
-    from mars_hf.calibration_fit import held_out_split
+    from mars_hf.training.calibration_fit import held_out_split
 
     split = script_args.dataset_train_split
     if not training_args.calibration_holdout:
@@ -149,7 +149,7 @@ def hold_out_for_calibration(dataset, script_args, training_args, logger):
 
 def fit_calibration_after_training(trainer, rows, logger):
     """Fit ``config.mars["calibration"]`` on the held-out rows; ``save_model`` then writes it."""
-    from mars_hf.calibration_fit import attach_calibration
+    from mars_hf.training.calibration_fit import attach_calibration
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     record = attach_calibration(model, trainer.processing_class, rows)

@@ -6,10 +6,10 @@ controller, `metrics` the Prometheus metrics, `engine` the decoder interface, `l
 FastAPI, uvicorn and prometheus_client are needed (``pip install mars-hf[serving]``).
 """
 
-from .controller import ControllerConfig, TauController
-from .engine import DecoderEngine, Engine, RowSettings, RowUpdate
-from .scheduler import GenerationRequest, Scheduler
-from .server import BackgroundServer, ServerConfig, build_server, load_model, serve
+from mars_hf.serving.controller import ControllerConfig, TauController
+from mars_hf.serving.engine import DecoderEngine, Engine, RowSettings, RowUpdate
+from mars_hf.serving.scheduler import GenerationRequest, Scheduler
+from mars_hf.serving.server import BackgroundServer, ServerConfig, build_server, serve
 
 __all__ = [
     "BackgroundServer",
@@ -23,6 +23,5 @@ __all__ = [
     "ServerConfig",
     "TauController",
     "build_server",
-    "load_model",
     "serve",
 ]

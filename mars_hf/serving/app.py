@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .protocol import (
+from mars_hf.serving.protocol import (
     Limits,
     RequestError,
     TextAssembler,
@@ -29,7 +29,7 @@ from .protocol import (
     parse_request,
     usage,
 )
-from .scheduler import (
+from mars_hf.serving.scheduler import (
     SHUTDOWN_RETRY_AFTER_S,
     Done,
     Failed,

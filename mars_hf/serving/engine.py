@@ -2,7 +2,7 @@
 
 The scheduler is written against the small `Engine` protocol below, so that it can be tested with a
 scripted engine and run on the real one, `DecoderEngine`, a thin adapter over the step-level
-`mars_hf.generation.MARSBatchDecoder` (the decoding itself lives there, not here).
+`mars_hf.decoding.generation.MARSBatchDecoder` (the decoding itself lives there, not here).
 
 A step that raises is the engine's to contain: `DecoderEngine` finds the row(s) that make the model
 fail and reports them as failed `RowUpdate`s (``error`` set), so that one bad request never fails the
@@ -23,7 +23,7 @@ ACCEPTANCE_CHOICES = ("probability", "entropy", "margin", "verify")
 
 @dataclass
 class RowSettings:
-    """Per-request decoding settings (the fields of `mars_hf.generation.RowSettings`)."""
+    """Per-request decoding settings (the fields of `mars_hf.decoding.generation.RowSettings`)."""
 
     threshold: float | None = 1.0
     acceptance: str = "probability"
@@ -85,7 +85,7 @@ class _RowRecord:
     """What `DecoderEngine` needs to rebuild a row: its prompt, settings and the tokens it produced."""
 
     prompt: list[int]
-    settings: object  # mars_hf.decoder.RowSettings
+    settings: object  # mars_hf.decoding.decoder.RowSettings
     generated: list[int] = dataclasses.field(default_factory=list)
 
     def remaining(self):
@@ -95,7 +95,7 @@ class _RowRecord:
 
 
 class DecoderEngine:
-    """`Engine` over `mars_hf.generation.MARSBatchDecoder`: a fixed number of KV slots, reused by rows.
+    """`Engine` over `mars_hf.decoding.generation.MARSBatchDecoder`: a fixed number of KV slots, reused by rows.
 
     The window, mask token and padding id come from the model (``config.mars``, its generation config).
     Every call into the decoder runs under ``torch.inference_mode()``: ``generate`` switches autograd off
@@ -115,8 +115,8 @@ class DecoderEngine:
     def __init__(self, model, *, max_rows: int = 8, max_length: int = 2048, cache: str = "cursor"):
         import torch
 
-        from mars_hf.generation import MARSBatchDecoder
-        from mars_hf.generation import RowSettings as DecoderRowSettings
+        from mars_hf.decoding.generation import MARSBatchDecoder
+        from mars_hf.decoding.generation import RowSettings as DecoderRowSettings
 
         mars = dict(getattr(model.config, "mars", None) or {})
         mars.update(getattr(model, "_mars_overrides", None) or {})

@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .engine import ACCEPTANCE_CHOICES, RowSettings
+from mars_hf.serving.engine import ACCEPTANCE_CHOICES, RowSettings
 
 
 class RequestError(Exception):

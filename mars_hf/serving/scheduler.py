@@ -22,9 +22,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .controller import TauController
-from .engine import Engine, RowSettings
-from .metrics import ServingMetrics
+from mars_hf.serving.controller import TauController
+from mars_hf.serving.engine import Engine, RowSettings
+from mars_hf.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_RETRY_AFTER_S = 5  # what a 503 during shutdown tells clients (another instance, or this one back)

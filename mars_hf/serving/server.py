@@ -18,12 +18,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .app import build_app
-from .controller import ControllerConfig, TauController
-from .engine import DecoderEngine, Engine
-from .metrics import ServingMetrics
-from .protocol import Limits
-from .scheduler import Scheduler
+from mars_hf.serving.app import build_app
+from mars_hf.serving.controller import ControllerConfig, TauController
+from mars_hf.serving.engine import DecoderEngine, Engine
+from mars_hf.serving.metrics import ServingMetrics
+from mars_hf.serving.protocol import Limits
+from mars_hf.serving.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +58,6 @@ class ServerConfig:
             max_length=self.max_length,
             default_max_tokens=self.default_max_tokens,
         )
-
-
-def load_model(name_or_path: str, dtype: str = "float32"):
-    """``(model, tokenizer)`` for a MARS checkpoint folder / Hub id, ``embedded`` or ``synthetic``."""
-    from mars_hf.commands.generate import load_model_and_tokenizer
-
-    model, tokenizer, trained = load_model_and_tokenizer(name_or_path, dtype=dtype)
-    if not trained:
-        logger.warning("Serving a model without MARS training: expect about one token per forward.")
-    return model, tokenizer
 
 
 # Config fields that bound positions, in the order transformers' configs use them (GPT-2: n_positions).
@@ -217,9 +207,8 @@ class BackgroundServer:
         self.stop()
 
 
-def serve(name_or_path: str, config: ServerConfig, *, host: str, port: int, dtype: str = "float32") -> None:
-    """Load the model and run the server in the foreground until SIGINT/SIGTERM (then drain)."""
-    model, tokenizer = load_model(name_or_path, dtype)
+def serve(model, tokenizer, config: ServerConfig, *, host: str, port: int) -> None:
+    """Run the server for ``model`` in the foreground until SIGINT/SIGTERM (then drain)."""
     app, _ = build_server(model, tokenizer, config)
     logger.info(
         "Serving %s on http://%s:%d (slots %d, rows of %d tokens).",

@@ -1,0 +1,660 @@
+"""LoRA adapters gated to mask positions (MARS_SPEC §7): ``h = W x + g · B A x``, ``g = [input is MASK]``.
+
+Real tokens never see the adapter: at every position whose *input* token is not the mask token the
+adapted layer returns the base layer's output bits (the added delta row is exactly zero there), so
+logits and keys/values at real positions are the base model's, bit for bit, and one-token decoding,
+τ = 1 and verified decoding are the base model's output. The masks get the adapter's capacity.
+
+Two ways in, one gate:
+
+* training: :func:`gate_peft_model` gates the LoRA layers of a PEFT model in place (the delta is
+  computed for the mask rows only: index_select / index_add);
+* loading (mars_hf's loaders and a checkpoint's ``custom_generate/``, torch + transformers only):
+  :func:`attach_shipped_adapter` reads the checkpoint's ``adapter_model.safetensors``,
+  ``adapter_config.json``, trained mask row and ``mars_config.json`` and wraps each adapted linear
+  layer of a plain transformers model, without PEFT. The wrapped forward is lean: ``y = base(x)``,
+  and only when the forward holds a mask token ``y += (g · x Aᵀ)(s B)ᵀ`` with the (rows, 1) 0/1 gate
+  ``g`` built once per forward; layers that read one input (q/k/v, gate/up) share one ``x Aᵀ``. A
+  forward without masks costs the base model's.
+
+Which positions are masks is recorded by a forward pre-hook on the input embedding (it sees the
+``input_ids`` of every forward). A gated adapter cannot be merged into the weights (the delta depends
+on the input token); every merge entry point raises.
+
+This file ships verbatim in checkpoints (``custom_generate/gated_lora.py``): it imports only torch,
+transformers, safetensors and the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+GATING_KEY = "adapter_gating"
+MASK_GATING = "mask"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+MARS_ADAPTER_CONFIG_FILE = "mars_config.json"
+MARS_MASK_ROWS_FILE = "mars_mask_token.safetensors"
+# Metadata key of the mask-row file that repeats the gating, so a lost mars_config.json is noticed.
+GATING_METADATA_KEY = "mars_adapter_gating"
+
+MERGE_REFUSED = (
+    "This LoRA adapter is gated to mask positions (config.mars adapter_gating='mask', MARS_SPEC §7): its delta "
+    "applies only where the input token is the mask token, so it is not a weight change and cannot be merged "
+    "into the base weights (a merged model would change every real token's output). Keep it as an adapter: "
+    "load it with mars_hf.AutoMARSModelForCausalLM / mars_hf.hub.checkpoint.load, or on a plain transformers model with "
+    "generate(custom_generate=<checkpoint>, trust_remote_code=True)."
+)
+
+
+class MergeRefusedError(ValueError):
+    """Raised by every merge entry point of a gated adapter."""
+
+
+def _refuse_merge(*args, **kwargs):
+    raise MergeRefusedError(MERGE_REFUSED)
+
+
+class MaskGate:
+    """What the current forward's ``input_ids`` say about mask positions, computed once per forward.
+
+    Set by a forward pre-hook on the input embedding (it sees the ``input_ids`` of every forward):
+    ``rows`` (flattened positions; ``None`` until the input embedding has run in this forward, when
+    ``reset_per_forward``), ``gate`` (``None`` when no position holds the mask token, else a
+    ``(rows, 1)`` 0/1 tensor in the embedding's dtype), and, on request, the mask positions' ``index``.
+    """
+
+    def __init__(self, mask_token_id: int):
+        self.mask_token_id = int(mask_token_id)
+        self.rows: int | None = None
+        self.gate: torch.Tensor | None = None
+        self.serial = 0  # counts forwards: cached per-forward products are keyed by it
+        self._index: torch.Tensor | None = None
+        self._converted: dict = {}
+
+    def record(self, module, args, kwargs):
+        """Forward pre-hook of the input embedding: its first input is ``input_ids``."""
+        input_ids = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
+        flat = input_ids.reshape(-1)
+        is_mask = flat == self.mask_token_id
+        self.rows = flat.numel()
+        self.serial += 1
+        self._index = None
+        self._converted = {}
+        # One host sync per forward; without masks every adapted layer is its base layer.
+        if bool(is_mask.any()):
+            weight = getattr(module, "weight", None)
+            self.gate = is_mask.unsqueeze(1).to(
+                weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+            )
+        else:
+            self.gate = None
+
+    def reset(self, *args):
+        """Forward pre-hook of the model: a forward without ``input_ids`` finds no stale gate."""
+        self.rows = None
+        self.gate = None
+        self._index = None
+
+    def gate_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The gate in ``dtype`` (converted once per forward)."""
+        gate = self.gate
+        if gate.dtype == dtype:
+            return gate
+        converted = self._converted.get(dtype)
+        if converted is None:
+            converted = self._converted[dtype] = gate.to(dtype)
+        return converted
+
+    def check_rows(self, rows: int) -> None:
+        if self.rows is None or rows != self.rows:
+            raise RuntimeError(
+                f"A mask-gated adapter layer got {rows} positions but the last input_ids had {self.rows}: the "
+                "gate reads input_ids through the input embedding, so call the model with `input_ids` (not "
+                "`inputs_embeds`)."
+            )
+
+    def positions_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Flattened mask positions for an input ``x`` of this forward (``None``: none)."""
+        self.check_rows(x.numel() // x.shape[-1])
+        if self.gate is None:
+            return None
+        if self._index is None:
+            self._index = self.gate.reshape(-1).nonzero().flatten()
+        return self._index
+
+
+def gated_add(gate: MaskGate, x: torch.Tensor, result: torch.Tensor, delta_fn) -> torch.Tensor:
+    """``result`` plus ``delta_fn(x)`` at mask positions only; other rows are ``result``'s own values."""
+    index = gate.positions_for(x)
+    if index is None:
+        return result
+    flat_x = x.reshape(-1, x.shape[-1]).index_select(0, index)
+    delta = delta_fn(flat_x).to(result.dtype)
+    flat = result.reshape(-1, result.shape[-1])
+    return flat.index_add(0, index, delta).view_as(result)
+
+
+def install_mask_gate(model, mask_token_id: int, reset_per_forward: bool = False) -> MaskGate:
+    """Attach (once) the pre-hook that records mask positions; returns the model's gate.
+
+    ``reset_per_forward`` also forgets the gate when ``model``'s forward starts, so a forward with
+    ``inputs_embeds`` fails loudly even right after an ``input_ids`` forward (or an embedding call) of the
+    same size. Training leaves it off: gradient checkpointing re-runs layers during backward, outside
+    any forward, with that forward's gate.
+    """
+    gate = getattr(model, "_mars_mask_gate", None)
+    if gate is not None:
+        if gate.mask_token_id != int(mask_token_id):
+            raise ValueError(
+                f"The model already has a mask gate for token id {gate.mask_token_id}, not {mask_token_id}."
+            )
+        return gate
+    gate = MaskGate(mask_token_id)
+    embedding = model.get_input_embeddings()
+    embedding.register_forward_pre_hook(gate.record, with_kwargs=True)
+    if reset_per_forward:
+        model.register_forward_pre_hook(gate.reset)
+    object.__setattr__(model, "_mars_mask_gate", gate)  # not a submodule, not in the state dict
+    return gate
+
+
+# --------------------------------------------------------------------------------------------------
+# PEFT models (training, mars_hf loading): gate the LoRA layers in place
+# --------------------------------------------------------------------------------------------------
+def _is_lora_layer(module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "base_layer")
+
+
+def _gated_peft_forward(layer, gate: MaskGate):
+    """A replacement ``forward`` for a PEFT ``lora.Linear``: the vanilla LoRA delta, at mask positions only."""
+
+    def forward(x, *args, **kwargs):
+        kwargs.pop("adapter_names", None)
+        result = layer.base_layer(x, *args, **kwargs)
+        if layer.disable_adapters:
+            return result
+        adapters = [name for name in layer.active_adapters if name in layer.lora_A.keys()]
+        if not adapters:
+            return result
+
+        def delta(rows):
+            total = None
+            for name in adapters:
+                lora_A = layer.lora_A[name]
+                term = layer.lora_B[name](lora_A(layer.lora_dropout[name](rows.to(lora_A.weight.dtype))))
+                term = term * layer.scaling[name]
+                total = term if total is None else total + term
+            return total
+
+        return gated_add(gate, x, result, delta)
+
+    return forward
+
+
+def gate_peft_model(peft_model, mask_token_id: int) -> int:
+    """Gate every LoRA layer of ``peft_model`` to mask positions (idempotent); returns how many are gated.
+
+    Only plain LoRA on linear layers can be gated (no DoRA or other variants, no LoRA on embeddings,
+    no ``modules_to_save``: those would change real tokens' outputs). Merging is refused afterwards.
+    """
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    gate = install_mask_gate(base, mask_token_id)
+    count = 0
+    for name, module in peft_model.named_modules():
+        if type(module).__name__ == "ModulesToSaveWrapper":
+            raise ValueError(
+                f"{name} is a modules_to_save copy: a fully trained module changes real tokens too, so it cannot "
+                "be gated to mask positions. Drop it from `modules_to_save` (the mask row trains through "
+                "`trainable_token_indices`)."
+            )
+        if not _is_lora_layer(module):
+            continue
+        if type(module).__name__ != "Linear" or getattr(module, "lora_variant", None):
+            raise ValueError(
+                f"{name} is a {type(module).__name__} LoRA layer{' with a variant (DoRA...)' if getattr(module, 'lora_variant', None) else ''}: "
+                "only plain LoRA on linear layers can be gated to mask positions. Use `LoraConfig(use_dora=False)` "
+                "and linear `target_modules` (e.g. 'all-linear')."
+            )
+        if getattr(module, "_mars_gated", False):
+            count += 1
+            continue
+        if module.merged:
+            raise MergeRefusedError("The LoRA layers are already merged; gate the adapter before merging.")
+        module.forward = _gated_peft_forward(module, gate)
+        module.merge = _refuse_merge
+        module._mars_gated = True
+        count += 1
+    if not count:
+        raise ValueError("The model has no LoRA layer to gate; pass a LoraConfig as `peft_config`.")
+    for obj in (peft_model, getattr(peft_model, "base_model", None)):
+        if obj is not None and obj is not base:
+            for method in ("merge_and_unload", "merge_adapter"):
+                object.__setattr__(obj, method, _refuse_merge)
+    _record_gating(base)
+    return count
+
+
+def _record_gating(model) -> None:
+    mars = dict(getattr(model.config, "mars", None) or {})
+    mars[GATING_KEY] = MASK_GATING
+    model.config.mars = mars
+
+
+def is_gated(model) -> bool:
+    """True if ``model`` (or its base) applies an adapter gated to mask positions."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "_mars_mask_gate", None) is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch + transformers only: apply a shipped (gated) LoRA adapter to a plain model
+# --------------------------------------------------------------------------------------------------
+def _resolve(checkpoint, filename: str, hub_kwargs: dict) -> str | None:
+    """A file of a local folder or a (cached) Hub repo; None when it has no such file."""
+    if os.path.isdir(str(checkpoint)):
+        path = os.path.join(str(checkpoint), filename)
+        return path if os.path.isfile(path) else None
+    from transformers.utils import cached_file
+
+    return cached_file(
+        str(checkpoint),
+        filename,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+        **hub_kwargs,
+    )
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _check_adapter_config(config: dict, checkpoint) -> float:
+    """Refuse LoRA features this loader does not implement; return the scaling ``alpha / r``."""
+    unsupported = []
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        unsupported.append(f"peft_type={config.get('peft_type')!r}")
+    for key in ("use_dora", "fan_in_fan_out", "lora_bias"):
+        if config.get(key):
+            unsupported.append(f"{key}=True")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+        if config.get(key):
+            unsupported.append(f"{key}={config[key]!r}")
+    if unsupported:
+        raise ValueError(
+            f"The adapter of {checkpoint} uses {', '.join(unsupported)}, which the torch-only loader of "
+            "custom_generate/gated_lora.py does not implement; load it with mars_hf (which uses PEFT) instead."
+        )
+    r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def _adapter_pairs(weights: dict, checkpoint) -> dict[str, dict[str, torch.Tensor]]:
+    """``{module path inside the causal LM: {"A": tensor, "B": tensor}}`` from PEFT's saved names."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in weights.items():
+        for part, tag in ((".lora_A.weight", "A"), (".lora_B.weight", "B")):
+            if key.endswith(part):
+                path = key[: -len(part)]
+                path = path[len("base_model.model.") :] if path.startswith("base_model.model.") else path
+                pairs.setdefault(path, {})[tag] = tensor
+                break
+        else:
+            if "lora_" in key:
+                raise ValueError(f"{checkpoint}: unsupported adapter tensor {key!r} (only lora_A/lora_B).")
+    broken = [path for path, pair in pairs.items() if set(pair) != {"A", "B"}]
+    if broken or not pairs:
+        raise ValueError(
+            f"{checkpoint}: the adapter has no complete lora_A/lora_B pairs ({broken or 'none'})."
+        )
+    return pairs
+
+
+@torch.no_grad()
+def _write_mask_rows(model, rows: dict) -> None:
+    """Grow the embeddings to the checkpoint's row count (new rows = mean row) and write its trained rows."""
+    embeddings = model.get_input_embeddings()
+    needed = int(rows["num_embeddings"].item()) if "num_embeddings" in rows else embeddings.weight.shape[0]
+    old_rows = embeddings.weight.shape[0]
+    if needed > old_rows:
+        model.resize_token_embeddings(needed, mean_resizing=False)
+        matrices = [model.get_input_embeddings().weight]
+        output = model.get_output_embeddings()
+        if output is not None and output.weight.data_ptr() != matrices[0].data_ptr():
+            matrices.append(output.weight)
+        for weight in matrices:
+            weight[old_rows:] = weight[:old_rows].mean(dim=0, keepdim=True)
+    weight = model.get_input_embeddings().weight
+    ids = rows["ids"].long().to(weight.device)
+    weight[ids] = rows["input_embeddings"].to(device=weight.device, dtype=weight.dtype)
+    output = model.get_output_embeddings()
+    if "output_embeddings" in rows and output is not None and output.weight.data_ptr() != weight.data_ptr():
+        output.weight[ids] = rows["output_embeddings"].to(
+            device=output.weight.device, dtype=output.weight.dtype
+        )
+
+
+# Sibling layers that read the same input tensor: their A's are stacked into one matmul. Only a
+# guess from the names; the forward checks that the input really is the same tensor.
+SHARED_INPUT_NAMES = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("query", "key", "value"),
+    ("wq", "wk", "wv"),
+    ("w1", "w3"),
+)
+
+
+class _SharedInput:
+    """Adapted sibling layers fed the same input: ``x @ A.T`` for all of them in one matmul, once per forward.
+
+    ``leader`` carries the stacked ``mars_lora_A`` as a (non-persistent) buffer, so ``model.to()``
+    moves it. The product is kept, with the input it was computed from, only until every sibling has
+    taken its part (no activation outlives its forward).
+    """
+
+    __slots__ = ("leader", "ranks", "x", "parts", "serial", "waiting")
+
+    def __init__(self, leader, ranks: list[int]):
+        self.leader, self.ranks = leader, list(ranks)
+        self.x = self.parts = self.serial = None
+        self.waiting = 0
+
+    def part(self, x: torch.Tensor, gate: MaskGate | None, member: int) -> torch.Tensor:
+        """Member ``member``'s block of ``gate * (x @ A.T)`` over flattened rows (all rows when ungated)."""
+        serial = gate.serial if gate is not None else None
+        if x is self.x and serial == self.serial:
+            parts = self.parts
+            self.waiting -= 1
+            if self.waiting <= 0:
+                self.x = self.parts = None
+            return parts[member]
+        A = self.leader._buffers["mars_lora_A"]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != A.dtype:
+            x2 = x2.to(A.dtype)
+        xa = F.linear(x2, A)
+        if gate is not None:
+            gate.check_rows(xa.shape[0])
+            xa.mul_(gate.gate_for(xa.dtype))
+        if len(self.ranks) == 1:
+            return xa
+        parts = xa.split(self.ranks, dim=1)
+        self.x, self.parts, self.serial, self.waiting = x, parts, serial, len(self.ranks) - 1
+        return parts[member]
+
+
+class _Adapter:
+    """What one adapted linear layer needs in its forward (kept in the module's ``__dict__``)."""
+
+    __slots__ = ("base_forward", "gate", "group", "member")
+
+    def __init__(self, base_forward, gate, group, member):
+        self.base_forward, self.gate, self.group, self.member = base_forward, gate, group, member
+
+
+def _adapted_forward(self, x, *args, **kwargs):
+    """``y = base(x)``; then, only if this forward holds mask tokens, ``y += (gate · x Aᵀ) (s·B)ᵀ`` in place.
+
+    At real positions the gate row is 0, so the added product row is exactly 0 and ``y`` keeps the
+    base layer's bits. Without masks the adapter is skipped: the layer costs its base layer.
+    """
+    adapter = self.__dict__["_mars_adapter"]
+    y = adapter.base_forward(x, *args, **kwargs)
+    gate = adapter.gate
+    if gate is not None and gate.gate is None:
+        if gate.rows is None:
+            gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
+        return y
+    xa = adapter.group.part(x, gate, adapter.member)
+    bt = self._buffers["mars_lora_BT"]
+    y2 = y.view(-1, y.shape[-1])
+    if (
+        xa.dtype != y.dtype
+    ):  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
+        if torch.is_grad_enabled():
+            return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
+        y2.add_(torch.mm(xa, bt))
+        return y
+    if torch.is_grad_enabled():
+        return torch.addmm(y2, xa, bt).view(y.shape)
+    y2.addmm_(xa, bt)
+    return y
+
+
+def _shared_input_groups(paths) -> list[list[str]]:
+    """Adapted module paths grouped by parent and by :data:`SHARED_INPUT_NAMES`; others alone."""
+    groups: dict[tuple, list[str]] = {}
+    for path in paths:
+        parent, _, leaf = path.rpartition(".")
+        tag = next((names for names in SHARED_INPUT_NAMES if leaf in names), leaf)
+        groups.setdefault((parent, tag), []).append(path)
+    order = {name: i for names in SHARED_INPUT_NAMES for i, name in enumerate(names)}
+    return [
+        sorted(paths, key=lambda path: order.get(path.rpartition(".")[2], 0)) for paths in groups.values()
+    ]
+
+
+def _lora_dtype(weight: torch.Tensor, requested: torch.dtype | None) -> torch.dtype:
+    """The dtype of the LoRA arithmetic: ``requested``, else float32 for a 16-bit model on CPU (a small
+    bf16/fp16 matmul there costs more than a float32 one; the result is rounded to the model's dtype once),
+    else the model's dtype."""
+    if requested is not None:
+        return requested
+    if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return weight.dtype
+
+
+@torch.no_grad()
+def _install_adapter(
+    model, pairs: dict, scaling: float, gate: MaskGate | None, lora_dtype: torch.dtype | None = None
+) -> None:
+    """Wrap each adapted linear layer's forward (see :func:`_adapted_forward`); no hooks, no new weights."""
+    modules = dict(model.named_modules())
+    for paths in _shared_input_groups(pairs):
+        members = [modules[path] for path in paths]
+        first = members[0].weight
+        if all(
+            m.in_features == members[0].in_features
+            and m.weight.device == first.device
+            and m.weight.dtype == first.dtype
+            for m in members
+        ):
+            _install_group(members, [pairs[path] for path in paths], scaling, gate, lora_dtype)
+        else:
+            for module, path in zip(members, paths):
+                _install_group([module], [pairs[path]], scaling, gate, lora_dtype)
+
+
+def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_dtype) -> None:
+    leader = members[0]
+    weight = leader.weight
+    dtype = _lora_dtype(weight, lora_dtype)
+    stacked = torch.cat([pair["A"] for pair in pairs]).to(device=weight.device, dtype=dtype)
+    leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
+    group = _SharedInput(leader, [pair["A"].shape[0] for pair in pairs])
+    for member, (module, pair) in enumerate(zip(members, pairs)):
+        bt = (pair["B"].to(torch.float64) * scaling).t()  # the scale folded into B once, not per forward
+        module.register_buffer(
+            "mars_lora_BT",
+            bt.to(device=module.weight.device, dtype=dtype).contiguous(),
+            persistent=False,
+        )
+        object.__setattr__(module, "_mars_adapter", _Adapter(module.forward, gate, group, member))
+        module.forward = types.MethodType(_adapted_forward, module)
+
+
+def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:
+    """``mars_config.json`` of an adapter checkpoint (``{}`` if it is no MARS adapter), after checking it.
+
+    A MARS adapter's gating is recorded in ``mars_config.json`` (``adapter_gating``); its mask-row file
+    (``mars_mask_token.safetensors``) also says so in its metadata. Without the record a gated adapter
+    would load *ungated* and change every real token, so a checkpoint whose files disagree, or that has
+    the mask-row file but no ``mars_config.json``, is refused with the fix.
+    """
+    hub_kwargs = hub_kwargs or {}
+    mars_path = _resolve(checkpoint, MARS_ADAPTER_CONFIG_FILE, hub_kwargs)
+    mars = _read_json(mars_path) if mars_path else {}
+    rows_path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
+    claimed = None
+    if rows_path is not None:
+        from safetensors import safe_open
+
+        with safe_open(rows_path, framework="pt") as handle:
+            claimed = (handle.metadata() or {}).get(GATING_METADATA_KEY)
+    recorded = mars.get(GATING_KEY)
+    if rows_path is not None and mars_path is None:
+        said = (
+            f"its {MARS_MASK_ROWS_FILE} says the adapter is gated to mask positions (adapter_gating={claimed!r})"
+            if claimed
+            else f"it has the MARS mask-row file {MARS_MASK_ROWS_FILE}"
+        )
+        raise ValueError(
+            f"{checkpoint}: {said} but has no {MARS_ADAPTER_CONFIG_FILE}, the record of its block size, mask token "
+            "and adapter gating. Loaded without it, a mask-gated adapter would run ungated and change every real "
+            f"token's output, so it is refused. Restore {MARS_ADAPTER_CONFIG_FILE} from where the checkpoint came "
+            "from (mars_hf.hub.checkpoint.save_pretrained and MARSTrainer write it), or write it yourself, e.g. "
+            '{"adapter_gating": "mask", "block_size": <the block size it was trained with>, "mask_token_id": '
+            "<the tokenizer's mask token id>} (leave adapter_gating out only for an adapter trained ungated)."
+        )
+    if claimed is not None and claimed != recorded:
+        raise ValueError(
+            f"{checkpoint}: {MARS_MASK_ROWS_FILE} says adapter_gating={claimed!r} but {MARS_ADAPTER_CONFIG_FILE} "
+            f"says {recorded!r}; the files come from different checkpoints. Restore {MARS_ADAPTER_CONFIG_FILE} "
+            f'with "adapter_gating": {json.dumps(claimed)} (the adapter was trained that way).'
+        )
+    if recorded is not None and recorded != MASK_GATING:
+        raise ValueError(
+            f"{checkpoint}: unknown adapter_gating {recorded!r} in {MARS_ADAPTER_CONFIG_FILE} (known: {MASK_GATING!r})."
+        )
+    if recorded == MASK_GATING and "mask_token_id" not in mars:
+        raise ValueError(
+            f"{checkpoint}: a mask-gated adapter needs mask_token_id in {MARS_ADAPTER_CONFIG_FILE}."
+        )
+    return mars
+
+
+# Real tokens of the load-time check (any ids of the vocabulary serve; the masks follow them).
+_PROBE_REAL_TOKENS = 5
+_PROBE_MASKS = 2
+
+
+@torch.no_grad()
+def _probe_logits(model, mask_token_id: int) -> torch.Tensor:
+    """Logits of one small forward: a few real tokens, then masks (as a MARS window feeds them)."""
+    device = model.get_input_embeddings().weight.device
+    real = [i for i in range(1, _PROBE_REAL_TOKENS + 2) if i != mask_token_id][:_PROBE_REAL_TOKENS]
+    ids = torch.tensor([real + [mask_token_id] * _PROBE_MASKS], device=device)
+    training = model.training
+    model.eval()
+    try:
+        return model(input_ids=ids, use_cache=False).logits
+    finally:
+        model.train(training)
+
+
+def attach_shipped_adapter(model, checkpoint, *, lora_dtype: torch.dtype | None = None, **hub_kwargs) -> bool:
+    """Apply the LoRA adapter saved in ``checkpoint`` (folder or Hub id) to a plain transformers model.
+
+    Reads ``adapter_config.json``, ``adapter_model.safetensors``, ``mars_config.json`` and the trained
+    mask row (``mars_mask_token.safetensors``): resizes the embeddings if the checkpoint's vocabulary is
+    larger, writes the mask row, records ``config.mars``, suppresses the mask token as an output and
+    wraps each adapted linear layer's forward (gated to mask positions when ``adapter_gating == "mask"``),
+    so the model's weights and state dict stay the base model's. A gated adapter is checked once: a
+    forward of a few real tokens and masks must give the base model's logits at the real positions,
+    bit for bit, or it is refused. Idempotent: returns False when the model already carries this
+    checkpoint's adapter or the checkpoint is not an adapter (a full checkpoint needs nothing), True
+    when it attached it. ``lora_dtype``: dtype of the adapter's own arithmetic (default: float32 for a
+    bf16/fp16 model on CPU, else the model's dtype). No PEFT needed.
+    """
+    key = str(checkpoint)
+    attached = getattr(model, "_mars_shipped_adapter", None)
+    if attached is not None:
+        if attached != key:
+            raise ValueError(f"The model already carries the adapter of {attached}; load a fresh base model.")
+        return False
+    config_path = _resolve(checkpoint, ADAPTER_CONFIG_FILE, hub_kwargs)
+    if config_path is None:
+        return False
+    weights_path = _resolve(checkpoint, ADAPTER_WEIGHTS_FILE, hub_kwargs)
+    if weights_path is None:
+        raise OSError(f"{checkpoint} has {ADAPTER_CONFIG_FILE} but no {ADAPTER_WEIGHTS_FILE}.")
+    from safetensors.torch import load_file
+
+    scaling = _check_adapter_config(_read_json(config_path), checkpoint)
+    pairs = _adapter_pairs(load_file(weights_path), checkpoint)
+    mars = read_gating_record(checkpoint, hub_kwargs)
+    modules = dict(model.named_modules())
+    missing = [path for path in pairs if not isinstance(modules.get(path), torch.nn.Linear)]
+    if missing:
+        raise ValueError(
+            f"{checkpoint}: the adapter targets modules this model has no linear layer for: {missing[:4]}; "
+            "load the base model the adapter was trained on."
+        )
+    rows_path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
+    if rows_path is not None:
+        _write_mask_rows(model, load_file(rows_path))
+    if mars:
+        model.config.mars = {**(getattr(model.config, "mars", None) or {}), **mars}
+        mask_id = int(mars["mask_token_id"])
+        suppressed = list(model.generation_config.suppress_tokens or [])
+        if mask_id not in suppressed:
+            model.generation_config.suppress_tokens = [*suppressed, mask_id]
+    gated = mars.get(GATING_KEY) == MASK_GATING
+    if gated:
+        mask_id = int(mars["mask_token_id"])
+        before = _probe_logits(model, mask_id)
+        gate = install_mask_gate(model, mask_id, reset_per_forward=True)
+    else:
+        gate = None
+    _install_adapter(model, pairs, scaling, gate, lora_dtype)
+    object.__setattr__(model, "_mars_shipped_adapter", key)
+    if gated:
+        after = _probe_logits(model, mask_id)
+        real = slice(0, after.shape[1] - _PROBE_MASKS)
+        if not torch.equal(after[:, real], before[:, real]):
+            raise RuntimeError(
+                f"{checkpoint}: with its mask-gated adapter attached, this model's logits at real positions "
+                "differ from the base model's (largest difference "
+                f"{(after[:, real] - before[:, real]).abs().max().item():.3g}), so the adapter is not gated here and "
+                "would change every real token; refusing it. Load the adapter onto a plain transformers model "
+                "of the architecture it was trained on (no other hooks or adapters on its linear layers)."
+            )
+    logger.info(
+        "Attached the %sLoRA adapter of %s to %d linear layers%s.",
+        "mask-gated " if gated else "",
+        checkpoint,
+        len(pairs),
+        " (real positions checked equal to the base model)" if gated else "",
+    )
+    return True
+
+
+def find_custom_generate_checkpoint() -> str | None:
+    """The ``custom_generate`` argument of the ``generate`` call that is running us (folder or Hub id).
+
+    transformers copies ``custom_generate/*.py`` into its module cache before running it, so the
+    checkpoint is not this file's parent folder; the caller's frame still holds the argument.
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "generate":
+            value = frame.f_locals.get("custom_generate")
+            if isinstance(value, (str, os.PathLike)):
+                return str(value)
+        frame = frame.f_back
+    return None

@@ -1,0 +1,350 @@
+"""Load any MARS checkpoint with one call: ours, a LoRA adapter on its base, or the paper's releases.
+
+Three formats reach us:
+
+* **ours**: an ordinary causal-LM folder whose ``config.json`` carries ``config.mars``;
+* **a PEFT adapter** (``adapter_config.json``, no ``config.json``) written by
+  :func:`mars_hf.hub.checkpoint.save_pretrained`, with ``mars_config.json`` and the trained mask-token row in
+  ``mars_mask_token.safetensors`` (the base model on the Hub has no such row);
+* **the paper's releases** (``Xalphinions/MARS-Qwen2.5-7B-blk8``): ``model_type: "a2d-qwen2"`` /
+  ``"a2d-qwen3"``, which stock transformers does not know. The weights use the Qwen2/Qwen3 layout
+  verbatim and MARS decodes with plain causal attention, so we load them as ``Qwen2ForCausalLM`` /
+  ``Qwen3ForCausalLM``. Their tokenizer has ``<|mask|>``; their block size is only in the repo name.
+
+Everything resolves files through transformers/huggingface_hub, so a Hub id that is in the local
+cache loads with ``HF_HUB_OFFLINE=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import cached_file
+
+from mars_hf.models.mask_token import DEFAULT_MASK_TOKEN, _fill_new_rows_with_mean, set_mars_config
+
+logger = logging.getLogger(__name__)
+
+# model_type of the paper's checkpoints -> the stock transformers model_type with the same weights.
+PAPER_MODEL_TYPES = {"a2d-qwen2": "qwen2", "a2d-qwen3": "qwen3", "a2d-llama": "llama"}
+# Files :func:`mars_hf.hub.checkpoint.save_pretrained` adds next to a PEFT adapter.
+MARS_ADAPTER_CONFIG_FILE = "mars_config.json"
+MARS_MASK_ROWS_FILE = "mars_mask_token.safetensors"
+# Keyword arguments that choose *which files* to read; passed to every file lookup.
+HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies")
+
+_BLOCK_SUFFIX = re.compile(r"(?:^|[-_.])blk(\d+)$", re.IGNORECASE)
+
+
+class AutoMARSModelForCausalLM:
+    """Like ``AutoModelForCausalLM``, but the model comes back ready for ``generate(mars_threshold=...)``.
+
+    Example::
+
+        model = AutoMARSModelForCausalLM.from_pretrained("Xalphinions/MARS-Qwen2.5-0.5B-blk4")
+        out = model.generate(**inputs, mars_threshold=0.9)
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise OSError("Use `AutoMARSModelForCausalLM.from_pretrained(name_or_path)` to load a MARS model.")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, block_size: int | None = None, **kwargs):
+        """Load a MARS checkpoint from a local folder or a Hub id (see :func:`load_mars_model`)."""
+        model, _ = load_mars_model(pretrained_model_name_or_path, block_size=block_size, **kwargs)
+        return model
+
+
+def load_mars_model(
+    name_or_path: str | os.PathLike,
+    block_size: int | None = None,
+    *,
+    base_model_name_or_path: str | None = None,
+    merge_adapter: bool = False,
+    enable: bool = True,
+    **kwargs,
+):
+    """Load ``(model, tokenizer)`` from any MARS checkpoint format.
+
+    Args:
+        name_or_path: local folder or Hub id (a cached Hub repo loads offline).
+        block_size: used only when neither ``config.mars`` nor a ``blkN`` name suffix gives one.
+        base_model_name_or_path: base model of a LoRA adapter (default: the adapter config's).
+        merge_adapter: merge a LoRA adapter into its base (faster decoding, no PEFT wrapper). A LoRA
+            gated to mask positions (``config.mars.adapter_gating == "mask"``) cannot be merged: ``True``
+            raises for it, ``"auto"`` merges every adapter that can be merged and keeps a gated one as is.
+        enable: call :func:`mars_hf.decoding.generation.enable_mars` on the result.
+        **kwargs: file-lookup options (``revision``, ``cache_dir``, ``token``, ``local_files_only``)
+            and anything ``AutoModelForCausalLM.from_pretrained`` takes (``dtype``, ``device_map``...).
+    """
+    from mars_hf.models.embedded_model import EMBEDDED_MARS_NAME, embedded_mars_checkpoint
+
+    name_or_path = str(name_or_path)
+    if name_or_path == EMBEDDED_MARS_NAME:  # the MARS model shipped inside the package
+        name_or_path = str(embedded_mars_checkpoint())
+    hub_kwargs = {key: kwargs.pop(key) for key in HUB_KWARGS if key in kwargs}
+    how_to = (
+        "Pass a local checkpoint folder or a Hub repo id; offline (HF_HUB_OFFLINE=1) the repo must already be "
+        "in the Hugging Face cache (download it once with `hf download <repo_id>`)."
+    )
+    if not os.path.isdir(name_or_path):
+        try:
+            validate_repo_id(name_or_path)
+        except HFValidationError as error:
+            raise OSError(
+                f"{name_or_path!r} is neither an existing folder nor a Hub repo id. {how_to}"
+            ) from error
+    config_dict = _read_json(name_or_path, "config.json", hub_kwargs)
+    adapter_config = (
+        None if config_dict is not None else _read_json(name_or_path, "adapter_config.json", hub_kwargs)
+    )
+    if config_dict is None and adapter_config is None:
+        raise OSError(f"{name_or_path!r} has neither a config.json nor an adapter_config.json. {how_to}")
+
+    if adapter_config is not None:
+        model, tokenizer, mars = _load_adapter(
+            name_or_path, adapter_config, base_model_name_or_path, merge_adapter, hub_kwargs, kwargs
+        )
+    else:
+        model = _load_backbone(name_or_path, config_dict, hub_kwargs, kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **hub_kwargs)
+        mars = dict(config_dict.get("mars") or {})
+
+    mask_token_id = _ensure_mask_token(tokenizer, mars, name_or_path)
+    rows = model.get_input_embeddings().weight.shape[0]
+    if mask_token_id >= rows:
+        raise ValueError(
+            f"The mask token id {mask_token_id} of {name_or_path!r} does not fit its {rows}-row embedding matrix; "
+            "the tokenizer and the weights do not belong together."
+        )
+    resolved_block_size, source = resolve_block_size(mars, name_or_path, block_size)
+    logger.info("MARS block size %d for %s (%s).", resolved_block_size, name_or_path, source)
+    extra = {k: v for k, v in mars.items() if k not in ("block_size", "mask_token_id", "format_version")}
+    set_mars_config(model, block_size=resolved_block_size, mask_token_id=mask_token_id, **extra)
+
+    if enable:
+        from mars_hf.decoding.generation import enable_mars
+
+        # An unmerged PeftModel delegates generate() to the transformers model it wraps.
+        enable_mars(model.get_base_model() if _is_peft_model(model) else model)
+    return model, tokenizer
+
+
+def resolve_block_size(mars: dict, name_or_path: str, explicit: int | None) -> tuple[int, str]:
+    """Block size from ``config.mars``, else a ``blkN`` name suffix, else ``explicit``; plus where it came from."""
+    found, source = None, None
+    if mars.get("block_size") is not None:
+        found, source = int(mars["block_size"]), "from config.mars"
+    else:
+        name = _checkpoint_name(name_or_path)
+        match = _BLOCK_SUFFIX.search(name)
+        if match:
+            found, source = int(match.group(1)), f"from the 'blk{match.group(1)}' suffix of the name {name!r}"
+    if found is not None:
+        if explicit is not None and int(explicit) != found:
+            logger.warning(
+                "Ignoring block_size=%d: the checkpoint says %d (%s). To decode with another window, pass "
+                "`mars_block_size=` to generate().",
+                explicit,
+                found,
+                source,
+            )
+        return found, source
+    if explicit is not None:
+        if int(explicit) < 1:
+            raise ValueError(f"block_size must be >= 1, got {explicit}.")
+        return int(explicit), "from the block_size argument"
+    raise ValueError(
+        f"Cannot tell the MARS block size of {name_or_path!r}: its config has no `mars` entry and its name "
+        "has no `-blkN` suffix. Pass it explicitly, e.g. "
+        "`AutoMARSModelForCausalLM.from_pretrained(name, block_size=4)` (the block size it was trained with)."
+    )
+
+
+def _checkpoint_name(name_or_path: str) -> str:
+    """The repo name of a Hub id or folder; for a path inside the HF cache, the cached repo's name."""
+    path = Path(name_or_path.rstrip("/"))
+    for part in reversed(path.parts):
+        if part.startswith("models--"):  # .../models--org--name/snapshots/<sha>
+            return part.split("--")[-1]
+    return path.name
+
+
+def _read_json(name_or_path: str, filename: str, hub_kwargs: dict) -> dict | None:
+    resolved = cached_file(
+        name_or_path,
+        filename,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+        _raise_exceptions_for_gated_repo=False,
+        **hub_kwargs,
+    )
+    if resolved is None:
+        return None
+    with open(resolved, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _load_backbone(name_or_path: str, config_dict: dict, hub_kwargs: dict, model_kwargs: dict):
+    """``AutoModelForCausalLM.from_pretrained``, mapping the paper's ``a2d-*`` model types onto stock ones."""
+    model_type = config_dict.get("model_type")
+    if model_type in PAPER_MODEL_TYPES and "config" not in model_kwargs:
+        stock_type = PAPER_MODEL_TYPES[model_type]
+        cleaned = {
+            k: v
+            for k, v in config_dict.items()
+            if k not in ("model_type", "architectures", "auto_map", "transformers_version")
+        }
+        config = AutoConfig.for_model(stock_type, **cleaned)
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+        config.architectures = [model_class.__name__]
+        logger.info(
+            "%s is a paper-format checkpoint (model_type %r): loading it as %s with causal attention.",
+            name_or_path,
+            model_type,
+            model_class.__name__,
+        )
+        model_kwargs = {**model_kwargs, "config": config}
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **hub_kwargs, **model_kwargs)
+
+
+def _ensure_mask_token(tokenizer, mars: dict, name_or_path: str) -> int:
+    """The tokenizer's mask token id; adopts ``<|mask|>`` (the paper's) when it is only an added token."""
+    if tokenizer.mask_token is None:
+        vocab = tokenizer.get_vocab()
+        if DEFAULT_MASK_TOKEN in vocab:
+            tokenizer.mask_token = DEFAULT_MASK_TOKEN
+            logger.info("Using %r (id %d) as the mask token.", DEFAULT_MASK_TOKEN, vocab[DEFAULT_MASK_TOKEN])
+        elif mars.get("mask_token_id") is not None:
+            tokenizer.mask_token = tokenizer.convert_ids_to_tokens(int(mars["mask_token_id"]))
+        else:
+            raise ValueError(
+                f"{name_or_path!r} has no mask token: its tokenizer has neither a mask token nor "
+                f"{DEFAULT_MASK_TOKEN!r}, and its config has no `mars.mask_token_id`. It is not a MARS checkpoint; "
+                "fine-tune it first (`mars_hf.add_mask_token(model, tokenizer)` + `MARSTrainer`)."
+            )
+    mask_token_id = int(tokenizer.mask_token_id)
+    if mars.get("mask_token_id") is not None and int(mars["mask_token_id"]) != mask_token_id:
+        raise ValueError(
+            f"{name_or_path!r}: config.mars.mask_token_id is {mars['mask_token_id']} but the tokenizer's mask token "
+            f"{tokenizer.mask_token!r} has id {mask_token_id}; the tokenizer and the model do not belong together."
+        )
+    return mask_token_id
+
+
+def _is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _load_adapter(
+    name_or_path, adapter_config, base_model_name_or_path, merge_adapter, hub_kwargs, model_kwargs
+):
+    """Base model (any format above) + the trained mask-token rows + the PEFT adapter."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from mars_hf.models.embedded_model import resolve_adapter_base
+
+    # The shipped adapter (and any trained on the embedded SmolLM2 elsewhere) runs on the embedded base.
+    base = base_model_name_or_path or resolve_adapter_base(
+        name_or_path, adapter_config.get("base_model_name_or_path")
+    )
+    if not base:
+        raise ValueError(
+            f"The adapter {name_or_path!r} does not name its base model; pass `base_model_name_or_path=`."
+        )
+    # An adapter repo is small: take it whole, so that the tokenizer and PEFT read a local folder
+    # (AutoTokenizer on a Hub id without config.json cannot tell "missing" from "not cached" offline).
+    folder = name_or_path
+    if not os.path.isdir(name_or_path):
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(
+            name_or_path, **{k: v for k, v in hub_kwargs.items() if k not in ("proxies",)}
+        )
+    from mars_hf.decoding.gated_lora import read_gating_record
+
+    # Refuses an adapter whose gating record is lost or contradicted (never loads a gated adapter ungated).
+    mars = read_gating_record(folder)
+    gated = mars.get("adapter_gating") == "mask"
+    if gated and merge_adapter is True:
+        from mars_hf.decoding.gated_lora import MERGE_REFUSED, MergeRefusedError
+
+        raise MergeRefusedError(f"{name_or_path}: {MERGE_REFUSED} (pass merge_adapter=False or 'auto')")
+    base_config = _read_json(base, "config.json", hub_kwargs)
+    if base_config is None:
+        raise OSError(
+            f"Cannot find the base model {base!r} of the adapter {name_or_path!r} (locally or in the HF cache); "
+            "pass `base_model_name_or_path=` pointing to it."
+        )
+    logger.info("Loading the LoRA adapter %s onto its base model %s.", name_or_path, base)
+    model = _load_backbone(base, base_config, hub_kwargs, model_kwargs)
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(base, **hub_kwargs)
+
+    rows_file = os.path.join(folder, MARS_MASK_ROWS_FILE)
+    rows = load_file(rows_file) if os.path.isfile(rows_file) else {}
+    needed = max(len(tokenizer), int(rows["num_embeddings"].item()) if "num_embeddings" in rows else 0)
+    old_rows = model.get_input_embeddings().weight.shape[0]
+    if old_rows < needed:
+        # Same initialisation as add_mask_token at training time, so rows the adapter never trained
+        # (e.g. the output row when only the input row was a trainable token) come back identical.
+        model.resize_token_embeddings(needed, mean_resizing=False)
+        _fill_new_rows_with_mean(model, old_rows)
+    if rows:
+        _write_rows(model, rows)
+    elif mars:
+        logger.warning(
+            "%s has no %s: the mask token keeps the base model's row (fine only if it was never trained).",
+            name_or_path,
+            MARS_MASK_ROWS_FILE,
+        )
+    if gated:
+        # The torch-only gate (what custom_generate/ runs): each adapted linear layer's forward is wrapped
+        # on the plain model, and the load checks real positions against the base model once. PEFT's
+        # wrapper decodes ~3.5x slower here (its trainable-token head rebuilds the output matrix every
+        # forward); the two agree to float64 round-off (tests/test_gated_lora.py).
+        from mars_hf.decoding.gated_lora import attach_shipped_adapter
+
+        attach_shipped_adapter(model, folder)
+        logger.info(
+            "%s is a LoRA adapter gated to mask positions: applied by wrapping the adapted linear layers "
+            "(it cannot be merged; to train it further, load it with peft and "
+            "mars_hf.decoding.gated_lora.gate_peft_model).",
+            name_or_path,
+        )
+        model.eval()
+        return model, tokenizer, mars
+    model = PeftModel.from_pretrained(model, folder, is_trainable=False)
+    if merge_adapter:
+        model = model.merge_and_unload()
+    model.eval()
+    return model, tokenizer, mars
+
+
+@torch.no_grad()
+def _write_rows(model, rows: dict) -> None:
+    ids = rows["ids"].long()
+    embeddings = model.get_input_embeddings().weight
+    embeddings[ids] = rows["input_embeddings"].to(embeddings.dtype)
+    output = model.get_output_embeddings()
+    if (
+        "output_embeddings" in rows
+        and output is not None
+        and output.weight.data_ptr() != embeddings.data_ptr()
+    ):
+        output.weight[ids] = rows["output_embeddings"].to(output.weight.dtype)

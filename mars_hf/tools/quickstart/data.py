@@ -1,0 +1,146 @@
+"""The quickstart's data: self-distilled training answers and the held-out reference, cached on disk.
+
+A rerun (or a longer ``distill_minutes``) reuses every batch already answered: the cache key is the
+base model's files, the prompts and the settings, so a changed model or prompt set never reuses stale
+answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mars_hf.evaluation.runs import measure_decoding, run_label
+from mars_hf.training.data import self_distill
+
+if TYPE_CHECKING:
+    from mars_hf.tools.quickstart.pipeline import QuickstartConfig
+
+logger = logging.getLogger(__name__)
+
+# Bump when the cached self-distillation format changes.
+CACHE_VERSION = 1
+
+
+def _cache_dir(config: QuickstartConfig) -> Path:
+    if config.cache_dir:
+        return Path(config.cache_dir)
+    from mars_hf.models.embedded_model import mars_hf_home
+
+    return mars_hf_home() / "quickstart_cache"
+
+
+def _model_fingerprint(model_path: str) -> str:
+    """Identify the base model's weights cheaply (file names, sizes, modification times)."""
+    path = Path(model_path)
+    if not path.is_dir():
+        return model_path
+    parts = [
+        f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}"
+        for f in sorted(path.iterdir())
+        if f.suffix in (".safetensors", ".bin", ".json")
+    ]
+    return f"{path.resolve()}|{'|'.join(parts)}"
+
+
+def _cache_key(kind: str, model_path: str, prompts: list[str], **settings) -> str:
+    payload = json.dumps(
+        {
+            "v": CACHE_VERSION,
+            "kind": kind,
+            "model": _model_fingerprint(model_path),
+            "prompts": prompts,
+            **settings,
+        },
+        sort_keys=True,
+    )
+    return f"{kind}-{hashlib.sha1(payload.encode()).hexdigest()[:16]}"
+
+
+def cached_self_distill(model, tokenizer, prompts, *, model_path, config: QuickstartConfig):
+    """:func:`self_distill` with an on-disk cache keyed by the model, the prompts and the settings."""
+    from datasets import load_from_disk
+
+    key = _cache_key("distill", model_path, prompts, max_new_tokens=config.max_new_tokens)
+    target = _cache_dir(config) / key
+    if (target / "dataset_info.json").exists():
+        logger.info("Reusing the self-distilled dataset cached in %s.", target)
+        return load_from_disk(str(target)), True
+    dataset = self_distill(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=config.max_new_tokens,
+        batch_size=config.distill_batch_size,
+        progress=config.progress,
+    )
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    dataset.save_to_disk(str(tmp))
+    if not target.exists():
+        tmp.replace(target)
+    return dataset, False
+
+
+def budgeted_self_distill(model, tokenizer, prompts, *, model_path, config: QuickstartConfig):
+    """:func:`cached_self_distill` batch by batch until ``config.distill_minutes`` are spent.
+
+    Each batch is cached on its own, so a rerun reuses every batch already answered (and a longer
+    budget extends the set). Returns ``(dataset, all_batches_were_cached)``.
+    """
+    from datasets import concatenate_datasets
+
+    size = max(1, config.distill_batch_size)
+    chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+    budget = math.inf if config.distill_minutes is None else config.distill_minutes * 60
+    start = time.monotonic()
+    parts, all_cached = [], True
+    for index, chunk in enumerate(chunks):
+        if index and time.monotonic() - start >= budget:
+            logger.info(
+                "Self-distillation budget (%.1f min) spent: %d of %d training prompts answered.",
+                config.distill_minutes,
+                sum(len(part) for part in parts),
+                len(prompts),
+            )
+            break
+        part, cached = cached_self_distill(
+            model, tokenizer, chunk, model_path=model_path, config=dataclasses.replace(config, progress=False)
+        )
+        parts.append(part)
+        all_cached &= cached
+        if config.progress:
+            logger.info(
+                "Self-distillation: %d/%d prompts (%.1f min)",
+                sum(len(p) for p in parts),
+                len(prompts),
+                (time.monotonic() - start) / 60,
+            )
+    return concatenate_datasets(parts), all_cached
+
+
+def cached_reference(model, tokenizer, prompt_ids, *, model_path, prompts, config: QuickstartConfig):
+    """The base model's greedy answers (batch 1, stock ``generate``) to the held-out prompts, cached."""
+    key = _cache_key("reference", model_path, prompts, max_new_tokens=config.max_new_tokens)
+    target = _cache_dir(config) / f"{key}.json"
+    if target.exists():
+        return json.loads(target.read_text())["outputs"], True
+    runs = measure_decoding(
+        model,
+        tokenizer,
+        prompt_ids,
+        [None],
+        max_new_tokens=config.max_new_tokens,
+        progress=config.progress,
+        desc="Base model answers (reference)",
+    )
+    outputs = runs[run_label(None)].outputs
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
+    return outputs, False

@@ -1,0 +1,416 @@
+"""The quickstart's evaluation: decoding rows (stock, τ, verify) at batch 1 and 4, the table and the plot.
+
+Two sections share one table:
+
+* **shipped** — the MARS model that ships inside mars_hf (``"embedded-mars"``), trained once by a long
+  run: evaluated first, in the precision this machine runs fast (bf16 only where it is native and
+  faster), at batch 1 and at batch 4 (4 held-out prompts decoded together, left-padded), within its
+  own time budget. The reference is the base model's batch-1 greedy answer in that same precision
+  (the stock rows), so "identical answers" means "what ``generate`` would have said".
+* **this run** — the model the quickstart has just trained for its budget, at batch 1 (float32,
+  reference = the base model's float32 greedy answers), as before.
+
+Every loop here stops *before* it would overrun its budget (the last item's duration predicts the
+next one's), after a minimum amount of work, so the whole quickstart keeps its wall-clock promise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from mars_hf.evaluation.runs import DecodingRun, format_table, measure_decoding, run_label, summarize_runs
+
+logger = logging.getLogger(__name__)
+
+VERIFY_LABEL = "verify"
+SHIPPED_SECTION = "embedded-mars"
+OWN_SECTION = "this run"
+SHIPPED_BATCH_SIZE = 4
+# Share of the shipped model's budget spent at batch 1 before the batch-4 groups start.
+SHIPPED_BATCH1_SHARE = 0.6
+
+SUMMARY_COLUMNS = [
+    ("section", "model", "{}"),
+    ("batch", "batch", "{}"),
+    ("dtype", "dtype", "{}"),
+    ("label", "decoding", "{}"),
+    ("tokens_per_forward", "tokens/forward", "{:.2f}"),
+    ("agreement", "agreement", "{:.1%}"),
+    ("prefix_agreement", "prefix agreement", "{:.1%}"),
+    ("exact_match", "identical answers", "{:.0%}"),
+    ("seconds", "seconds", "{:.1f}"),
+    ("tokens_per_second", "tokens/s", "{:.1f}"),
+    ("speedup_vs_stock", "vs stock", "{:.2f}x"),
+]
+
+
+def verify_available() -> bool:
+    """True once mars_hf's decoder implements verified acceptance (``mars_acceptance="verify"``)."""
+    from mars_hf.decoding import generation
+
+    return "verify" in getattr(generation, "ACCEPTANCE_METRICS", ())
+
+
+class _Deadline:
+    """Stop before a budget would be overrun: the next item is assumed to take as long as the last one."""
+
+    def __init__(self, minutes: float | None):
+        self.seconds = math.inf if minutes is None else max(0.0, float(minutes)) * 60
+        self.start = time.monotonic()
+        self.last = 0.0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def allows_another(self) -> bool:
+        return self.elapsed() + self.last <= self.seconds
+
+    def record(self, seconds: float) -> None:
+        self.last = seconds
+
+
+def _warm_up(model, tokenizer, ids, thresholds, with_verify: bool) -> None:
+    """Pay the first calls' one-off costs (allocations, kernel selection) on a short decode, untimed."""
+    short = list(ids)[:8]
+    measure_decoding(model, tokenizer, [short], thresholds, max_new_tokens=4, progress=False, warmup=False)
+    if with_verify:
+        measure_decoding(
+            model,
+            tokenizer,
+            [short],
+            [0.0],
+            max_new_tokens=4,
+            progress=False,
+            warmup=False,
+            mars_kwargs={"mars_acceptance": "verify"},
+        )
+
+
+def _with_verify(verify: bool) -> bool:
+    available = verify and verify_available()
+    if verify and not available:
+        logger.warning("Verified decoding is not available in this mars_hf build; the verify row is skipped.")
+    return available
+
+
+def evaluate_prompts(
+    model,
+    tokenizer,
+    eval_ids: Sequence[Sequence[int]],
+    thresholds: Sequence[float],
+    *,
+    verify: bool = True,
+    minutes: float | None = None,
+    min_prompts: int = 4,
+    max_new_tokens: int = 128,
+    progress: bool = False,
+    desc: str = "Evaluating stock, MARS at each τ and verify",
+) -> dict[str, DecodingRun]:
+    """Batch 1: stock ``generate``, MARS at each τ and verified decoding, interleaved prompt by prompt.
+
+    Interleaving keeps the wall-clock comparison fair on a machine whose load changes. Verified
+    decoding proposes every mask as a draft (proposal floor 0) and keeps only what the model's own
+    next-token prediction confirms, so its output is the model's greedy output. Prompts are evaluated
+    until ``minutes`` would be overrun (at least ``min_prompts``).
+    """
+    from tqdm.auto import tqdm
+
+    thresholds = [None, *thresholds]
+    with_verify = _with_verify(verify)
+    runs: dict[str, DecodingRun] = {}
+    if not eval_ids:
+        return runs
+    _warm_up(model, tokenizer, eval_ids[0], thresholds, with_verify)
+    deadline = _Deadline(minutes)
+    bar = tqdm(eval_ids, desc=desc, unit="prompt", disable=not progress)
+    for index, ids in enumerate(bar):
+        if index >= min_prompts and not deadline.allows_another():
+            logger.info(
+                "Evaluation budget (%.1f min) reached: %d of %d held-out prompts evaluated.",
+                deadline.seconds / 60,
+                index,
+                len(eval_ids),
+            )
+            break
+        started = time.monotonic()
+        measured = measure_decoding(
+            model, tokenizer, [ids], thresholds, max_new_tokens=max_new_tokens, progress=False, warmup=False
+        )
+        if with_verify:
+            verified = measure_decoding(
+                model,
+                tokenizer,
+                [ids],
+                [0.0],
+                max_new_tokens=max_new_tokens,
+                progress=False,
+                warmup=False,
+                mars_kwargs={"mars_acceptance": "verify"},
+            )
+            run = next(iter(verified.values()))
+            run.label, run.threshold = VERIFY_LABEL, 0.0
+            measured[VERIFY_LABEL] = run
+        for label, run in measured.items():
+            if label not in runs:
+                runs[label] = DecodingRun(label, run.threshold)
+            runs[label].outputs += run.outputs
+            runs[label].num_forwards += run.num_forwards
+            runs[label].seconds += run.seconds
+        deadline.record(time.monotonic() - started)
+    return runs
+
+
+def evaluate(model, tokenizer, eval_ids, config) -> dict[str, DecodingRun]:
+    """The quickstart's own model at batch 1 (``config.thresholds``, ``config.eval_minutes``)."""
+    return evaluate_prompts(
+        model,
+        tokenizer,
+        eval_ids,
+        config.thresholds,
+        verify=config.verify,
+        minutes=config.eval_minutes,
+        max_new_tokens=config.max_new_tokens,
+        progress=config.progress,
+    )
+
+
+@torch.no_grad()
+def decode_batch(
+    model, tokenizer, rows: Sequence[Sequence[int]], threshold: float | None, *, max_new_tokens, verify=False
+):
+    """Greedy-decode ``rows`` together (left-padded). Returns ``(outputs per row, batch forwards, seconds)``.
+
+    ``threshold`` None is stock ``generate``: one forward per generated column. MARS reports its own
+    forward count (the prompt's included).
+    """
+    from mars_hf.evaluation.runs import (
+        _ensure_mars_enabled,
+        _eos_ids,
+        _pad_id,
+        _trim_at_eos,
+        greedy_generate,
+        greedy_kwargs,
+    )
+
+    eos_ids = _eos_ids(model, tokenizer)
+    pad_id = _pad_id(tokenizer, eos_ids)
+    device = next(model.parameters()).device
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in rows], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device)
+    kwargs = greedy_kwargs(
+        input_ids, attention_mask, max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_ids=eos_ids
+    )
+    model.eval()
+    start = time.perf_counter()
+    if threshold is not None:
+        _ensure_mars_enabled(model)
+    extra = {"mars_acceptance": "verify"} if verify else {}
+    sequences, forwards = greedy_generate(model, kwargs, threshold, extra)
+    if forwards is None:  # stock: one forward per generated column
+        forwards = sequences.shape[1] - width
+    seconds = time.perf_counter() - start
+    outputs = [_trim_at_eos(row[width:].tolist(), eos_ids) for row in sequences]
+    return outputs, max(1, forwards), seconds
+
+
+def evaluate_batched(
+    model,
+    tokenizer,
+    eval_ids: Sequence[Sequence[int]],
+    thresholds: Sequence[float],
+    *,
+    verify: bool = True,
+    batch_size: int = SHIPPED_BATCH_SIZE,
+    minutes: float | None = None,
+    min_groups: int = 1,
+    max_new_tokens: int = 128,
+) -> dict[str, DecodingRun]:
+    """Groups of ``batch_size`` prompts decoded together by stock, each τ and verify, interleaved per group.
+
+    Only full groups are decoded. Each row's output is kept (compare it with the batch-1 answer);
+    tokens per forward = generated tokens / (rows × batch forwards), as in ``mars-hf bench``: a row
+    that ends early idles through the rest of its group's forwards, stock included.
+    """
+    configurations = [(run_label(None), None, False)]
+    configurations += [(run_label(tau), float(tau), False) for tau in thresholds]
+    if _with_verify(verify):
+        configurations.append((VERIFY_LABEL, 0.0, True))
+    runs = {label: DecodingRun(label, tau) for label, tau, _ in configurations}
+    groups = [
+        list(eval_ids[i : i + batch_size]) for i in range(0, len(eval_ids) - batch_size + 1, batch_size)
+    ]
+    if not groups:
+        return {}
+    for _, tau, verified in configurations:  # warm-up at this batch shape, untimed
+        decode_batch(model, tokenizer, [ids[:8] for ids in groups[0]], tau, max_new_tokens=4, verify=verified)
+    deadline = _Deadline(minutes)
+    for index, group in enumerate(groups):
+        if index >= min_groups and not deadline.allows_another():
+            logger.info("Batch-%d budget reached: %d of %d groups evaluated.", batch_size, index, len(groups))
+            break
+        started = time.monotonic()
+        for label, tau, verified in configurations:
+            outputs, forwards, seconds = decode_batch(
+                model, tokenizer, group, tau, max_new_tokens=max_new_tokens, verify=verified
+            )
+            run = runs[label]
+            run.outputs += outputs
+            run.num_forwards += [forwards] * len(group)  # summed: rows × batch forwards
+            run.seconds.append(seconds)
+        deadline.record(time.monotonic() - started)
+    return runs
+
+
+def _dtype_name(model) -> str:
+    return str(next(model.parameters()).dtype).replace("torch.", "")
+
+
+def evaluate_shipped(
+    model,
+    tokenizer,
+    eval_ids: Sequence[Sequence[int]],
+    thresholds: Sequence[float],
+    *,
+    minutes: float | None,
+    verify: bool = True,
+    max_new_tokens: int = 128,
+    progress: bool = False,
+) -> dict:
+    """The shipped model at batch 1 then batch 4 within ``minutes`` (about 60 % / 40 %).
+
+    Returns ``{"rows": [...], "eval_prompts": n, "batch_prompts": m}``; each row carries ``section``,
+    ``batch`` and ``dtype``. Agreement is with the stock rows' batch-1 answers (same weights, same dtype).
+    """
+    start = time.monotonic()
+    budget = math.inf if minutes is None else minutes * 60
+    batch1 = evaluate_prompts(
+        model,
+        tokenizer,
+        eval_ids,
+        thresholds,
+        verify=verify,
+        minutes=None if minutes is None else minutes * SHIPPED_BATCH1_SHARE,
+        min_prompts=SHIPPED_BATCH_SIZE,
+        max_new_tokens=max_new_tokens,
+        progress=progress,
+        desc="Shipped embedded-mars: stock, τ, verify at batch 1",
+    )
+    reference = batch1["stock"].outputs
+    evaluated = len(reference)
+    left = None if minutes is None else max(0.0, budget - (time.monotonic() - start)) / 60
+    batch4 = evaluate_batched(
+        model,
+        tokenizer,
+        eval_ids[:evaluated],
+        thresholds,
+        verify=verify,
+        minutes=left,
+        max_new_tokens=max_new_tokens,
+    )
+    dtype = _dtype_name(model)
+    rows = []
+    for batch, runs in ((1, batch1), (SHIPPED_BATCH_SIZE, batch4)):
+        if not runs:
+            continue
+        decoded = len(runs["stock"].outputs)
+        for row in summarize_runs(runs, references=reference[:decoded]):
+            rows.append({"section": SHIPPED_SECTION, "batch": batch, "dtype": dtype, **row})
+    batch_prompts = len(batch4["stock"].outputs) if batch4 else 0
+    return {"rows": rows, "eval_prompts": evaluated, "batch_prompts": batch_prompts, "dtype": dtype}
+
+
+def own_rows(rows: list[dict], section: str, dtype: str = "float32") -> list[dict]:
+    """The quickstart's own batch-1 rows, labelled for the shared table."""
+    return [{"section": section, "batch": 1, "dtype": dtype, **row} for row in rows]
+
+
+def results_table(results: dict) -> str:
+    """One table: the shipped model's rows (if evaluated), then this run's."""
+    shipped = (results.get("shipped") or {}).get("rows") or []
+    training = results["training"]
+    section = f"{OWN_SECTION} ({training['seconds'] / 60:.0f} min, {training['steps']} steps)"
+    rows = [*shipped, *own_rows(results["evaluation"], section)]
+    return format_table(rows, SUMMARY_COLUMNS)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plot
+# --------------------------------------------------------------------------------------------------
+def pareto_plot(
+    rows: list[dict],
+    path: str | os.PathLike,
+    title: str = "MARS on held-out prompts",
+    shipped_rows: list[dict] | None = None,
+) -> None:
+    """Tokens per forward (x) against agreement with the base model (y), one labelled point per τ.
+
+    ``shipped_rows`` (batch 1 of the shipped model) are drawn as a second curve, so the plot shows
+    what the quickstart's minutes of training bought next to what the long run bought.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4.2), dpi=120)
+    series = [(rows, "this run", "tab:blue", "tab:green")]
+    if shipped_rows:
+        series.insert(
+            0, ([r for r in shipped_rows if r.get("batch", 1) == 1], SHIPPED_SECTION, "tab:orange", "tab:red")
+        )
+    for group, name, color, verify_color in series:
+        mars_rows = sorted(
+            (row for row in group if row["threshold"] is not None and row["label"] != VERIFY_LABEL),
+            key=lambda row: -row["threshold"],
+        )
+        xs = [row["tokens_per_forward"] for row in mars_rows]
+        ys = [100 * row["agreement"] for row in mars_rows]
+        axis.plot(xs, ys, "-o", color=color, label=f"MARS τ ({name})")
+        for row, x, y in zip(mars_rows, xs, ys):
+            axis.annotate(
+                f"τ={row['threshold']:g}", (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8
+            )
+        verify = next((row for row in group if row["label"] == VERIFY_LABEL), None)
+        if verify is not None:
+            axis.plot(
+                [verify["tokens_per_forward"]],
+                [100 * verify["agreement"]],
+                "*",
+                markersize=12,
+                color=verify_color,
+                label=f"verify, lossless ({name})",
+            )
+    stock = next((row for row in rows if row["threshold"] is None), None)
+    if stock is not None:
+        axis.plot(
+            [1.0], [100 * stock["agreement"]], "s", color="tab:gray", label="stock generate (same weights)"
+        )
+    axis.set_xlabel("tokens per forward")
+    axis.set_ylabel("agreement with base greedy output (%)")
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="lower left")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def hub_rows(rows: list[dict]) -> list[dict]:
+    """The model card's results rows (τ or verify: tokens per forward, agreement, speed-up)."""
+    return [
+        {
+            "tau": "verify" if row["label"] == VERIFY_LABEL else row["threshold"],
+            "tokens_per_forward": row["tokens_per_forward"],
+            "quality": row["agreement"],
+            "speedup": row["speedup_vs_stock"],
+        }
+        for row in rows
+        if row["threshold"] is not None
+    ]

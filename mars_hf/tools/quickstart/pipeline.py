@@ -1,0 +1,593 @@
+"""The one-command MARS quickstart: the shipped model first, then self-distil, train, evaluate, plot, save.
+
+Pipeline (``mars-hf quickstart`` / ``python examples/quickstart.py``), offline, on the embedded
+SmolLM2-135M-Instruct by default:
+
+0. the MARS model that ships inside mars_hf (``"embedded-mars"``, trained once by a long run) is
+   evaluated first, within ``shipped_eval_minutes``: stock vs τ = 1 vs τ vs verify at batch 1 and 4,
+   in the precision this machine runs fast (:mod:`mars_hf.tools.quickstart.evaluate`);
+1. prompts from the project's own templates (:mod:`mars_hf.training.prompts`), training and held-out splits;
+2. the base model answers the training prompts greedily (:func:`mars_hf.training.data.self_distill`); the
+   dataset is cached on disk, so a rerun skips this step;
+3. the base model's greedy answers to the held-out prompts are the agreement reference (cached too);
+4. MARS training (:class:`mars_hf.MARSTrainer`) until ``budget_minutes`` have passed, with a learning
+   rate that warms up and decays linearly *in time*, so it reaches zero when the budget ends on any
+   machine (or for exactly ``max_steps`` steps with the usual step-based schedule);
+5. evaluation on the held-out prompts: stock ``generate`` and MARS at each τ, interleaved per prompt,
+   tokens per forward, wall-clock and token agreement with the base model;
+6. ``results.json``, ``pareto.png`` (tokens per forward against agreement, one point per τ, the shipped
+   model's curve next to this run's), one table on the terminal with both models' rows (what the
+   quickstart's minutes bought next to what the long run bought), and the trained model as a Hub-ready folder (:func:`mars_hf.hub.checkpoint.save_pretrained`).
+
+The default method, ``gated_lora``, trains a LoRA adapter gated to mask positions (MARS_SPEC §7) plus
+the mask row: real tokens run the base weights exactly, so stock decoding, τ = 1 and verified decoding
+are the base model's output, and the checkpoint is the adapter (megabytes), not a copy of the model.
+Plain ``lora`` is merged into the weights for evaluation and saving (a plain ``transformers`` folder).
+
+Precision and threads are chosen at start-up by measuring what this machine does fast (about a
+second): bf16 autocast only where a bf16 matmul really is faster than float32; the shipped model is
+evaluated in that precision too (stock and MARS alike, so the speed ratio compares like with like).
+
+This module holds the settings, the precision probe and the pipeline; the steps live in
+:mod:`mars_hf.tools.quickstart.data` (self-distillation and reference, cached), :mod:`mars_hf.tools.quickstart.train`
+(training within a time budget) and :mod:`mars_hf.tools.quickstart.evaluate` (decoding rows, table, plot); their
+public names are importable from here as before.
+
+Default time split (≤ 30 min on 2 CPU cores in all): shipped model 3 min, self-distillation 5,
+training 12, evaluation of the trained model 5, plus loading, the reference answers and saving.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mars_hf.evaluation.runs import run_label, summarize_runs
+from mars_hf.tools.quickstart.data import (  # noqa: F401  (public names of this module before the split)
+    CACHE_VERSION,
+    budgeted_self_distill,
+    cached_reference,
+    cached_self_distill,
+)
+from mars_hf.tools.quickstart.evaluate import (  # noqa: F401  (public names of this module before the split)
+    OWN_SECTION,
+    SHIPPED_SECTION,
+    SUMMARY_COLUMNS,
+    VERIFY_LABEL,
+    evaluate,
+    evaluate_shipped,
+    hub_rows,
+    pareto_plot,
+    results_table,
+    verify_available,
+)
+from mars_hf.tools.quickstart.train import (  # noqa: F401  (public names of this module before the split)
+    METHOD_DEFAULTS,
+    TimeBudget,
+    resolved,
+    train_mars,
+)
+from mars_hf.training.calibration_fit import attach_calibration, held_out_split
+from mars_hf.training.data import chat_prompt_ids
+from mars_hf.training.prompts import held_out_prompts, training_prompts
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("gated_lora", "mask_row", "lora", "full")
+# τ = 1 (exactly the base model with gated_lora / mask_row) and τ = 0.9; verify is added on top.
+QUICKSTART_THRESHOLDS = (1.0, 0.9)
+# The shipped model is evaluated at more τ: its curve is what a user chooses τ from.
+SHIPPED_THRESHOLDS = (1.0, 0.95, 0.9, 0.8)
+
+
+@dataclasses.dataclass
+class QuickstartConfig:
+    """Settings of :func:`run_quickstart`; the defaults are the measured best for 2 CPU cores in ~30 min."""
+
+    model_name_or_path: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Base model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)."},
+    )
+    output_dir: str = dataclasses.field(default="mars-quickstart", metadata={"help": "Where results go."})
+    num_train_prompts: int = dataclasses.field(
+        default=320, metadata={"help": "Self-distilled training prompts."}
+    )
+    num_eval_prompts: int = dataclasses.field(
+        default=12, metadata={"help": "Held-out evaluation prompts (at most; see eval_minutes)."}
+    )
+    distill_minutes: float | None = dataclasses.field(
+        default=5.0,
+        metadata={
+            "help": "Self-distillation time budget: answer training prompts batch by batch until it is spent "
+            "(at least one batch; cached batches are free). None: all num_train_prompts."
+        },
+    )
+    eval_minutes: float | None = dataclasses.field(
+        default=5.0,
+        metadata={
+            "help": "Evaluation time budget: held-out prompts are evaluated one by one until it is spent (at "
+            "least 4). None: all num_eval_prompts."
+        },
+    )
+    shipped_eval_minutes: float | None = dataclasses.field(
+        default=3.0,
+        metadata={
+            "help": "Time budget for evaluating the shipped MARS model (embedded-mars) first, at batch 1 then "
+            "batch 4 (at least 4 prompts and one batch of 4). None: all num_eval_prompts."
+        },
+    )
+    skip_shipped: bool = dataclasses.field(
+        default=False, metadata={"help": "Do not evaluate the shipped MARS model (embedded-mars)."}
+    )
+    shipped_thresholds: tuple[float, ...] = dataclasses.field(
+        default=SHIPPED_THRESHOLDS, metadata={"help": "τ values evaluated on the shipped model."}
+    )
+    shipped_dtype: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "dtype of the shipped model's evaluation (default: bfloat16 where bf16 was chosen at "
+            "start-up, else float32)."
+        },
+    )
+    max_new_tokens: int = dataclasses.field(
+        default=128, metadata={"help": "Response length limit for self-distillation and evaluation."}
+    )
+    distill_batch_size: int = dataclasses.field(default=16, metadata={"help": "Prompts per generate call."})
+    budget_minutes: float = dataclasses.field(
+        default=12.0, metadata={"help": "Training time budget (minutes)."}
+    )
+    max_steps: int | None = dataclasses.field(
+        default=None, metadata={"help": "Train exactly this many steps instead of a time budget."}
+    )
+    block_size: int = dataclasses.field(default=2, metadata={"help": "MARS block size B."})
+    method: str = dataclasses.field(
+        default="gated_lora",
+        metadata={
+            "help": "'gated_lora': LoRA gated to mask positions + the mask row (real tokens run the base weights "
+            "exactly; saved as an adapter); 'mask_row': train only the mask token's embedding row; 'lora': LoRA "
+            "on all linear layers + the mask row, merged after training (changes one-token decoding); 'full': "
+            "every weight.",
+            "choices": list(METHODS),
+        },
+    )
+    lora_r: int = dataclasses.field(default=32, metadata={"help": "LoRA rank."})
+    lora_alpha: int | None = dataclasses.field(
+        default=None, metadata={"help": "LoRA alpha (default: 2 × rank)."}
+    )
+    lora_target_modules: str = dataclasses.field(
+        default="all-linear",
+        metadata={
+            "help": "LoRA target modules: 'all-linear' or a comma-separated list (e.g. q_proj,v_proj)."
+        },
+    )
+    learning_rate: float | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Peak learning rate (default per method: gated_lora 2e-3, mask_row 3e-2, lora 1e-3, full 1e-4)."
+        },
+    )
+    mask_targets: str = dataclasses.field(
+        default="hard",
+        metadata={
+            "help": "'hard': the self-distilled token; 'soft': the frozen base model's distribution at each "
+            "target (gated_lora / mask_row only).",
+            "choices": ["hard", "soft"],
+        },
+    )
+    warmup_fraction: float = dataclasses.field(
+        default=0.05, metadata={"help": "Warm-up share of the budget."}
+    )
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "Examples per optimizer step."})
+    max_length: int = dataclasses.field(default=1024, metadata={"help": "Training sequences are cut here."})
+    clean_loss: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Clean-stream loss 'ce' or 'kl_to_base' (default: kl_to_base for lora/full; unused by mask_row)."
+        },
+    )
+    ar_weight: float | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Weight of the clean-stream loss (default: 10 for lora/full, 0 for mask_row)."},
+    )
+    bf16: bool | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "bf16 autocast during training (default: chosen at start-up, only where a bf16 matmul is "
+            "measurably faster than float32)."
+        },
+    )
+    calibration_holdout: float = dataclasses.field(
+        default=0.1,
+        metadata={
+            "help": "Self-distilled answers held out of training to fit the confidence calibration (a fraction "
+            "< 1 or a count; 0: none)."
+        },
+    )
+    thresholds: tuple[float, ...] = dataclasses.field(
+        default=QUICKSTART_THRESHOLDS, metadata={"help": "τ values evaluated."}
+    )
+    verify: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "Also evaluate verified decoding (mars_acceptance='verify', lossless), when available."
+        },
+    )
+    seed: int = dataclasses.field(default=0, metadata={"help": "Seed for prompts and training."})
+    num_threads: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "torch threads (default: chosen at start-up: all cores unless fewer measure faster)."
+        },
+    )
+    save_checkpoint: bool = dataclasses.field(default=True, metadata={"help": "Save the trained model."})
+    cache_dir: str | None = dataclasses.field(
+        default=None, metadata={"help": "Self-distillation cache (default: $MARS_HF_HOME/quickstart_cache)."}
+    )
+    progress: bool = dataclasses.field(default=True, metadata={"help": "Show progress bars."})
+    track_every: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "Every N steps, log teacher-forced acceptance on the held-out answers (0: only at the end)."
+        },
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Precision and threads: what this machine does fast
+# --------------------------------------------------------------------------------------------------
+# One probe for the whole package (`mars_hf.models.precision`: also `--dtype auto` of the commands that load a model).
+from mars_hf.models.precision import matmul_rate as _matmul_rate  # noqa: E402
+
+
+def choose_precision_and_threads(config: QuickstartConfig, probe_seconds: float = 0.2) -> dict:
+    """Decide ``bf16`` and the torch thread count by measurement (about a second on a CPU); log the choice.
+
+    bf16 autocast is used only if a bf16 matmul runs at least 1.3× faster than float32 here (CPUs
+    without native bf16 emulate it, several times slower). Threads: all cores, unless one thread is
+    measurably faster (a machine whose cores are busy with other work). Explicit settings win.
+    """
+    info: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
+    if info["device"] == "cuda":
+        info["bf16"] = config.bf16 if config.bf16 is not None else bool(torch.cuda.is_bf16_supported())
+        info["threads"] = torch.get_num_threads()
+        info["reason"] = "CUDA: bf16 where the GPU supports it"
+        logger.info("Precision: %s (%s).", "bf16 autocast" if info["bf16"] else "float32", info["reason"])
+        return info
+    cores = torch.get_num_threads()
+    if config.num_threads:
+        threads, thread_reason = config.num_threads, "--num-threads"
+        torch.set_num_threads(threads)
+    else:
+        torch.set_num_threads(cores)
+        many = _matmul_rate(torch.float32, probe_seconds)
+        torch.set_num_threads(1)
+        one = _matmul_rate(torch.float32, probe_seconds)
+        threads = cores if many >= one else 1
+        thread_reason = f"float32 matmuls/s: {many:.0f} with {cores} threads, {one:.0f} with 1"
+        torch.set_num_threads(threads)
+    info["threads"], info["threads_reason"] = threads, thread_reason
+    fp32 = _matmul_rate(torch.float32, probe_seconds)
+    bf16 = _matmul_rate(torch.bfloat16, probe_seconds)
+    info["float32_rate"], info["bf16_rate"] = fp32, bf16
+    if config.bf16 is not None:
+        info["bf16"], info["reason"] = bool(config.bf16), "--bf16 set explicitly"
+    else:
+        info["bf16"] = bf16 >= 1.3 * fp32
+        info["reason"] = f"bf16 matmul {bf16 / fp32:.2f}× the speed of float32 on this CPU"
+    logger.info(
+        "Precision: %s (%s); threads: %d (%s).",
+        "bf16 autocast" if info["bf16"] else "float32",
+        info["reason"],
+        threads,
+        thread_reason,
+    )
+    return info
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------
+def _reload_gated(peft_model, tokenizer, model_path: str):
+    """The trained gated adapter, saved and applied to a fresh base model the way users load it."""
+    from mars_hf.hub import checkpoint as hub
+    from mars_hf.models.modeling import load_mars_model
+
+    with tempfile.TemporaryDirectory(prefix="mars_gated_") as folder:
+        hub.save_pretrained(peft_model, tokenizer, folder, base_model=None, overwrite=True)
+        model, _ = load_mars_model(folder, base_model_name_or_path=str(model_path), dtype=torch.float32)
+    return model.eval()
+
+
+def shipped_evaluation(config: QuickstartConfig, bf16: bool) -> dict:
+    """Evaluate the MARS model shipped inside mars_hf first (see :func:`mars_hf.tools.quickstart.evaluate.evaluate_shipped`).
+
+    Raises a clear error when the package has no shipped model (a checkout without its weights), naming
+    ``--skip-shipped``. Adds ``checkpoint``, ``dtype`` and ``seconds`` to the result.
+    """
+    from mars_hf.models import embedded_model
+    from mars_hf.models.modeling import load_mars_model
+
+    try:
+        folder = embedded_model.embedded_mars_checkpoint()
+    except FileNotFoundError as error:
+        raise FileNotFoundError(
+            f"{error} To run the quickstart without it, pass --skip-shipped "
+            "(QuickstartConfig(skip_shipped=True))."
+        ) from error
+    dtype_name = config.shipped_dtype or ("bfloat16" if bf16 else "float32")
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"shipped_dtype must be a torch dtype name such as 'float32', got {dtype_name!r}.")
+    start = time.monotonic()
+    model, tokenizer = load_mars_model(str(folder), dtype=dtype)
+    model.eval()
+    prompts = held_out_prompts(config.num_eval_prompts, seed=config.seed)
+    eval_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
+    logger.info(
+        "Evaluating the shipped MARS model %s (%s) for up to %s min at batch 1 and 4.",
+        folder,
+        dtype_name,
+        "∞" if config.shipped_eval_minutes is None else f"{config.shipped_eval_minutes:g}",
+    )
+    result = evaluate_shipped(
+        model,
+        tokenizer,
+        eval_ids,
+        config.shipped_thresholds,
+        minutes=config.shipped_eval_minutes,
+        verify=config.verify,
+        max_new_tokens=config.max_new_tokens,
+        progress=config.progress,
+    )
+    del model
+    return {"checkpoint": str(folder), **result, "seconds": time.monotonic() - start}
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+def save_checkpoint(
+    model,
+    tokenizer,
+    folder: Path,
+    rows: list[dict],
+    config: QuickstartConfig,
+    training: dict,
+    num_prompts: int | None = None,
+):
+    """Hub-ready folder through :func:`mars_hf.hub.checkpoint.save_pretrained` (plain ``save_pretrained`` without it)."""
+    try:
+        from mars_hf.hub import checkpoint as hub
+    except ImportError:  # the Hub tooling is optional for the quickstart
+        hub = None
+    if hub is None or not hasattr(hub, "save_pretrained"):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return
+    num_prompts = config.num_eval_prompts if num_prompts is None else num_prompts
+    hub.save_pretrained(
+        model,
+        tokenizer,
+        folder,
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct" if config.model_name_or_path is None else None,
+        tags=["mars-quickstart"],
+        training={
+            "method": {
+                "gated_lora": f"LoRA r{config.lora_r} ({config.lora_target_modules}) gated to mask positions + mask row",
+                "mask_row": "mask-token row only",
+                "lora": "LoRA (merged) + mask row",
+                "full": "full",
+            }[config.method],
+            "mask_targets": config.mask_targets,
+            "block_size": config.block_size,
+            "learning_rate": config.learning_rate,
+            "clean_loss": config.clean_loss,
+            "steps": training["steps"],
+            "examples": config.num_train_prompts,
+            "precision": "bf16 autocast" if config.bf16 else "float32",
+            "data": "self-distilled greedy answers to mars_hf's template prompts",
+        },
+        results=hub_rows(rows),
+        results_description=(
+            f"Greedy decoding of {num_prompts} held-out template prompts (max {config.max_new_tokens} "
+            "new tokens, batch 1, CPU); quality = token agreement with the base model's greedy output."
+        ),
+        quality_metric="agreement with base greedy",
+        overwrite=True,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------------------
+def _calibration_split(dataset, config: QuickstartConfig):
+    """``(training rows, calibration rows or None)``: a seeded slice of the self-distilled answers that
+    training never sees fits the confidence calibration (none when the set is too small to spare one)."""
+    count = held_out_split(len(dataset), config.calibration_holdout)
+    if count == 0:
+        return dataset, None
+    parts = dataset.train_test_split(test_size=count, seed=config.seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def run_quickstart(config: QuickstartConfig) -> dict:
+    """Run the whole quickstart; returns (and writes to ``results.json``) everything measured."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mars_hf.models.embedded_model import resolve_model_path
+
+    config = resolved(config)
+    total_start = time.monotonic()
+    timings: dict[str, float] = {}
+    machine = choose_precision_and_threads(config)
+    config = dataclasses.replace(config, bf16=machine["bf16"], num_threads=machine["threads"])
+    torch.manual_seed(config.seed)
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    shipped = None
+    if not config.skip_shipped:  # the shipped model first: what a user can call at once
+        shipped = shipped_evaluation(config, bf16=machine["bf16"])
+        timings["shipped"] = shipped.pop("seconds")
+        (output_dir / "results.json").write_text(json.dumps({"shipped": shipped}, indent=2))
+
+    start = time.monotonic()
+    model_path = resolve_model_path(config.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    timings["load"] = time.monotonic() - start
+
+    train_prompts = training_prompts(config.num_train_prompts, seed=config.seed)
+    eval_prompts = held_out_prompts(config.num_eval_prompts, seed=config.seed)
+    eval_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in eval_prompts]
+
+    start = time.monotonic()
+    dataset, distill_cached = budgeted_self_distill(
+        model, tokenizer, train_prompts, model_path=model_path, config=config
+    )
+    timings["self_distill"] = time.monotonic() - start
+    start = time.monotonic()
+    reference, reference_cached = cached_reference(
+        model, tokenizer, eval_ids, model_path=model_path, prompts=eval_prompts, config=config
+    )
+    timings["reference"] = time.monotonic() - start
+
+    start = time.monotonic()
+    train_model = model  # with LoRA, PEFT wraps this module (merged back after training)
+    tracking = (
+        [ids + out for ids, out in zip(eval_ids, reference)],
+        [[-100] * len(ids) + out for ids, out in zip(eval_ids, reference)],
+    )
+    train_rows, calibration_rows = _calibration_split(dataset, config)
+    with tempfile.TemporaryDirectory(prefix="mars_quickstart_") as work_dir:
+        trained, training = train_mars(train_model, tokenizer, train_rows, config, work_dir, tracking=tracking)
+    timings["train"] = time.monotonic() - start
+    if calibration_rows is not None:  # every checkpoint gets a τ that means the same thing
+        training["calibration"] = attach_calibration(trained, tokenizer, calibration_rows)
+    from mars_hf.evaluation.runs import teacher_forced_acceptance
+
+    training["teacher_forced"] = teacher_forced_acceptance(trained, *tracking, config.thresholds)
+
+    start = time.monotonic()
+    to_save = trained
+    if config.method == "gated_lora":
+        # Evaluate what ships: the saved adapter on the base model, gated by forward hooks (as
+        # custom_generate/ and hub.load apply it); PEFT's wrapper decodes several times slower.
+        trained = _reload_gated(trained, tokenizer, model_path)
+    runs = evaluate(trained, tokenizer, eval_ids, config)
+    evaluated = len(runs["stock"].outputs)
+    rows = summarize_runs(runs, references=reference[:evaluated])
+    timings["evaluate"] = time.monotonic() - start
+
+    checkpoint_dir = output_dir / "checkpoint"
+    timings["total"] = time.monotonic() - total_start
+    results = {
+        "config": {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()
+        },
+        "model": model_path,
+        "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(), **machine},
+        "data": {
+            "train_prompts": len(dataset),
+            "train_prompts_requested": len(train_prompts),
+            "train_tokens": int(sum(sum(1 for t in labels if t != -100) for labels in dataset["labels"])),
+            "ended_with_eos": int(sum(dataset["ends_with_eos"])),
+            "eval_prompts": evaluated,
+            "self_distill_cached": distill_cached,
+            "reference_cached": reference_cached,
+        },
+        "training": training,
+        "evaluation": rows,
+        "shipped": shipped,
+        "timings_seconds": timings,
+        "checkpoint": str(checkpoint_dir) if config.save_checkpoint else None,
+        "samples": [
+            {
+                "prompt": prompt,
+                "base": tokenizer.decode(reference[i], skip_special_tokens=True),
+                **{
+                    label: tokenizer.decode(run.outputs[i], skip_special_tokens=True)
+                    for label, run in runs.items()
+                    if label in ("stock", run_label(0.9), VERIFY_LABEL)
+                },
+            }
+            for i, prompt in enumerate(eval_prompts[: min(3, evaluated)])
+        ],
+    }
+    # Results and plot first, so a failing save loses nothing measured.
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+    pareto_plot(rows, output_dir / "pareto.png", shipped_rows=shipped["rows"] if shipped else None)
+    if config.save_checkpoint:
+        start = time.monotonic()
+        save_checkpoint(to_save, tokenizer, checkpoint_dir, rows, config, training, num_prompts=evaluated)
+        timings["save"] = time.monotonic() - start
+        timings["total"] = time.monotonic() - total_start
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def summary(results: dict) -> str:
+    """The terminal summary: the evaluation table plus where everything went."""
+    timings = results["timings_seconds"]
+    training = results["training"]
+    shipped = results.get("shipped")
+    header = [
+        "",
+        f"MARS quickstart: held-out prompts never trained on, greedy; {OWN_SECTION}: the model trained "
+        f"just now, {results['data']['eval_prompts']} prompts at batch 1 against the base model's float32 "
+        "greedy answers.",
+    ]
+    if shipped:
+        header.append(
+            f"{SHIPPED_SECTION}: the MARS model shipped in mars_hf (trained by a long run; see its model card "
+            f"{Path(shipped['checkpoint']) / 'README.md'}), {shipped['eval_prompts']} prompts at batch 1 and "
+            f"{shipped['batch_prompts']} at batch 4 (left-padded), in {shipped['dtype']}, against stock "
+            "generate's batch-1 answers in the same dtype."
+        )
+        header.append(
+            "agreement: matching token positions; prefix agreement: share of the answer before the first "
+            "difference; batch 4 tokens/forward: tokens / (4 × batch forwards), so rows that end early "
+            "lower stock too; vs stock: speed against stock generate at the same batch."
+        )
+    lines = [
+        *header,
+        "",
+        results_table(results),
+        "",
+        f"training: {training['steps']} steps ({training['epochs']:.2f} epochs of {results['data']['train_prompts']} "
+        f"self-distilled answers) in {training['seconds'] / 60:.1f} min; "
+        f"total {timings['total'] / 60:.1f} min ("
+        + ", ".join(f"{k} {v / 60:.1f}" for k, v in timings.items() if k != "total")
+        + ")",
+        f"precision: {'bf16 autocast' if results['machine'].get('bf16') else 'float32'}"
+        + (f" ({results['machine']['reason']})" if results["machine"].get("reason") else "")
+        + f"; torch threads: {results['machine'].get('threads', results['machine']['torch_threads'])}",
+        f"results: {Path(results['config']['output_dir']) / 'results.json'}, plot: "
+        f"{Path(results['config']['output_dir']) / 'pareto.png'}"
+        + (f", checkpoint: {results['checkpoint']}" if results.get("checkpoint") else ""),
+    ]
+    return "\n".join(lines)
+
+
+def config_from_args(args) -> QuickstartConfig:
+    """Build a :class:`QuickstartConfig` from an argparse namespace with the same field names."""
+    values = {}
+    for field in dataclasses.fields(QuickstartConfig):
+        if hasattr(args, field.name) and getattr(args, field.name) is not None:
+            values[field.name] = getattr(args, field.name)
+    for name in ("thresholds", "shipped_thresholds"):
+        if name in values:
+            values[name] = tuple(values[name])
+    return QuickstartConfig(**values)
+
+
+def copy_config(config: QuickstartConfig, **changes) -> QuickstartConfig:
+    return dataclasses.replace(copy.copy(config), **changes)
