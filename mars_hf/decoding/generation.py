@@ -42,7 +42,6 @@ from .layouts import LAYOUT_CHOICES
 
 logger = logging.getLogger(__name__)
 
-ACCEPTANCE_METRICS = ACCEPTANCE_RULES
 DEFAULT_CACHE_BLOCK = 16
 _MARS_KWARGS = (
     "mars_block_size",
@@ -848,8 +847,8 @@ def enable_mars(
     model._mars_overrides = {**(getattr(model, "_mars_overrides", None) or {}), **overrides}
     _check_model_window(model, _resolve_window(model, None), "The window W (`config.mars['block_size']`)")
     _resolve_mask_token(model, None)
-    if acceptance is not None and acceptance not in ACCEPTANCE_METRICS:
-        raise ValueError(f"`acceptance` must be one of {ACCEPTANCE_METRICS}, got {acceptance!r}.")
+    if acceptance is not None and acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"`acceptance` must be one of {ACCEPTANCE_RULES}, got {acceptance!r}.")
     if cache is not None and cache not in CACHE_SCHEMES:
         raise ValueError(f"`cache` must be one of {CACHE_SCHEMES}, got {cache!r}.")
     if layout is not None and layout not in LAYOUT_CHOICES:
