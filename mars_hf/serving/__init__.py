@@ -2,12 +2,13 @@
 
 ``mars-hf serve MODEL``: `server` wires the pieces, `app` holds the HTTP routes, `protocol` the request
 validation and response shapes, `scheduler` the step-level continuous batching, `controller` the τ
-controller, `metrics` the Prometheus metrics, `engine` the decoder interface, `loadtest` the load test.
-FastAPI, uvicorn and prometheus_client are needed (``pip install mars-hf[serving]``).
+controller, `metrics` the Prometheus metrics, `engine` the decoder interface (rows travel as
+`mars_hf.RowSettings`); the load test is `mars_hf.tools.loadtest`. FastAPI, uvicorn and
+prometheus_client are needed (``pip install mars-hf[serve]``).
 """
 
 from mars_hf.serving.controller import ControllerConfig, TauController
-from mars_hf.serving.engine import DecoderEngine, Engine, RowSettings, RowUpdate
+from mars_hf.serving.engine import DecoderEngine, Engine, RowFailure
 from mars_hf.serving.scheduler import GenerationRequest, Scheduler
 from mars_hf.serving.server import BackgroundServer, ServerConfig, build_server, serve
 
@@ -17,8 +18,7 @@ __all__ = [
     "DecoderEngine",
     "Engine",
     "GenerationRequest",
-    "RowSettings",
-    "RowUpdate",
+    "RowFailure",
     "Scheduler",
     "ServerConfig",
     "TauController",

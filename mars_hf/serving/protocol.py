@@ -14,7 +14,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from mars_hf.serving.engine import ACCEPTANCE_CHOICES, RowSettings
+from mars_hf.decoding.acceptance import ACCEPTANCE_RULES
+from mars_hf.decoding.decoder import RowSettings
 
 
 class RequestError(Exception):
@@ -96,9 +97,9 @@ def _mars_fields(body: dict) -> tuple[float | None, str, bool]:
     acceptance = body.get("mars_acceptance", "probability")
     if acceptance is None:
         acceptance = "probability"
-    if not isinstance(acceptance, str) or acceptance not in ACCEPTANCE_CHOICES:
+    if not isinstance(acceptance, str) or acceptance not in ACCEPTANCE_RULES:
         raise RequestError(
-            f"`mars_acceptance` must be one of {list(ACCEPTANCE_CHOICES)}, got {acceptance!r}.",
+            f"`mars_acceptance` must be one of {list(ACCEPTANCE_RULES)}, got {acceptance!r}.",
             param="mars_acceptance",
         )
     if acceptance == "entropy":
@@ -310,6 +311,8 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
             code="context_length_exceeded",
         )
 
+    # Every field is set here, from the request or the server's default: a request without `temperature`
+    # decodes greedily, one without `mars_threshold` gets the controller's τ (the scheduler sets it).
     eos = tokenizer.eos_token_id
     settings = RowSettings(
         threshold=threshold,

@@ -7,7 +7,7 @@ each row's new tokens to its request's asyncio queue (thread-safe, on the reques
 Finished rows leave at once, so their slot serves the next request; KV memory is the engine's fixed
 slots, never grown per request.
 
-A row the engine reports as failed (``RowUpdate.error``) ends its request alone with a JSON 500; only
+A row the engine reports as failed (a `RowFailure`) ends its request alone with a JSON 500; only
 an engine whose step raises fails every running row. Draining (SIGTERM): new requests get 503, queued
 ones get 503 at once (both with ``Retry-After``), running rows go on for the grace period, then each
 remaining request gets a 503 event (a JSON 503, or an SSE error event then ``[DONE]``).
@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 
+from mars_hf.decoding.decoder import RowSettings
 from mars_hf.serving.controller import TauController
-from mars_hf.serving.engine import Engine, RowSettings
+from mars_hf.serving.engine import Engine, RowFailure
 from mars_hf.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -326,7 +328,7 @@ class Scheduler:
                 request = self.waiting.popleft()
             settings = request.settings
             if not request.pinned:
-                settings = RowSettings(**{**settings.__dict__, "threshold": self.tau})
+                settings = dataclasses.replace(settings, threshold=self.tau)
             try:
                 row_id = self.engine.add_row(request.prompt_ids, settings)
             except ValueError as error:
@@ -364,7 +366,7 @@ class Scheduler:
             request = self.running.get(update.row_id)
             if request is None:
                 continue
-            if getattr(update, "error", None):
+            if isinstance(update, RowFailure):
                 self._drop(update.row_id)
                 kind = str(update.error).split(":", 1)[0]
                 message = (
@@ -373,7 +375,7 @@ class Scheduler:
                 )
                 self._finish(request, Failed(500, message), "error")
                 continue
-            proposed = getattr(update, "drafts_proposed", 0)  # engines without drafts report none
+            proposed = update.drafts_proposed
             if proposed:
                 accepted, source = update.drafts_accepted, update.draft_source
                 counts = request.drafts.setdefault(source, {"proposed": 0, "accepted": 0})
