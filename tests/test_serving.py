@@ -523,7 +523,16 @@ def test_graceful_shutdown_finishes_running_rows(tok):
     for t in threads:
         t.join()
     assert results == [200, 200]
-    assert not scheduler._thread.is_alive() and scheduler.closing
+    assert not scheduler.is_running() and scheduler.closing
+
+
+def test_scheduler_is_running_only_between_start_and_shutdown():
+    scheduler = Scheduler(ScriptedEngine(), TauController(ControllerConfig(), slots=4))
+    assert not scheduler.is_running()
+    scheduler.start()
+    assert scheduler.is_running()
+    scheduler.shutdown(grace_s=0.0)
+    assert not scheduler.is_running() and scheduler.closing
 
 
 def test_loadtest_reports_every_run_and_plots(tok, tmp_path, counted_submissions, monkeypatch):

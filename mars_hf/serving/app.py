@@ -85,8 +85,7 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        alive = scheduler._thread is not None and scheduler._thread.is_alive()
-        if scheduler.closing or not alive:
+        if scheduler.closing or not scheduler.is_running():
             return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": "5"})
         return {
             "status": "ok",

@@ -171,6 +171,10 @@ class Scheduler:
     def closing(self) -> bool:
         return self._closing
 
+    def is_running(self) -> bool:
+        """Whether the scheduler thread is alive (started, and neither stopped nor crashed)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # ----- lifecycle -----
 
     def start(self) -> None:
@@ -199,7 +203,7 @@ class Scheduler:
         Returns False when the scheduler thread did not get there (a step that never returns).
         """
         self.begin_drain(grace_s)
-        if self._thread is None or not self._thread.is_alive():
+        if not self.is_running():
             self._cancel_all("The server shut down before this request finished; retry it.")
             self._drained.set()
             return True
