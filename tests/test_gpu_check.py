@@ -11,7 +11,6 @@ import torch
 from mars_hf.cli import main
 from mars_hf.tools import gpu_check
 from mars_hf.tools.gpu_check import (
-    VERIFY_UNAVAILABLE,
     Budget,
     BudgetExceeded,
     ForcedAcceptance,
@@ -246,15 +245,14 @@ def test_tiny_run_schema_and_forced_rates(tmp_path, capsys):
     assert high[0]["tokens_per_forward"] > low[0]["tokens_per_forward"] + 0.5
     stock = [r for r in rows if r["scheme"] == "stock"]
     assert all(r["tokens_per_forward"] == 1.0 and r["speedup"] == 1.0 for r in stock)
-    # verify rows run when this build has verify, else each group says why they are missing
+    # every verify layout decodes every group, and only keeps drafts the model confirms
     verify_rows = [r for r in rows if r["acceptance"] == "verify"]
-    if result["verify_available"]:
-        assert verify_rows
-        for row in verify_rows:
-            assert row["draft_acceptance"] is None or 0.0 <= row["draft_acceptance"] <= 1.0
-    else:
-        assert not verify_rows
-        assert any(s["reason"] == VERIFY_UNAVAILABLE for s in result["skipped"])
+    groups = {(r["rate"], r["batch"]) for r in rows}
+    assert {(r["rate"], r["batch"], r["layout"]) for r in verify_rows} == {
+        (rate, batch, layout) for rate, batch in groups for layout in ("auto", "linear", "quadratic")
+    }
+    for row in verify_rows:
+        assert row["draft_acceptance"] is None or 0.0 <= row["draft_acceptance"] <= 1.0
     for entry in result["skipped"]:
         assert "failed" not in entry["reason"], entry
     # exactness in bf16 against stock, and the training step
@@ -266,12 +264,12 @@ def test_tiny_run_schema_and_forced_rates(tmp_path, capsys):
     )
     training = {t.get("variant") or t["comparison"]: t for t in result["training"]}
     assert training["sdpa"]["loss"] > 0 and training["sdpa"]["grad_norm"] > 0
-    if "gated frozen-clean" in training:  # issue 11's path: the same loss and gradients, computed cheaper
-        assert training["gated frozen-clean"]["frozen_clean_stream"]
-        assert not training["gated two-stream"]["frozen_clean_stream"]
-        comparison = training["gated frozen-clean vs gated two-stream"]
-        assert comparison["same_gradient_names"] and comparison["grad_rel_diff"] < 1e-5
-        assert comparison["loss_abs_diff"] < 1e-5
+    # the gated adapter's frozen clean stream: the same loss and gradients as its two-stream path, cheaper
+    assert training["gated frozen-clean"]["frozen_clean_stream"]
+    assert not training["gated two-stream"]["frozen_clean_stream"]
+    comparison = training["gated frozen-clean vs gated two-stream"]
+    assert comparison["same_gradient_names"] and comparison["grad_rel_diff"] < 1e-5
+    assert comparison["loss_abs_diff"] < 1e-5
 
 
 def test_tiny_budget_skips_and_says_so(tmp_path, token_clock):

@@ -10,7 +10,6 @@ from mars_hf.tools.quickstart.pipeline import (
     TimeBudget,
     run_quickstart,
     summary,
-    verify_available,
 )
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -70,13 +69,12 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch
     saved = json.loads((out / "results.json").read_text())
     assert saved["evaluation"] == json.loads(json.dumps(results["evaluation"]))
     labels = [row["label"] for row in saved["evaluation"]]
-    assert labels == ["stock", "mars@1", "mars@0.5", "mars@0"] + (["verify"] if verify_available() else [])
+    assert labels == ["stock", "mars@1", "mars@0.5", "mars@0", "verify"]
     assert saved["machine"]["bf16"] is False  # set explicitly by the toy config
     by_label = {row["label"]: row for row in saved["evaluation"]}
     if method in ("gated_lora", "mask_row"):  # the base model exactly, by construction
         assert by_label["stock"]["agreement"] == 1.0 and by_label["mars@1"]["agreement"] == 1.0
-    if "verify" in by_label:
-        assert by_label["verify"]["agreement"] == by_label["stock"]["agreement"]
+    assert by_label["verify"]["agreement"] == by_label["stock"]["agreement"]  # lossless
     for row in saved["evaluation"]:
         assert row["tokens_per_forward"] >= 1.0 - 1e-9
         assert 0.0 <= row["agreement"] <= 1.0
@@ -239,7 +237,7 @@ def shipped_checkpoint(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from mars_hf.decoding import gated_lora
-    from mars_hf.hub import checkpoint as hub
+    from mars_hf import hub
     from mars_hf.models import embedded_model
 
     tokenizer = tiny_tokenizer()
@@ -282,16 +280,15 @@ def test_quickstart_shows_the_shipped_model_first_then_its_own(tiny_model_dir, t
     shipped = results["shipped"]
     assert shipped["checkpoint"] == str(shipped_checkpoint) and shipped["dtype"] == "float64"
     assert shipped["eval_prompts"] == 8 and shipped["batch_prompts"] == 8
-    labels = ["stock", "mars@1", "mars@0.5", "mars@0"] + (["verify"] if verify_available() else [])
+    labels = ["stock", "mars@1", "mars@0.5", "mars@0", "verify"]
     rows = {(row["batch"], row["label"]): row for row in shipped["rows"]}
     assert [row["label"] for row in shipped["rows"]] == labels * 2
     assert {row["batch"] for row in shipped["rows"]} == {1, 4}
     for batch in (1, 4):
         # Lossless rows: every answer identical to the base model's batch-1 greedy answer (float64).
         for label in ("stock", "mars@1", "verify"):
-            if (batch, label) in rows:
-                row = rows[(batch, label)]
-                assert row["exact_match"] == 1.0 and row["prefix_agreement"] == 1.0, (batch, label)
+            row = rows[(batch, label)]
+            assert row["exact_match"] == 1.0 and row["prefix_agreement"] == 1.0, (batch, label)
         assert (
             rows[(batch, "mars@1")]["tokens_per_forward"]
             <= rows[(batch, "stock")]["tokens_per_forward"] + 1e-9

@@ -103,8 +103,6 @@ MODEL_SHAPES = {
         mask_token_id=151665,
     ),
 }
-VERIFY_UNAVAILABLE = "verify not available in this build"
-GATED_UNAVAILABLE = "the mask-gated adapter / frozen clean stream (MARS_SPEC §7) is not in this build"
 TRAINING_FIX = "bring their wheels (docs/gpu_check.md)"
 FLEX_NEEDS_CUDA = "flex_attention has no backward on the CPU (torch raises NotImplementedError); CUDA only"
 # Costs assumed before anything is measured (seconds); replaced by measurements as soon as there are any.
@@ -383,16 +381,6 @@ class CheckConfiguration(BenchConfiguration):
 STOCK = BenchConfiguration("stock")
 
 
-def verify_available() -> bool:
-    """Whether this build's `generate` knows ``mars_acceptance="verify"`` and ``mars_layout``."""
-    import inspect
-
-    from mars_hf.decoding import generation
-
-    parameters = inspect.signature(generation.mars_generate).parameters
-    return "verify" in getattr(generation, "ACCEPTANCE_METRICS", ()) and "mars_layout" in parameters
-
-
 def decoding_configurations(args: GPUCheckArguments) -> list[BenchConfiguration]:
     configurations = [STOCK, CheckConfiguration("cursor", args.tau, args.window)]
     configurations += [CheckConfiguration("block", args.tau, args.window, c) for c in args.cache_blocks]
@@ -546,7 +534,6 @@ class GPUCheck:
             "environment": self._environment(),
             "arguments": asdict(args),
             "budget": {"budget_seconds": float(budget_seconds), "elapsed_seconds": 0.0, "stopped": None},
-            "verify_available": verify_available(),
             "models": {},
             "rows": [],
             "exactness": [],
@@ -761,11 +748,6 @@ class GPUCheck:
 
     def _decode_item(self, shape: str, rate: float, batch: int) -> None:
         configurations = decoding_configurations(self.args)
-        verify = [c for c in configurations if getattr(c, "acceptance", None) == "verify"]
-        if verify and not self.result["verify_available"]:
-            labels = ", ".join(c.label for c in verify)
-            self.skip(f"{shape}: decode rate={rate:g} batch={batch} {labels}", VERIFY_UNAVAILABLE)
-            configurations = [c for c in configurations if c not in verify]
         estimate = self._decode_estimate(shape, rate, batch, configurations)
         self._run_item(
             f"{shape}: decode rate={rate:g} batch={batch}",
@@ -872,13 +854,10 @@ class GPUCheck:
     def _exactness_item(self, shape: str) -> None:
         args = self.args
         configurations = [CheckConfiguration("cursor", 1.0, args.window)]
-        if self.result["verify_available"]:
-            configurations += [
-                CheckConfiguration("verify", None, args.window, acceptance="verify", layout=layout)
-                for layout in args.layouts
-            ]
-        else:
-            self.skip(f"{shape}: exactness verify", VERIFY_UNAVAILABLE)
+        configurations += [
+            CheckConfiguration("verify", None, args.window, acceptance="verify", layout=layout)
+            for layout in args.layouts
+        ]
         for batch in args.exactness_batch_sizes:
             step = self.step_seconds.get((shape, batch))
             estimate = None
@@ -971,7 +950,7 @@ class GPUCheck:
     # ---------------------------------------------------------------------------------- training
     def _training_items(self, shape: str) -> None:
         """sdpa, then flex_attention (CUDA), then the mask-gated LoRA's frozen-clean path against its
-        two-stream path (MARS_SPEC §7, when this build has it): loss/gradient agreement and step time."""
+        two-stream path (MARS_SPEC §7): loss/gradient agreement and step time."""
         missing = _missing_modules(("trl", "datasets", "peft"))
         if missing:
             self.skip(f"{shape}: training", f"cannot import {', '.join(missing)}: {TRAINING_FIX}")
@@ -995,9 +974,6 @@ class GPUCheck:
                 ):
                     self._agreement(shape, state, "flex_attention", "sdpa")
             state.pop("full", None)
-            if not _gated_training_available():
-                self.skip(f"{shape}: train gated-lora", GATED_UNAVAILABLE)
-                return
             estimate = 5.0 + (self.args.train_repeats + 1) * 2 * sdpa_step
             for variant in ("gated frozen-clean", "gated two-stream"):
                 if not self._run_item(
@@ -1220,16 +1196,6 @@ def _missing_modules(names) -> list[str]:
         except Exception as error:  # ImportError, or a dependency's own failure (e.g. too old pyarrow)
             missing.append(f"{name} ({type(error).__name__}: {error})")
     return missing
-
-
-def _gated_training_available() -> bool:
-    """Whether this build's `MARSConfig` has the mask-gated adapter and the frozen clean stream (issue 11)."""
-    import dataclasses
-
-    from mars_hf.training.config import MARSConfig
-
-    names = {f.name for f in dataclasses.fields(MARSConfig)}
-    return {"adapter_gating", "frozen_clean_stream"} <= names
 
 
 def _planner_lines(result: dict) -> list[str]:

@@ -50,13 +50,6 @@ SUMMARY_COLUMNS = [
 ]
 
 
-def verify_available() -> bool:
-    """True once mars_hf's decoder implements verified acceptance (``mars_acceptance="verify"``)."""
-    from mars_hf.decoding import generation
-
-    return "verify" in getattr(generation, "ACCEPTANCE_METRICS", ())
-
-
 class _Deadline:
     """Stop before a budget would be overrun: the next item is assumed to take as long as the last one."""
 
@@ -92,13 +85,6 @@ def _warm_up(model, tokenizer, ids, thresholds, with_verify: bool) -> None:
         )
 
 
-def _with_verify(verify: bool) -> bool:
-    available = verify and verify_available()
-    if verify and not available:
-        logger.warning("Verified decoding is not available in this mars_hf build; the verify row is skipped.")
-    return available
-
-
 def evaluate_prompts(
     model,
     tokenizer,
@@ -122,11 +108,10 @@ def evaluate_prompts(
     from tqdm.auto import tqdm
 
     thresholds = [None, *thresholds]
-    with_verify = _with_verify(verify)
     runs: dict[str, DecodingRun] = {}
     if not eval_ids:
         return runs
-    _warm_up(model, tokenizer, eval_ids[0], thresholds, with_verify)
+    _warm_up(model, tokenizer, eval_ids[0], thresholds, verify)
     deadline = _Deadline(minutes)
     bar = tqdm(eval_ids, desc=desc, unit="prompt", disable=not progress)
     for index, ids in enumerate(bar):
@@ -142,7 +127,7 @@ def evaluate_prompts(
         measured = measure_decoding(
             model, tokenizer, [ids], thresholds, max_new_tokens=max_new_tokens, progress=False, warmup=False
         )
-        if with_verify:
+        if verify:
             verified = measure_decoding(
                 model,
                 tokenizer,
@@ -240,7 +225,7 @@ def evaluate_batched(
     """
     configurations = [(run_label(None), None, False)]
     configurations += [(run_label(tau), float(tau), False) for tau in thresholds]
-    if _with_verify(verify):
+    if verify:
         configurations.append((VERIFY_LABEL, 0.0, True))
     runs = {label: DecodingRun(label, tau) for label, tau, _ in configurations}
     groups = [

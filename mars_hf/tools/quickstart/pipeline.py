@@ -17,7 +17,7 @@ SmolLM2-135M-Instruct by default:
    tokens per forward, wall-clock and token agreement with the base model;
 6. ``results.json``, ``pareto.png`` (tokens per forward against agreement, one point per τ, the shipped
    model's curve next to this run's), one table on the terminal with both models' rows (what the
-   quickstart's minutes bought next to what the long run bought), and the trained model as a Hub-ready folder (:func:`mars_hf.hub.checkpoint.save_pretrained`).
+   quickstart's minutes bought next to what the long run bought), and the trained model as a Hub-ready folder (:func:`mars_hf.hub.save_pretrained`).
 
 The default method, ``gated_lora``, trains a LoRA adapter gated to mask positions (MARS_SPEC §7) plus
 the mask row: real tokens run the base weights exactly, so stock decoding, τ = 1 and verified decoding
@@ -67,7 +67,6 @@ from mars_hf.tools.quickstart.evaluate import (  # noqa: F401  (public names of 
     hub_rows,
     pareto_plot,
     results_table,
-    verify_available,
 )
 from mars_hf.tools.quickstart.train import (  # noqa: F401  (public names of this module before the split)
     METHOD_DEFAULTS,
@@ -217,7 +216,7 @@ class QuickstartConfig:
     verify: bool = dataclasses.field(
         default=True,
         metadata={
-            "help": "Also evaluate verified decoding (mars_acceptance='verify', lossless), when available."
+            "help": "Also evaluate verified decoding (mars_acceptance='verify', lossless)."
         },
     )
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed for prompts and training."})
@@ -297,7 +296,7 @@ def choose_precision_and_threads(config: QuickstartConfig, probe_seconds: float 
 # --------------------------------------------------------------------------------------------------
 def _reload_gated(peft_model, tokenizer, model_path: str):
     """The trained gated adapter, saved and applied to a fresh base model the way users load it."""
-    from mars_hf.hub import checkpoint as hub
+    from mars_hf import hub
     from mars_hf.models.modeling import load_mars_model
 
     with tempfile.TemporaryDirectory(prefix="mars_gated_") as folder:
@@ -363,9 +362,9 @@ def save_checkpoint(
     training: dict,
     num_prompts: int | None = None,
 ):
-    """Hub-ready folder through :func:`mars_hf.hub.checkpoint.save_pretrained` (plain ``save_pretrained`` without it)."""
+    """Hub-ready folder through :func:`mars_hf.hub.save_pretrained` (plain ``save_pretrained`` without it)."""
     try:
-        from mars_hf.hub import checkpoint as hub
+        from mars_hf import hub
     except ImportError:  # the Hub tooling is optional for the quickstart
         hub = None
     if hub is None or not hasattr(hub, "save_pretrained"):
