@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from mars_hf.hub import checkpoint as hub
+from mars_hf import hub
 
 
 @dataclass

@@ -436,7 +436,7 @@ def test_custom_generate_copy_applies_the_stored_calibration(tmp_path):
     """A checkpoint's custom_generate/ (no mars_hf import) decodes τ with the calibration in config.json."""
     from transformers import AutoModelForCausalLM
 
-    from mars_hf.hub import checkpoint as hub
+    from mars_hf import hub
 
     tokenizer = tiny_tokenizer()
     prompts = [tokenizer("the cat sat", add_special_tokens=False).input_ids]

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import mars_hf
 from mars_hf.cli import main
 from mars_hf.decoding import gated_lora
-from mars_hf.hub import checkpoint as hub
+from mars_hf import hub
 from mars_hf.models import embedded_model, precision
 from mars_hf.models.embedded_model import EMBEDDED_MARS_DIR, EMBEDDED_MODEL_NAME, resolve_model_path
 from mars_hf.models.mask_token import add_mask_token, set_mars_config

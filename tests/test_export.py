@@ -316,7 +316,7 @@ def test_gated_adapter_is_refused_or_merged_everywhere_for_a_drafter(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from mars_hf.decoding import gated_lora
-    from mars_hf.hub import checkpoint as hub
+    from mars_hf import hub
 
     tokenizer = tiny_tokenizer(with_mask=False)
     base = tiny_model("qwen2", block_size=None)
@@ -361,7 +361,7 @@ def test_gated_adapter_is_refused_or_merged_everywhere_for_a_drafter(tmp_path):
 def test_ungated_lora_adapter_is_merged_exactly(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from mars_hf.hub import checkpoint as hub
+    from mars_hf import hub
 
     tokenizer = tiny_tokenizer(with_mask=False)
     base = tiny_model("qwen2", block_size=None)

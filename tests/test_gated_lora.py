@@ -22,7 +22,7 @@ from peft import LoraConfig, get_peft_model
 
 from mars_hf.decoding import gated_lora
 from mars_hf.decoding.generation import enable_mars
-from mars_hf.hub import checkpoint as hub
+from mars_hf import hub
 from mars_hf.models.modeling import load_mars_model
 from mars_hf.training.attention_mask import build_mars_inputs, mars_attention_mask
 from mars_hf.training.config import MARSConfig

@@ -611,7 +611,7 @@ def test_entry_points_agree(tok, tmp_path):
     assert mars_hf.mars_generate is mars_generate
     assert torch.equal(generate(plain, **encoded, **kwargs), expected)
     # the string form: this module shipped verbatim as custom_generate/generate.py (+ its siblings)
-    from mars_hf.hub.checkpoint import write_custom_generate
+    from mars_hf.hub.custom_generate import write_custom_generate
 
     write_custom_generate(tmp_path / "custom_generate")
     out = plain.generate(**encoded, custom_generate=str(tmp_path), trust_remote_code=True, **kwargs)

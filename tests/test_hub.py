@@ -22,7 +22,7 @@ import torch
 from huggingface_hub import HfApi, ModelCard
 from transformers import AutoModelForCausalLM
 
-from mars_hf.hub import checkpoint as hub
+from mars_hf import hub
 from mars_hf.models.mask_token import add_mask_token, set_mars_config
 from mars_hf.models.modeling import AutoMARSModelForCausalLM, load_mars_model, resolve_block_size
 from tests.bare_venv import run_in_bare_venv
@@ -249,7 +249,7 @@ def test_custom_generate_must_be_self_contained(tmp_path):
     good.write_text(
         "import os\nimport torch\nfrom transformers import GenerationMixin\nfrom .cache import X\n"
     )
-    hub._check_self_contained(good)
+    hub.check_self_contained(good)
     for bad in (
         "import mars_hf\n",
         "from .mask_token import x\n",
@@ -258,7 +258,7 @@ def test_custom_generate_must_be_self_contained(tmp_path):
     ):
         (tmp_path / "bad.py").write_text(bad)
         with pytest.raises(ImportError, match="custom_generate"):
-            hub._check_self_contained(tmp_path / "bad.py")
+            hub.check_self_contained(tmp_path / "bad.py")
 
 
 # ---------------------------------------------------------------------------------------------- push
@@ -489,7 +489,7 @@ def test_paper_checkpoint_loads_by_hub_id_offline_and_decodes(tmp_path):
         f"""
         import json, logging, sys, torch
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-        from mars_hf.hub.checkpoint import load
+        from mars_hf.hub import load
         model, tokenizer = load({PAPER_REPO!r})
         inputs = {{k: torch.tensor(v) for k, v in json.loads(sys.argv[1]).items()}}
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False, mars_threshold=0.9)

@@ -234,7 +234,7 @@ def test_lookup_keywords_are_checked(tok):
 def test_lookup_through_custom_generate_in_process(tmp_path, tok):
     from transformers import AutoModelForCausalLM
 
-    from mars_hf.hub import checkpoint as hub
+    from mars_hf import hub
     from tests.test_hub import confident_model
 
     model = confident_model("llama")

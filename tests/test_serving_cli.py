@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mars_hf.decoding.generation import enable_mars
-from mars_hf.hub import checkpoint as hub
+from mars_hf import hub
 from tests.tiny import tiny_model, tiny_tokenizer
 
 

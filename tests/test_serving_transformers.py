@@ -1,4 +1,4 @@
-"""`transformers serve` runs MARS: a checkpoint from `mars_hf.hub.checkpoint.save_pretrained`, `--trust-remote-code`.
+"""`transformers serve` runs MARS: a checkpoint from `mars_hf.hub.save_pretrained`, `--trust-remote-code`.
 
 With ``trust_remote_code`` transformers replaces the loaded model's ``generate`` by the checkpoint's
 ``custom_generate/generate.py``, and ``transformers serve`` builds each request's
@@ -21,7 +21,7 @@ import openai
 import pytest
 import torch
 
-from mars_hf.hub import checkpoint as hub
+from mars_hf import hub
 from mars_hf.serving.server import free_port
 from tests.tiny import tiny_model, tiny_tokenizer
 

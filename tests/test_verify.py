@@ -364,7 +364,7 @@ VERIFY_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_verify_through_custom_generate_without_mars_hf(tmp_path, tok, bare_venv):
-    from mars_hf.hub import checkpoint as hub
+    from mars_hf import hub
     from tests.test_hub import batch_json, confident_model
 
     model = confident_model("qwen2")
@@ -380,7 +380,7 @@ def test_verify_through_custom_generate_without_mars_hf(tmp_path, tok, bare_venv
 
 
 def test_verify_through_custom_generate_in_process(tmp_path, tok):
-    from mars_hf.hub import checkpoint as hub
+    from mars_hf import hub
     from tests.test_hub import batch, confident_model
 
     model = confident_model("llama")

@@ -10,7 +10,7 @@ HELP = "Push a MARS checkpoint (full model or LoRA adapter) to the Hugging Face 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", help="Local MARS checkpoint folder or Hub id (what `mars_hf.hub.checkpoint.load` takes)."
+        "model", help="Local MARS checkpoint folder or Hub id (what `mars_hf.hub.load` takes)."
     )
     parser.add_argument(
         "--repo-id", required=True, help="Target repository, e.g. `user/SmolLM2-135M-MARS-blk4`."
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mars_hf.hub.checkpoint import HubTokenError, load, push_to_hub, read_results_file, resolve_token
+    from mars_hf.hub import HubTokenError, load, push_to_hub, read_results_file, resolve_token
 
     try:
         if not args.dry_run:

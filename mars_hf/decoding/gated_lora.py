@@ -51,7 +51,7 @@ MERGE_REFUSED = (
     "This LoRA adapter is gated to mask positions (config.mars adapter_gating='mask', MARS_SPEC §7): its delta "
     "applies only where the input token is the mask token, so it is not a weight change and cannot be merged "
     "into the base weights (a merged model would change every real token's output). Keep it as an adapter: "
-    "load it with mars_hf.AutoMARSModelForCausalLM / mars_hf.hub.checkpoint.load, or on a plain transformers model with "
+    "load it with mars_hf.AutoMARSModelForCausalLM / mars_hf.hub.load, or on a plain transformers model with "
     "generate(custom_generate=<checkpoint>, trust_remote_code=True)."
 )
 
@@ -525,7 +525,7 @@ def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:
             f"{checkpoint}: {said} but has no {MARS_ADAPTER_CONFIG_FILE}, the record of its block size, mask token "
             "and adapter gating. Loaded without it, a mask-gated adapter would run ungated and change every real "
             f"token's output, so it is refused. Restore {MARS_ADAPTER_CONFIG_FILE} from where the checkpoint came "
-            "from (mars_hf.hub.checkpoint.save_pretrained and MARSTrainer write it), or write it yourself, e.g. "
+            "from (mars_hf.hub.save_pretrained and MARSTrainer write it), or write it yourself, e.g. "
             '{"adapter_gating": "mask", "block_size": <the block size it was trained with>, "mask_token_id": '
             "<the tokenizer's mask token id>} (leave adapter_gating out only for an adapter trained ungated)."
         )

@@ -57,7 +57,7 @@ def export_for_vllm(
     """Write ``out_dir``, a folder vLLM loads as a parallel drafter for ``target``; returns it.
 
     Args:
-        checkpoint: any MARS checkpoint :func:`mars_hf.hub.checkpoint.load` takes (full model, LoRA adapter).
+        checkpoint: any MARS checkpoint :func:`mars_hf.hub.load` takes (full model, LoRA adapter).
         out_dir: a new or empty folder.
         target: folder or Hub id of the target model; its ``vocab_size`` (as vLLM reads it) and its
             tokenizer must match the drafter's. Default: the adapter's base model, or the vocabulary size

@@ -4,7 +4,7 @@ Three formats reach us:
 
 * **ours**: an ordinary causal-LM folder whose ``config.json`` carries ``config.mars``;
 * **a PEFT adapter** (``adapter_config.json``, no ``config.json``) written by
-  :func:`mars_hf.hub.checkpoint.save_pretrained`, with ``mars_config.json`` and the trained mask-token row in
+  :func:`mars_hf.hub.save_pretrained`, with ``mars_config.json`` and the trained mask-token row in
   ``mars_mask_token.safetensors`` (the base model on the Hub has no such row);
 * **the paper's releases** (``Xalphinions/MARS-Qwen2.5-7B-blk8``): ``model_type: "a2d-qwen2"`` /
   ``"a2d-qwen3"``, which stock transformers does not know. The weights use the Qwen2/Qwen3 layout
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # model_type of the paper's checkpoints -> the stock transformers model_type with the same weights.
 PAPER_MODEL_TYPES = {"a2d-qwen2": "qwen2", "a2d-qwen3": "qwen3", "a2d-llama": "llama"}
-# Files :func:`mars_hf.hub.checkpoint.save_pretrained` adds next to a PEFT adapter.
+# Files :func:`mars_hf.hub.save_pretrained` adds next to a PEFT adapter.
 MARS_ADAPTER_CONFIG_FILE = "mars_config.json"
 MARS_MASK_ROWS_FILE = "mars_mask_token.safetensors"
 # Keyword arguments that choose *which files* to read; passed to every file lookup.

@@ -394,7 +394,7 @@ def write_calibration(checkpoint: str | Path, record: dict) -> Path:
             f"{folder} has neither config.json nor {MARS_ADAPTER_CONFIG_FILE}; pass a saved MARS checkpoint folder."
         )
     if (folder / "custom_generate").is_dir():
-        from mars_hf.hub.checkpoint import write_custom_generate
+        from mars_hf.hub.custom_generate import write_custom_generate
 
         write_custom_generate(folder / "custom_generate")
     return target

@@ -1,0 +1,79 @@
+"""``custom_generate/``: the decoding subpackage copied verbatim into a checkpoint, for users without mars_hf.
+
+``model.generate(custom_generate=<repo>, trust_remote_code=True, mars_threshold=...)`` runs
+``custom_generate/generate.py``, a copy of ``mars_hf/decoding/generation.py``, with its sibling modules
+beside it (transformers resolves the relative import of a sibling file both for local folders and Hub
+repos). The copy runs where mars_hf is not installed, so every shipped file is checked to import only
+torch, transformers, safetensors, the standard library and the other shipped files.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import sys
+from pathlib import Path
+
+# The files copied into ``custom_generate/`` (module in mars_hf/decoding -> name in the checkpoint).
+CUSTOM_GENERATE_FILES = {
+    "generation.py": "generate.py",
+    "cache.py": "cache.py",
+    "decoder.py": "decoder.py",
+    "layouts.py": "layouts.py",
+    "acceptance.py": "acceptance.py",
+    "gated_lora.py": "gated_lora.py",
+    "calibration.py": "calibration.py",
+    "cost_model.py": "cost_model.py",
+    "planner.py": "planner.py",
+    "draft_sources.py": "draft_sources.py",
+    "settings.py": "settings.py",
+}
+# What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
+ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}
+CUSTOM_GENERATE_REQUIREMENTS = "torch>=2.4\ntransformers>=5.24.0\nsafetensors\n"
+DECODING_DIR = Path(__file__).resolve().parents[1] / "decoding"
+
+
+def write_custom_generate(target: str | os.PathLike) -> list[str]:
+    """Copy the decoding subpackage into ``target`` verbatim, after checking it needs only torch/transformers."""
+    target = Path(target)
+    sources = {DECODING_DIR / name: target / copy_name for name, copy_name in CUSTOM_GENERATE_FILES.items()}
+    for source in sources:
+        if not source.is_file():
+            raise FileNotFoundError(
+                f"{source} is missing; the package's decoding module is needed for custom_generate/."
+            )
+        check_self_contained(source)
+    target.mkdir(parents=True, exist_ok=True)
+    for source, destination in sources.items():
+        shutil.copyfile(source, destination)
+    (target / "requirements.txt").write_text(CUSTOM_GENERATE_REQUIREMENTS)
+    return sorted(p.name for p in target.iterdir())
+
+
+def check_self_contained(source: Path) -> None:
+    """Raise unless ``source`` imports only torch, transformers, safetensors, stdlib and shipped siblings."""
+    allowed_relative = {Path(copy).stem for copy in CUSTOM_GENERATE_FILES.values()}
+    tree = ast.parse(Path(source).read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                if node.module is None or node.module.split(".")[0] not in allowed_relative:
+                    raise ImportError(
+                        f"{source.name} line {node.lineno} imports from .{node.module or ''}: custom_generate/ only "
+                        f"ships {sorted(allowed_relative)}, so the decoding module may import only from those."
+                    )
+                continue
+            modules = [node.module or ""]
+        else:
+            continue
+        for module in modules:
+            top = module.split(".")[0]
+            if top not in ALLOWED_IMPORTS and top not in sys.stdlib_module_names:
+                raise ImportError(
+                    f"{source.name} line {node.lineno} imports {module!r}: custom_generate/ must import only "
+                    "torch, transformers, safetensors and the standard library."
+                )
