@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "MARSConfig": "mars_hf.training.config",
     "MARSTrainer": "mars_hf.training.trainer",
-    "MARSDataCollator": "mars_hf.training.trainer",
+    "MARSDataCollator": "mars_hf.training.collator",
     "mars_generate": "mars_hf.decoding.generation",
     "MARSGenerationMixin": "mars_hf.decoding.generation",
     "MARSGenerateOutput": "mars_hf.decoding.generation",

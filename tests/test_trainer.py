@@ -582,12 +582,12 @@ def test_evaluate_reports_the_mars_loss(tmp_path):
 
 
 def test_chat_template_tail_is_detected():
-    from mars_hf.training.trainer import _chat_template_eos_tail
+    from mars_hf.training.collator import chat_template_eos_tail
 
     tokenizer = tiny_tokenizer()
-    assert _chat_template_eos_tail(tokenizer) == ()  # the tiny template ends right on EOS
+    assert chat_template_eos_tail(tokenizer) == ()  # the tiny template ends right on EOS
     tokenizer.chat_template = tokenizer.chat_template.replace("<|im_end|> ", "<|im_end|> x ")
-    assert _chat_template_eos_tail(tokenizer) == (tokenizer.convert_tokens_to_ids("x"),)
+    assert chat_template_eos_tail(tokenizer) == (tokenizer.convert_tokens_to_ids("x"),)
 
 
 def test_lora_checkpoint_reloads_with_mask_token_and_config(tmp_path):
@@ -632,7 +632,7 @@ def assistant(text):
 
 
 def screening_warnings(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == "mars_hf.training.trainer" and "dropped" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if r.name == "mars_hf.training.screening" and "dropped" in r.getMessage()]
 
 
 def _no_rows():
@@ -671,7 +671,7 @@ def test_rows_without_anything_to_learn_are_counted_dropped_and_training_runs(tm
         {"prompt": [user("hello")], "completion": []},
     ]
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    with caplog.at_level(logging.WARNING, logger="mars_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mars_hf.training.screening"):
         trainer = make_trainer(
             tmp_path,
             dataset=Dataset.from_list(rows),
@@ -697,7 +697,7 @@ def test_rows_without_anything_to_learn_are_counted_dropped_and_training_runs(tm
 def test_empty_string_completions_are_dropped_not_trained_as_a_lone_eos(tmp_path, caplog):
     """TRL appends EOS to a '' completion and trained on that alone; with nothing else left it is refused."""
     rows = [{"prompt": "the cat sat", "completion": " one two three"}] * 3 + [{"prompt": "hello", "completion": ""}]
-    with caplog.at_level(logging.WARNING, logger="mars_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mars_hf.training.screening"):
         trainer = make_trainer(tmp_path, dataset=Dataset.from_list(rows))
     assert "1 with an empty completion; 3 remain" in screening_warnings(caplog)[0]
     assert len(trainer.train_dataset) == 3
@@ -714,7 +714,7 @@ def test_chat_rows_truncated_to_their_prompt_are_dropped_at_the_exact_boundary(t
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     short = [{"messages": [user("hello"), assistant("one two")]}] * 3
     dataset = Dataset.from_list(short + [long_row])
-    with caplog.at_level(logging.WARNING, logger="mars_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mars_hf.training.screening"):
         cut = make_trainer(tmp_path, tokenizer=tokenizer, dataset=dataset, max_length=len(prompt))
     assert (
         f"dropped 1 of 4 train rows that MARS cannot learn from: 1 cut to prompt tokens only by truncation at "
@@ -722,7 +722,7 @@ def test_chat_rows_truncated_to_their_prompt_are_dropped_at_the_exact_boundary(t
     )
     assert len(cut.train_dataset) == 3
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="mars_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mars_hf.training.screening"):
         kept = make_trainer(tmp_path, tokenizer=tokenizer, dataset=dataset, max_length=len(prompt) + 1)
     assert not screening_warnings(caplog)
     row = [ids for ids in kept.train_dataset["input_ids"] if len(ids) == len(prompt) + 1]
@@ -742,7 +742,7 @@ def test_chat_rows_truncated_from_the_start_keep_end_are_judged_by_their_last_as
     dataset = Dataset.from_list([row] + [{"messages": [user("hello"), assistant("one two")]}] * 3)
     for max_length, dropped in ((full - until_answer, True), (full - until_answer + 1, False)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="mars_hf.training.trainer"):
+        with caplog.at_level(logging.WARNING, logger="mars_hf.training.screening"):
             make_trainer(tmp_path, dataset=dataset, max_length=max_length, truncation_mode="keep_end")
         assert bool(screening_warnings(caplog)) == dropped, max_length
 
@@ -751,7 +751,7 @@ def test_prompt_completion_rows_truncation_empties_are_counted(tmp_path, caplog)
     """TRL filtered them out silently; the count now says how many and why."""
     long_prompt = [user(" ".join(["the cat sat on the mat"] * 6))]
     rows = prompt_completion_dataset(3).to_list() + [{"prompt": long_prompt, "completion": [assistant("yes")]}] * 2
-    with caplog.at_level(logging.WARNING, logger="mars_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mars_hf.training.screening"):
         trainer = make_trainer(tmp_path, dataset=Dataset.from_list(rows), max_length=24)
     assert (
         "dropped 2 of 5 train rows that MARS cannot learn from: 2 cut to no supervised token by truncation at "
@@ -764,7 +764,7 @@ def test_tokenized_rows_without_a_target_are_dropped_and_training_runs(tmp_path,
     """Empty rows made a batch of float input ids (a RuntimeError inside the embedding) a step later."""
     good = {"input_ids": [5, 6, 7, 8, 2], "labels": [-100, 6, 7, 8, 2]}
     rows = [{"input_ids": [], "labels": []}] * 4 + [{"input_ids": [5, 6], "labels": [5, -100]}] + [good] * 4
-    with caplog.at_level(logging.WARNING, logger="mars_hf.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mars_hf.training.screening"):
         trainer = make_trainer(
             tmp_path, dataset=Dataset.from_list(rows), max_length=None, max_steps=3, per_device_train_batch_size=2
         )
