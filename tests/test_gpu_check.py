@@ -9,19 +9,11 @@ import pytest
 import torch
 
 from mars_hf.cli import main
-from mars_hf.tools import gpu_check
-from mars_hf.tools.gpu_check import (
-    Budget,
-    BudgetExceeded,
-    ForcedAcceptance,
-    build_model,
-    compare_with_stock,
-    format_table,
-    make_prompts,
-    ordinary_token_ids,
-    run_gpu_check,
-    tiny_arguments,
-)
+from mars_hf.tools.gpu_check import estimates, format_table, run_gpu_check, runner, tiny_arguments
+from mars_hf.tools.gpu_check.budget import Budget, BudgetExceeded
+from mars_hf.tools.gpu_check.exactness import compare_with_stock
+from mars_hf.tools.gpu_check.forced_acceptance import ForcedAcceptance
+from mars_hf.tools.gpu_check.random_models import build_model, make_prompts, ordinary_token_ids
 
 ROW_KEYS = {
     "model",
@@ -145,12 +137,14 @@ def test_compare_with_stock_tells_near_ties_from_real_differences():
 
 
 def test_budget_timer_interrupts():
-    """The real timer: 0.3 s against a loop of at least 5 s of sleeps (any host sleeps that long)."""
+    """The real timer of a 0.3 s budget interrupts a loop of sleeps; the loop's 60 s only catch a timer that
+    never rings (a hang guard, not a measurement)."""
     budget = Budget(0.3, reserve=0.0)
+    guard = time.monotonic() + 60
     budget.arm()
     try:
         with pytest.raises(BudgetExceeded):
-            for _ in range(100):
+            while time.monotonic() < guard:
                 time.sleep(0.05)
     finally:
         budget.disarm()
@@ -189,7 +183,7 @@ def token_clock(monkeypatch):
         model.generate = charged
         return model
 
-    monkeypatch.setattr(gpu_check, "build_model", build)
+    monkeypatch.setattr(runner, "build_model", build)  # where the check builds the models it decodes with
     return clock
 
 
@@ -296,8 +290,8 @@ def test_budget_spent_inside_an_item_stops_it_between_runs(tmp_path, token_clock
     """Priors that underestimate MARS steps let the first decode group (estimated 41 s) start with 165 s
     left (the probe spent 32 of 197); its runs cost 8 (warm-up) or 32 s each, far more in all, so the
     check before a run stops it once the deadline has passed, and the rest is skipped as spent."""
-    monkeypatch.setattr(gpu_check, "PRIOR_MARS_STEP_FACTOR", 0.01)
-    monkeypatch.setattr(gpu_check, "PRIOR_NONE_STEP_FACTOR", 0.01)
+    monkeypatch.setattr(estimates, "PRIOR_MARS_STEP_FACTOR", 0.01)
+    monkeypatch.setattr(estimates, "PRIOR_NONE_STEP_FACTOR", 0.01)
     args = tiny_arguments(rates=[0.5, 0.9], batch_sizes=[1], parts=["decode"], repeats=1)
     result = run_gpu_check(args, 200, clock=token_clock)
     statuses = [(i["item"], i["status"]) for i in result["items"]]
