@@ -7,6 +7,9 @@ each row's new tokens to its request's asyncio queue (thread-safe, on the reques
 Finished rows leave at once, so their slot serves the next request; KV memory is the engine's fixed
 slots, never grown per request.
 
+The parts: `WaitingQueue` (admission: the bounded queue the HTTP side submits to), `Scheduler`'s step
+loop (sweep, admit, τ, step, route) and its drain.
+
 A row the engine reports as failed (a `RowFailure`) ends its request alone with a JSON 500; only
 an engine whose step raises fails every running row. Draining (SIGTERM): new requests get 503, queued
 ones get 503 at once (both with ``Retry-After``), running rows go on for the grace period, then each
@@ -15,21 +18,22 @@ remaining request gets a 503 event (a JSON 503, or an SSE error event then ``[DO
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-from mars_hf.decoding.decoder import RowSettings
+from mars_hf.decoding.decoder import RowUpdate
 from mars_hf.serving.controller import TauController
 from mars_hf.serving.engine import Engine, RowFailure
 from mars_hf.serving.metrics import ServingMetrics
+from mars_hf.serving.request import Done, Failed, GenerationRequest, Tokens
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_RETRY_AFTER_S = 5  # what a 503 during shutdown tells clients (another instance, or this one back)
+SHUTDOWN_MESSAGE = "The server shut down before this request finished; retry it."
 
 
 class QueueFull(Exception):
@@ -40,72 +44,74 @@ class ServerClosing(Exception):
     """The server is shutting down (HTTP 503)."""
 
 
-@dataclass
-class Tokens:
-    tokens: list[int]
+class WaitingQueue:
+    """Requests waiting for a slot: bounded, closed for good when the server drains.
 
+    Shared by the HTTP side (`put`) and the scheduler thread (everything else); its condition is also
+    the thread's doorbell (`ring`, `wait`), so that a request or a cancel wakes an idle scheduler.
+    """
 
-@dataclass
-class Done:
-    finish_reason: str
+    def __init__(self, max_size: int, metrics: ServingMetrics):
+        self.max_size = max_size
+        self.metrics = metrics
+        self.closed = False
+        self._requests: collections.deque[GenerationRequest] = collections.deque()
+        self._cond = threading.Condition()
 
+    def __len__(self) -> int:
+        return len(self._requests)
 
-@dataclass
-class Failed:
-    status: int
-    message: str
-    retry_after: int | None = None
+    def put(self, request: GenerationRequest) -> None:
+        with self._cond:
+            if self.closed:
+                raise ServerClosing("the server is shutting down")
+            if len(self._requests) >= self.max_size:
+                raise QueueFull(
+                    f"{len(self._requests)} requests are already waiting (--max-queue {self.max_size})"
+                )
+            self._requests.append(request)
+            self._publish()
+            self._cond.notify()
 
+    def pop(self) -> GenerationRequest | None:
+        """The oldest waiting request, or None."""
+        with self._cond:
+            request = self._requests.popleft() if self._requests else None
+            self._publish()
+            return request
 
-@dataclass(eq=False)
-class GenerationRequest:
-    """One request's row settings, its delivery queue and the statistics reported in ``usage``."""
+    def remove_where(self, ended: Callable[[GenerationRequest], bool]) -> None:
+        """Remove the requests for which ``ended`` (which answers them) returns True."""
+        with self._cond:
+            self._requests = collections.deque(r for r in self._requests if not ended(r))
+            self._publish()
 
-    prompt_ids: list[int]
-    settings: RowSettings
-    pinned: bool
-    timeout_s: float | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-    queue: asyncio.Queue | None = None
-    arrival: float = field(default_factory=time.monotonic)
-    row_id: int | None = None
-    started_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    cancelled: bool = False
-    cancel_outcome: str = "cancelled"
-    completion_tokens: int = 0
-    steps: int = 0
-    tau_sum: float = 0.0
-    tau_steps: int = 0
-    finish_reason: str | None = None
-    # verify: drafts checked and kept per source ("masks", "lookup"), reported in ``usage``
-    drafts: dict = field(default_factory=dict)
+    def close(self) -> list[GenerationRequest]:
+        """Refuse every later `put`; returns (and removes) the requests still waiting."""
+        with self._cond:
+            self.closed = True
+            waiting = list(self._requests)
+            self._requests.clear()
+            self._publish()
+            self._cond.notify()
+            return waiting
 
-    @property
-    def deadline(self) -> float | None:
-        return None if self.timeout_s is None else self.arrival + self.timeout_s
+    def oldest_wait(self, now: float) -> float:
+        with self._cond:
+            return now - self._requests[0].arrival if self._requests else 0.0
 
-    def bind(self) -> None:
-        """Attach to the running event loop (the HTTP side calls this before submitting)."""
-        self.loop = asyncio.get_running_loop()
-        self.queue = asyncio.Queue()
+    def wait(self, timeout_s: float, *, unless: Callable[[], bool]) -> None:
+        """Sleep until a request arrives, `ring` is called or ``timeout_s`` passes (not if ``unless()``)."""
+        with self._cond:
+            if not self._requests and not unless():
+                self._cond.wait(timeout_s)
 
-    def deliver(self, event) -> None:
-        if self.loop is None or self.queue is None:
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+    def ring(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
-    @property
-    def tokens_per_forward(self) -> float | None:
-        return self.completion_tokens / self.steps if self.steps else None
-
-    @property
-    def mean_tau(self) -> float | None:
-        return self.tau_sum / self.tau_steps if self.tau_steps else None
+    def _publish(self) -> None:
+        self.metrics.queue_depth.set(len(self._requests))
 
 
 class Scheduler:
@@ -123,35 +129,25 @@ class Scheduler:
         self.engine = engine
         self.controller = controller
         self.metrics = metrics or ServingMetrics()
-        self.max_queue = max_queue
         self.idle_poll_s = idle_poll_s
-        self.waiting: collections.deque[GenerationRequest] = collections.deque()
+        self.waiting = WaitingQueue(max_queue, self.metrics)
         self.running: dict[int, GenerationRequest] = {}
         self.tau = controller.tau
-        self._cond = threading.Condition()
-        self._closing = False
+        self.avg_latency_s = 1.0
         self._stop = False
+        self._drain_lock = threading.Lock()
         self._drain_deadline: float | None = None
         self._grace_s = 0.0
         self._drained = threading.Event()
         self._thread: threading.Thread | None = None
         self.metrics.slots.set(engine.max_rows)
         self.metrics.tau.set(self.tau)
-        self.avg_latency_s = 1.0
 
     # ----- called from the HTTP side -----
 
     def submit(self, request: GenerationRequest) -> None:
-        with self._cond:
-            if self._closing:
-                raise ServerClosing("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(
-                    f"{len(self.waiting)} requests are already waiting (--max-queue {self.max_queue})"
-                )
-            self.waiting.append(request)
-            self.metrics.queue_depth.set(len(self.waiting))
-            self._cond.notify()
+        """Queue ``request``; raises `QueueFull` (429) or `ServerClosing` (503)."""
+        self.waiting.put(request)
 
     def cancel(self, request: GenerationRequest, outcome: str = "cancelled") -> None:
         """Free the request's row at the next step boundary (client gone: "cancelled"; stop string: "ok")."""
@@ -159,8 +155,7 @@ class Scheduler:
             return
         request.cancel_outcome = outcome
         request.cancelled = True
-        with self._cond:
-            self._cond.notify()
+        self.waiting.ring()
 
     def retry_after_s(self) -> int:
         """A rough wait before retrying: the queue ahead divided by the slots, times a request's latency."""
@@ -169,167 +164,75 @@ class Scheduler:
 
     @property
     def closing(self) -> bool:
-        return self._closing
+        return self.waiting.closed
 
     def is_running(self) -> bool:
         """Whether the scheduler thread is alive (started, and neither stopped nor crashed)."""
         return self._thread is not None and self._thread.is_alive()
 
-    # ----- lifecycle -----
+    # ----- the step loop -----
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mars-scheduler", daemon=True)
         self._thread.start()
 
-    def begin_drain(self, grace_s: float) -> None:
-        """Stop admitting (new and queued requests get 503); running rows have ``grace_s`` to finish."""
-        with self._cond:
-            if self._closing:
-                return
-            self._closing = True
-            self._grace_s = max(0.0, float(grace_s))
-            self._drain_deadline = time.monotonic() + self._grace_s
-            self._cond.notify()
-        logger.info(
-            "Draining: %d running, %d queued; running rows have %g s to finish.",
-            len(self.running),
-            len(self.waiting),
-            self._grace_s,
-        )
-
-    def drain(self, grace_s: float, *, stuck_s: float = 30.0) -> bool:
-        """`begin_drain`, then wait until every request has its answer (bounded: grace + ``stuck_s``).
-
-        Returns False when the scheduler thread did not get there (a step that never returns).
-        """
-        self.begin_drain(grace_s)
-        if not self.is_running():
-            self._cancel_all("The server shut down before this request finished; retry it.")
-            self._drained.set()
-            return True
-        with self._cond:
-            grace = self._grace_s
-        done = self._drained.wait(grace + stuck_s)
-        if not done:
-            logger.error("Drain: the scheduler did not finish within %g s of the grace period.", stuck_s)
-        return done
-
-    def shutdown(self, grace_s: float = 10.0) -> None:
-        """Drain (see `drain`), then stop the scheduler thread."""
-        self.drain(grace_s)
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    # ----- the loop -----
-
     def _run(self) -> None:
         while True:
-            with self._cond:
-                if not self.waiting and not self.running and not self._stop:
-                    self.metrics.idle()
-                    self._cond.wait(self.idle_poll_s)
-                if self._stop:
-                    break
-            now = time.monotonic()
-            self._drop_cancelled_and_expired(now)
-            if self._closing:
-                self._drain_step(now)
-            else:
-                self._admit(now)
-            if not self.running:
-                self._set_tau(now)  # idle: τ keeps climbing back to τ_max
-                continue
-            self._set_tau(now)
-            try:
-                updates = self.engine.step()
-            except Exception as error:  # the engine could not isolate the failing row(s)
-                logger.error(
-                    "A decoding step failed (%s: %s); failing the %d running requests.",
-                    type(error).__name__,
-                    error,
-                    len(self.running),
-                    exc_info=error,
-                )
-                for row_id, request in list(self.running.items()):
-                    self._drop(row_id)
-                    self._finish(request, Failed(500, "decoding failed on the server; see its log"), "error")
-                continue
-            self._route(updates, time.monotonic())
-        self._cancel_all("The server shut down before this request finished; retry it.")
+            if not self.running and not self.waiting:
+                self.metrics.idle()
+                self.waiting.wait(self.idle_poll_s, unless=lambda: self._stop)
+            if self._stop:
+                break
+            self._turn(time.monotonic())
+        self._cancel_all(SHUTDOWN_MESSAGE)
 
-    def _drain_step(self, now: float) -> None:
-        """While draining: queued requests get 503; past the deadline, so do the running ones."""
-        with self._cond:
-            queued = list(self.waiting)
-            self.waiting.clear()
-            self.metrics.queue_depth.set(0)
-        for request in queued:
-            message = "The server is shutting down; this request was not started. Retry it."
-            self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
-        if self.running and self._drain_deadline is not None and now >= self._drain_deadline:
-            logger.info("Drain: ending %d rows still running after the grace period.", len(self.running))
-            message = (
-                "The server is shutting down and this request did not finish within its shutdown grace "
-                f"period ({self._grace_s:g} s). Retry it."
-            )
-            for row_id, request in list(self.running.items()):
-                self._drop(row_id)
-                self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
+    def _turn(self, now: float) -> None:
+        """One step boundary: sweep, admit (or drain), hand out τ, then one step if any row runs."""
+        self._drop_cancelled_and_expired(now)
+        if self.closing:
+            self._drain_step(now)
+        else:
+            self._admit(now)
+        self._set_tau(now)  # also while idle: τ keeps climbing back to τ_max
         if not self.running:
-            self._drained.set()
-
-    def _drop(self, row_id: int) -> None:
-        self.running.pop(row_id, None)
-        self.metrics.running_rows.set(len(self.running))
+            return
         try:
-            self.engine.drop_row(row_id)
-        except (KeyError, ValueError):
-            pass
-
-    def _finish(self, request: GenerationRequest, event, outcome: str) -> None:
-        request.finished_at = time.monotonic()
-        self.metrics.requests.labels(outcome).inc()
-        if isinstance(event, Done) and outcome == "ok":
-            request.finish_reason = event.finish_reason
-            latency = request.finished_at - request.arrival
-            self.metrics.latency.observe(latency)
-            self.avg_latency_s = 0.9 * self.avg_latency_s + 0.1 * latency
-        request.deliver(event)
+            updates = self.engine.step()
+        except Exception as error:  # the engine could not isolate the failing row(s)
+            self._fail_running(error)
+            return
+        self._route(updates, time.monotonic())
 
     def _drop_cancelled_and_expired(self, now: float) -> None:
-        with self._cond:
-            kept = collections.deque()
-            for request in self.waiting:
-                if request.cancelled:
-                    self._finish(request, Done("cancelled"), request.cancel_outcome)
-                elif request.deadline is not None and now > request.deadline:
-                    self._finish(request, Failed(504, self._timeout_message(request)), "timeout")
-                else:
-                    kept.append(request)
-            self.waiting = kept
-            self.metrics.queue_depth.set(len(kept))
+        self.waiting.remove_where(lambda request: self._end_if_over(request, now))
         for row_id, request in list(self.running.items()):
-            if request.cancelled:
+            if request.cancelled or self._expired(request, now):
                 self._drop(row_id)
-                self._finish(request, Done("cancelled"), request.cancel_outcome)
-            elif request.deadline is not None and now > request.deadline:
-                self._drop(row_id)
-                self._finish(request, Failed(504, self._timeout_message(request)), "timeout")
+                self._end_if_over(request, now)
+
+    def _end_if_over(self, request: GenerationRequest, now: float) -> bool:
+        """Answer a cancelled or timed-out request; False (untouched) otherwise."""
+        if request.cancelled:
+            self._finish(request, Done("cancelled"), request.cancel_outcome)
+        elif self._expired(request, now):
+            message = (
+                f"the request did not finish within the server's request timeout ({request.timeout_s:g} s)"
+            )
+            self._finish(request, Failed(504, message), "timeout")
+        else:
+            return False
+        return True
 
     @staticmethod
-    def _timeout_message(request: GenerationRequest) -> str:
-        return f"the request did not finish within the server's request timeout ({request.timeout_s:g} s)"
+    def _expired(request: GenerationRequest, now: float) -> bool:
+        return request.deadline is not None and now > request.deadline
 
     def _admit(self, now: float) -> None:
-        while True:
-            with self._cond:
-                if not self.waiting or self.engine.free_slots <= 0 or self._stop:
-                    self.metrics.queue_depth.set(len(self.waiting))
-                    return
-                request = self.waiting.popleft()
+        """Fill free slots from the queue; unpinned rows start at the τ in force."""
+        while self.engine.free_slots > 0 and not self._stop:
+            request = self.waiting.pop()
+            if request is None:
+                return
             settings = request.settings
             if not request.pinned:
                 settings = dataclasses.replace(settings, threshold=self.tau)
@@ -345,10 +248,8 @@ class Scheduler:
             self.metrics.running_rows.set(len(self.running))
 
     def _set_tau(self, now: float) -> None:
-        with self._cond:
-            depth = len(self.waiting)
-            oldest = now - self.waiting[0].arrival if self.waiting else 0.0
-        tau = self.controller.update(depth, oldest, now)
+        """Ask the controller for τ under the current queue and hand it to every unpinned row."""
+        tau = self.controller.update(len(self.waiting), self.waiting.oldest_wait(now), now)
         self.metrics.pressure.set(self.controller.pressure)
         if tau != self.tau:
             self.tau = tau
@@ -358,54 +259,135 @@ class Scheduler:
                 self.engine.set_threshold(row_id, tau)
                 request.settings.threshold = tau
 
-    def _route(self, updates, now: float) -> None:
+    def _route(self, updates: list[RowUpdate | RowFailure], now: float) -> None:
+        """Hand each row's update to its request; count the step in the metrics."""
         rows_in_step = len(self.running)
         for request in self.running.values():
-            request.steps += 1
-            if request.settings.threshold is not None:
-                request.tau_sum += request.settings.threshold
-                request.tau_steps += 1
-        emitted = 0
-        for update in updates:
-            request = self.running.get(update.row_id)
-            if request is None:
-                continue
-            if isinstance(update, RowFailure):
-                self._drop(update.row_id)
-                kind = str(update.error).split(":", 1)[0]
-                message = (
-                    f"Decoding this request failed on the server ({kind}); the other requests were not "
-                    "affected. See the server log."
-                )
-                self._finish(request, Failed(500, message), "error")
-                continue
-            proposed = update.drafts_proposed
-            if proposed:
-                accepted, source = update.drafts_accepted, update.draft_source
-                counts = request.drafts.setdefault(source, {"proposed": 0, "accepted": 0})
-                counts["proposed"] += proposed
-                counts["accepted"] += accepted
-                self.metrics.record_drafts(source, proposed, accepted)
-            if update.tokens:
-                if request.first_token_at is None:
-                    request.first_token_at = now
-                    self.metrics.ttft.observe(now - request.arrival)
-                request.completion_tokens += len(update.tokens)
-                emitted += len(update.tokens)
-                request.deliver(Tokens(list(update.tokens)))
-            if update.finished:
-                self._drop(update.row_id)
-                self._finish(request, Done(update.finish_reason or "stop"), "ok")
+            request.record_step()
+        emitted = sum(self._deliver(update, now) for update in updates)
         self.metrics.record_step(emitted, rows_in_step, now)
         self.metrics.running_rows.set(len(self.running))
 
+    def _deliver(self, update: RowUpdate | RowFailure, now: float) -> int:
+        """One row's update to its request (tokens, then the end if it ended); returns the tokens sent."""
+        request = self.running.get(update.row_id)
+        if request is None:
+            return 0
+        if isinstance(update, RowFailure):
+            self._drop(update.row_id)
+            kind = update.error.split(":", 1)[0]
+            message = (
+                f"Decoding this request failed on the server ({kind}); the other requests were not "
+                "affected. See the server log."
+            )
+            self._finish(request, Failed(500, message), "error")
+            return 0
+        if update.drafts_proposed:
+            request.record_drafts(update.draft_source, update.drafts_proposed, update.drafts_accepted)
+            self.metrics.record_drafts(update.draft_source, update.drafts_proposed, update.drafts_accepted)
+        if update.tokens:
+            if request.first_token_at is None:
+                request.first_token_at = now
+                self.metrics.ttft.observe(now - request.arrival)
+            request.completion_tokens += len(update.tokens)
+            request.deliver(Tokens(list(update.tokens)))
+        if update.finished:
+            self._drop(update.row_id)
+            self._finish(request, Done(update.finish_reason or "stop"), "ok")
+        return len(update.tokens)
+
+    def _fail_running(self, error: Exception) -> None:
+        logger.error(
+            "A decoding step failed (%s: %s); failing the %d running requests.",
+            type(error).__name__,
+            error,
+            len(self.running),
+            exc_info=error,
+        )
+        for row_id, request in list(self.running.items()):
+            self._drop(row_id)
+            self._finish(request, Failed(500, "decoding failed on the server; see its log"), "error")
+
+    def _drop(self, row_id: int) -> None:
+        self.running.pop(row_id, None)
+        self.metrics.running_rows.set(len(self.running))
+        try:
+            self.engine.drop_row(row_id)
+        except (KeyError, ValueError):
+            pass
+
+    def _finish(self, request: GenerationRequest, event, outcome: str) -> None:
+        """Deliver the request's last event and count its outcome (and its latency when it succeeded)."""
+        request.finished_at = time.monotonic()
+        self.metrics.requests.labels(outcome).inc()
+        if isinstance(event, Done) and outcome == "ok":
+            request.finish_reason = event.finish_reason
+            latency = request.finished_at - request.arrival
+            self.metrics.latency.observe(latency)
+            self.avg_latency_s = 0.9 * self.avg_latency_s + 0.1 * latency
+        request.deliver(event)
+
+    # ----- draining and shutdown -----
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Stop admitting (new and queued requests get 503); running rows have ``grace_s`` to finish."""
+        with self._drain_lock:
+            if self.closing:
+                return
+            self._grace_s = max(0.0, float(grace_s))
+            self._drain_deadline = time.monotonic() + self._grace_s
+            queued = self.waiting.close()
+        message = "The server is shutting down; this request was not started. Retry it."
+        for request in queued:
+            self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
+        logger.info(
+            "Draining: %d running, %d queued; running rows have %g s to finish.",
+            len(self.running),
+            len(queued),
+            self._grace_s,
+        )
+
+    def drain(self, grace_s: float, *, stuck_s: float = 30.0) -> bool:
+        """`begin_drain`, then wait until every request has its answer (bounded: grace + ``stuck_s``).
+
+        Returns False when the scheduler thread did not get there (a step that never returns).
+        """
+        self.begin_drain(grace_s)
+        if not self.is_running():
+            self._cancel_all(SHUTDOWN_MESSAGE)
+            self._drained.set()
+            return True
+        done = self._drained.wait(self._grace_s + stuck_s)
+        if not done:
+            logger.error("Drain: the scheduler did not finish within %g s of the grace period.", stuck_s)
+        return done
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Drain (see `drain`), then stop the scheduler thread."""
+        self.drain(grace_s)
+        self._stop = True
+        self.waiting.ring()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _drain_step(self, now: float) -> None:
+        """While draining, past the deadline: the rows still running get 503."""
+        if self.running and self._drain_deadline is not None and now >= self._drain_deadline:
+            logger.info("Drain: ending %d rows still running after the grace period.", len(self.running))
+            message = (
+                "The server is shutting down and this request did not finish within its shutdown grace "
+                f"period ({self._grace_s:g} s). Retry it."
+            )
+            for row_id, request in list(self.running.items()):
+                self._drop(row_id)
+                self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
+        if not self.running:
+            self._drained.set()
+
     def _cancel_all(self, message: str) -> None:
-        with self._cond:
-            pending = list(self.waiting) + list(self.running.values())
-            self.waiting.clear()
+        pending = self.waiting.close() + list(self.running.values())
         for row_id in list(self.running):
             self._drop(row_id)
         for request in pending:
             self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
-        self.metrics.queue_depth.set(0)
         self.metrics.running_rows.set(0)

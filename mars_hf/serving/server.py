@@ -144,11 +144,9 @@ def draining_server(config):
 
     class DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            state = getattr(self.config.app, "state", None)
-            scheduler = getattr(state, "scheduler", None)
-            if scheduler is not None:  # still listening: new requests get 503 while running rows finish
-                grace = getattr(state, "shutdown_grace_s", 10.0)
-                await asyncio.to_thread(scheduler.drain, grace)
+            serving = getattr(getattr(self.config.app, "state", None), "serving", None)
+            if serving is not None:  # still listening: new requests get 503 while running rows finish
+                await asyncio.to_thread(serving.scheduler.drain, serving.shutdown_grace_s)
             await super().shutdown(sockets=sockets)
 
     return DrainingServer(config)

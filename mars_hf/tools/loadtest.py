@@ -536,7 +536,7 @@ def fault_run(
     server_cfg.max_prompt_tokens = 256
     engine = engine_factory() if engine_factory is not None else model
     app, scheduler = build_server(engine, tokenizer, server_cfg)
-    limits = app.state.limits
+    limits = app.state.serving.limits
     prompts = prompts or GENERIC_PROMPTS
     chat_ids = [chat_prompt_ids({"messages": [{"role": "user", "content": p}]}, tokenizer) for p in prompts]
     plain_ids = [completion_prompt_ids({"prompt": p}, tokenizer) for p in prompts]
