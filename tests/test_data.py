@@ -1,8 +1,12 @@
-"""Self-distillation: the dataset holds exactly the model's greedy output, and cut responses carry no EOS."""
+"""Self-distillation: the dataset holds exactly the model's greedy output, and cut responses carry no EOS;
+where a generation ends (EOS ids, trimming at the first EOS)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from mars_hf.models.eos import eos_token_ids, pad_token_id, trim_at_eos
 from mars_hf.training.data import chat_prompt_ids, self_distill
 from mars_hf.training.prompts import held_out_prompts, is_held_out, training_prompts
 from tests.tiny import tiny_model, tiny_tokenizer
@@ -27,7 +31,7 @@ def _greedy_one_by_one(model, tokenizer, prompt, max_new_tokens, eos_ids):
         eos_token_id=eos_ids,
     )
     response = []
-    for token in out[0, ids.shape[1] :].tolist():
+    for token in out[0, ids.shape[1] :].tolist():  # the slow obvious trim, independent of trim_at_eos
         response.append(token)
         if token in eos_ids:
             break
@@ -120,3 +124,27 @@ def test_prompt_splits_are_disjoint_and_deterministic():
     assert held_out_prompts(10) == held[:10]
     with pytest.raises(ValueError, match="templates only produce"):
         held_out_prompts(10**6)
+
+
+def test_eos_ids_join_the_generation_config_and_the_tokenizer():
+    tokenizer = tiny_tokenizer()
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[5, 7]))
+    assert eos_token_ids(model, tokenizer) == {5, 7, tokenizer.eos_token_id}
+    model.generation_config.eos_token_id = 9
+    assert eos_token_ids(model, tokenizer) == {9, tokenizer.eos_token_id}
+    no_eos = SimpleNamespace(eos_token_id=None, pad_token_id=None)
+    assert eos_token_ids(model, no_eos) == {9}
+    assert pad_token_id(no_eos, {9, 4}) == 4  # no pad token: the smallest EOS id
+    assert pad_token_id(tokenizer, {9, 4}) == tokenizer.pad_token_id
+    model.generation_config.eos_token_id = None
+    with pytest.raises(ValueError, match="define no EOS token; set `tokenizer.eos_token`"):
+        eos_token_ids(model, no_eos)
+
+
+@pytest.mark.parametrize(
+    "tokens,expected",
+    [([1, 7, 2, 5], [1, 7]), ([5], [5]), ([1, 2], [1, 2]), ([], []), ([1, 2, 5, 5], [1, 2, 5])],
+)
+def test_trim_at_eos_keeps_everything_up_to_and_including_the_first_eos(tokens, expected):
+    assert trim_at_eos(tokens, {5, 7}) == expected
+    assert trim_at_eos(iter(tokens), {5, 7}) == expected

@@ -17,18 +17,11 @@ import json
 import logging
 from pathlib import Path
 
+from mars_hf.commands.comma_lists import floats, words
 from mars_hf.commands.generate import add_dtype_argument
 from mars_hf.tools.loading import resolve_dtype
 
 HELP = "Evaluate a MARS checkpoint: HumanEval pass@1, tokens/forward and speed over τ, agreement with a base model."
-
-
-def _float_list(text: str) -> list[float]:
-    return [float(value) for value in text.split(",") if value.strip()]
-
-
-def _str_list(text: str) -> list[str]:
-    return [value.strip() for value in text.split(",") if value.strip()]
 
 
 def run_tasks(args: argparse.Namespace) -> int:
@@ -83,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Model whose greedy output is the agreement reference ('embedded' = the embedded SmolLM2).",
     )
     parser.add_argument(
-        "--thresholds", type=_float_list, default=[1.0, 0.95, 0.9, 0.8, 0.7], help="τ values."
+        "--thresholds", type=floats, default=[1.0, 0.95, 0.9, 0.8, 0.7], help="τ values."
     )
     parser.add_argument(
         "--max-new-tokens",
@@ -110,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lm = parser.add_argument_group("lm-evaluation-harness (with --tasks)")
     lm.add_argument(
         "--tasks",
-        type=_str_list,
+        type=words,
         default=None,
         help="lm-eval task names, comma-separated (e.g. humaneval_mars).",
     )

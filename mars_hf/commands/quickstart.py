@@ -6,16 +6,14 @@ import argparse
 import dataclasses
 import logging
 
+from mars_hf.commands.comma_lists import floats
+
 HELP = (
     "Offline MARS demo on the embedded SmolLM2-135M-Instruct: first the MARS model shipped in mars_hf "
     "(embedded-mars) at batch 1 and 4, then self-distil, train within a time budget, evaluate tokens/forward, "
     "speed and agreement at several τ, and print both models' rows in one table; saves results.json, a Pareto "
     "plot and the Hub-ready checkpoint (about 30 min on 2 CPU cores)."
 )
-
-
-def _float_list(text: str) -> list[float]:
-    return [float(value) for value in text.split(",") if value.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,14 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--thresholds",
-        type=_float_list,
+        type=floats,
         default=None,
         help=f"Comma-separated τ values (default: {','.join(f'{t:g}' for t in defaults.thresholds)}).",
     )
     parser.add_argument(
         "--shipped-thresholds",
         dest="shipped_thresholds",
-        type=_float_list,
+        type=floats,
         default=None,
         help="Comma-separated τ values for the shipped model "
         f"(default: {','.join(f'{t:g}' for t in defaults.shipped_thresholds)}).",

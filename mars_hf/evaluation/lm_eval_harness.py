@@ -40,6 +40,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from mars_hf.models.eos import eos_token_ids, trim_at_eos
+
 logger = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
@@ -88,15 +90,7 @@ class StopStringsPerRow(StoppingCriteria):
 
 def _stock_counts(generated: torch.Tensor, stop_ids: set[int]) -> list[int]:
     """Tokens stock ``generate`` produced per row: up to and including the first EOS / pad."""
-    counts = []
-    for row in generated.tolist():
-        count = len(row)
-        for index, token in enumerate(row):
-            if token in stop_ids:
-                count = index + 1
-                break
-        counts.append(count)
-    return counts
+    return [len(trim_at_eos(row, stop_ids)) for row in generated.tolist()]
 
 
 @register_model("mars-hf", "mars")
@@ -203,16 +197,11 @@ class MARSLM(HFLM):
                     steps = torch.nonzero(counts[:, row]).flatten()
                     stats.num_forwards += int(steps[-1]) + 1 if len(steps) else 0
         else:
-            stop_ids = set(self._eos_ids()) | {self.tokenizer.pad_token_id}
+            stop_ids = eos_token_ids(self.model, self.tokenizer) | {self.tokenizer.pad_token_id}
             tokens = sum(_stock_counts(output.sequences[:, prompt_length:], stop_ids))
             stats.num_tokens += tokens
             stats.num_forwards += tokens  # one forward per token, the prefill yielding the first
         return output.sequences
-
-    def _eos_ids(self) -> list[int]:
-        eos = self.model.generation_config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return [*eos, self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else eos
 
 
 def task_manager(include_path=None, tasks=None):

@@ -32,6 +32,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from mars_hf.evaluation.code_execution import ExecutionLimits, ProgramResult, active_guards, run_program  # noqa: F401
+from mars_hf.models.eos import eos_token_ids, pad_token_id, trim_at_eos
 
 logger = logging.getLogger(__name__)
 
@@ -66,29 +67,11 @@ def run_label(threshold: float | None) -> str:
     return "stock" if threshold is None else f"mars@{threshold:g}"
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    from mars_hf.training.data import _eos_ids as data_eos_ids
-
-    return data_eos_ids(model, tokenizer)
-
-
-def _ensure_mars_enabled(model) -> None:
+def ensure_mars_enabled(model) -> None:
     from mars_hf.decoding.generation import enable_mars
 
     target = model.get_base_model() if hasattr(model, "get_base_model") else model
     enable_mars(target)
-
-
-def _trim_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
-    for index, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: index + 1]
-    return tokens
-
-
-def _pad_id(tokenizer, eos_ids: set[int]) -> int:
-    """The tokenizer's pad token, else the smallest EOS id (padding is masked out either way)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
 
 
 def greedy_kwargs(
@@ -199,9 +182,9 @@ def measure_decoding(
 
     thresholds = list(thresholds)
     if any(threshold is not None for threshold in thresholds):
-        _ensure_mars_enabled(model)
-    eos_ids = _eos_ids(model, tokenizer)
-    pad_id = _pad_id(tokenizer, eos_ids)
+        ensure_mars_enabled(model)
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = pad_token_id(tokenizer, eos_ids)
     device = next(model.parameters()).device
     runs = {run_label(threshold): DecodingRun(run_label(threshold), threshold) for threshold in thresholds}
     model.eval()
@@ -221,7 +204,7 @@ def measure_decoding(
                 [StopOnSequences(tokenizer, stop_sequences, prompt_length=input_ids.shape[1])]
             )
         sequences, forwards = greedy_generate(model, kwargs, threshold, mars_kwargs)
-        tokens = _trim_at_eos(sequences[0, input_ids.shape[1] :].tolist(), eos_ids)
+        tokens = trim_at_eos(sequences[0, input_ids.shape[1] :].tolist(), eos_ids)
         # stock: one forward per token, the prefill yielding the first
         return tokens, (len(tokens) if forwards is None else forwards)
 
@@ -468,7 +451,7 @@ def _score_humaneval(rows, runs, problems, tokenizer, model, timeout) -> None:
     from mars_hf.evaluation.metrics import load_metric
 
     pass_metric = load_metric("code_pass_at_k")
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     for row in rows:
         run = runs[row["label"]]
         programs = []

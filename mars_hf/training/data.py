@@ -29,19 +29,9 @@ from collections.abc import Sequence
 
 import torch
 
+from mars_hf.models.eos import eos_token_ids, pad_token_id, trim_at_eos
+
 logger = logging.getLogger(__name__)
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    if not ids:
-        raise ValueError(
-            "The tokenizer and generation config define no EOS token; set `tokenizer.eos_token`."
-        )
-    return ids
 
 
 def chat_prompt_ids(tokenizer, prompt: str, system_prompt: str | None = None) -> list[int]:
@@ -80,8 +70,8 @@ def greedy_responses(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-    eos_ids = _eos_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = pad_token_id(tokenizer, eos_ids)
     device = next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     results: list[tuple[list[int], bool] | None] = [None] * len(prompt_ids)
@@ -110,14 +100,8 @@ def greedy_responses(
                 top_k=None,
             )
             for row, i in enumerate(chunk):
-                response: list[int] = []
-                ended = False
-                for token in output[row, width:].tolist():
-                    response.append(token)
-                    if token in eos_ids:
-                        ended = True
-                        break
-                results[i] = (response, ended)
+                response = trim_at_eos(output[row, width:].tolist(), eos_ids)
+                results[i] = (response, bool(response) and response[-1] in eos_ids)
             bar.update(len(chunk))
     finally:
         bar.close()

@@ -174,17 +174,11 @@ def decode_batch(
     ``threshold`` None is stock ``generate``: one forward per generated column. MARS reports its own
     forward count (the prompt's included).
     """
-    from mars_hf.evaluation.runs import (
-        _ensure_mars_enabled,
-        _eos_ids,
-        _pad_id,
-        _trim_at_eos,
-        greedy_generate,
-        greedy_kwargs,
-    )
+    from mars_hf.evaluation.runs import ensure_mars_enabled, greedy_generate, greedy_kwargs
+    from mars_hf.models.eos import eos_token_ids, pad_token_id, trim_at_eos
 
-    eos_ids = _eos_ids(model, tokenizer)
-    pad_id = _pad_id(tokenizer, eos_ids)
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = pad_token_id(tokenizer, eos_ids)
     device = next(model.parameters()).device
     width = max(len(ids) for ids in rows)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in rows], device=device)
@@ -195,13 +189,13 @@ def decode_batch(
     model.eval()
     start = time.perf_counter()
     if threshold is not None:
-        _ensure_mars_enabled(model)
+        ensure_mars_enabled(model)
     extra = {"mars_acceptance": "verify"} if verify else {}
     sequences, forwards = greedy_generate(model, kwargs, threshold, extra)
     if forwards is None:  # stock: one forward per generated column
         forwards = sequences.shape[1] - width
     seconds = time.perf_counter() - start
-    outputs = [_trim_at_eos(row[width:].tolist(), eos_ids) for row in sequences]
+    outputs = [trim_at_eos(row[width:].tolist(), eos_ids) for row in sequences]
     return outputs, max(1, forwards), seconds
 
 
