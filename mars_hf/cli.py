@@ -17,13 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mars-hf", description="Train and serve MARS multi-token models.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        try:
-            module_name = f"mars_hf.commands.{name.replace('-', '_')}"
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:  # a subcommand whose module is not written yet
-            if error.name != module_name:
-                raise
-            continue
+        module = importlib.import_module(f"mars_hf.commands.{name.replace('-', '_')}")
         sub = subparsers.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)

@@ -1,0 +1,28 @@
+"""`mars-hf`: every listed subcommand is registered, and a missing command module fails loudly."""
+
+import pkgutil
+
+import pytest
+
+import mars_hf.commands
+from mars_hf import cli
+
+
+def _subcommands(parser):
+    (action,) = [a for a in parser._actions if a.dest == "command"]
+    return action.choices
+
+
+def test_every_command_module_is_a_subcommand():
+    modules = {m.name for m in pkgutil.iter_modules(mars_hf.commands.__path__)} - {"comma_lists"}
+    assert {name.replace("-", "_") for name in cli.COMMANDS} == modules
+    subcommands = _subcommands(cli.build_parser())
+    assert list(subcommands) == cli.COMMANDS
+    for name, parser in subcommands.items():
+        assert parser.get_default("_run") is not None, name
+
+
+def test_a_missing_command_module_is_an_error_not_a_silently_absent_command(monkeypatch):
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, "no-such-command"])
+    with pytest.raises(ModuleNotFoundError, match="mars_hf.commands.no_such_command"):
+        cli.build_parser()
