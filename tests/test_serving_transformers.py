@@ -26,6 +26,7 @@ from mars_hf.serving.server import free_port
 from tests.tiny import tiny_model, tiny_tokenizer
 
 PROMPT = "the cat sat on"
+CHAT_PROMPT = "the cat"
 MAX_TOKENS = 8
 
 
@@ -71,6 +72,19 @@ def test_transformers_serve_decodes_with_mars_from_the_request_generation_config
         skip_special_tokens=True,
     )
     assert mars_text != greedy_text  # otherwise this test could not tell MARS from greedy
+    chat_ids = local_tok.apply_chat_template(
+        [{"role": "user", "content": CHAT_PROMPT}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+
+    def chat_reply(**mars) -> str:
+        out = local.generate(**chat_ids, max_new_tokens=MAX_TOKENS, do_sample=False, **mars)
+        return local_tok.decode(out[0, chat_ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    chat_text = chat_reply(mars_threshold=0.0)
+    assert chat_text != chat_reply()  # the chat reply, too, tells MARS from greedy
 
     port = free_port()
     log = tmp_path / "serve.log"
@@ -102,11 +116,11 @@ def test_transformers_serve_decodes_with_mars_from_the_request_generation_config
         assert served({"mars_acceptance": "verify", "do_sample": False}) == greedy_text  # lossless
         chat = client.chat.completions.create(
             model=str(checkpoint),
-            messages=[{"role": "user", "content": "the cat"}],
+            messages=[{"role": "user", "content": CHAT_PROMPT}],
             max_tokens=MAX_TOKENS,
-            extra_body={"generation_config": json.dumps({"mars_threshold": 0.5, "do_sample": False})},
+            extra_body={"generation_config": json.dumps({"mars_threshold": 0.0, "do_sample": False})},
         )
-        assert chat.choices[0].message.content is not None
+        assert chat.choices[0].message.content == chat_text  # the chat route decodes with MARS too
     finally:
         proc.terminate()
         try:
