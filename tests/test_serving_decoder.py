@@ -105,15 +105,19 @@ def test_chat_stream_equals_non_stream_and_a_seed_reproduces_samples(served):
         if ch.choices
     )
     assert streamed == plain.choices[0].message.content
-    sampled = [
-        c.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=8, seed=3, temperature=1.5, extra_body=extra
+
+    def sample(seed: int, extra: dict) -> str:
+        out = c.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, seed=seed, temperature=2.0, extra_body=extra
         )
-        .choices[0]
-        .message.content
-        for extra in ({"mars_acceptance": "verify"}, {"mars_acceptance": "verify"})
-    ]
-    assert sampled[0] == sampled[1]  # a row's seed drives its own generator
+        return out.choices[0].message.content
+
+    # A row's seed drives its own generator: the same seed draws the same sample, another seed another one
+    # (which greedy decoding, ignoring the seed, could not do), for verified and τ rows alike.
+    for extra in ({"mars_acceptance": "verify"}, {"mars_threshold": 0.5}):
+        first = sample(3, extra)
+        assert sample(3, extra) == first, extra
+        assert sample(4, extra) != first, extra
 
 
 @pytest.mark.slow
