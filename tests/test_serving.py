@@ -164,8 +164,16 @@ def start(tok, engine=None, **config):
     return BackgroundServer(app).start(), engine, scheduler
 
 
-def client(server, **kw):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, **kw)
+def client(server):
+    return openai.OpenAI(
+        base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S
+    )
+
+
+def async_client(server):
+    return openai.AsyncOpenAI(
+        base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S
+    )
 
 
 def expected_text(tok, prompt_ids, n):
@@ -239,7 +247,7 @@ def test_concurrent_streams_mixed_tau_and_verify(tok):
         return text, usage, finish
 
     async def main():
-        ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        ac = async_client(server)
         return await asyncio.gather(*(one(ac, p, t) for p, t in zip(prompts, taus)))
 
     with server:
@@ -419,7 +427,7 @@ def test_controller_lowers_tau_of_unpinned_rows_under_load_and_reports_it(tok, c
     scheduler.controller.clock = clock
 
     async def main():
-        ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        ac = async_client(server)
         unpinned = [
             ac.completions.create(model="tiny", prompt=f"the cat {w}", max_tokens=16)
             for w in ("sat", "on", "the", "mat", "red", "blue", "one", "two")
@@ -464,7 +472,7 @@ def test_metrics_under_load(tok, counted_submissions):
     with server:
 
         async def main():
-            ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+            ac = async_client(server)
             jobs = [
                 asyncio.create_task(ac.completions.create(model="tiny", prompt="x y", max_tokens=30))
                 for _ in range(6)
@@ -515,13 +523,11 @@ def test_graceful_shutdown_finishes_running_rows(tok):
     threads = [threading.Thread(target=call) for _ in range(2)]
     for t in threads:
         t.start()
-    end = time.monotonic() + 60  # a hang guard, not a timing assertion
-    while len(scheduler.running) < 2:
-        assert time.monotonic() < end, "the two requests never ran"
-        time.sleep(0.005)
+    wait_until(lambda: len(scheduler.running) == 2, "the two requests running")
     server.stop()
     for t in threads:
-        t.join()
+        t.join(HANG_GUARD_S)
+        assert not t.is_alive(), "a request never returned (a hang guard)"
     assert results == [200, 200]
     assert not scheduler.is_running() and scheduler.closing
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 import torch
 
-from mars_hf.decoding.generation import enable_mars
 from mars_hf import hub
+from mars_hf.decoding.generation import enable_mars
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -37,7 +37,9 @@ def test_serve_command_answers_verify_and_tau_requests_and_shuts_down(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
+        )
         deadline = time.time() + 120
         while True:
             try:

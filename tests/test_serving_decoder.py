@@ -18,6 +18,7 @@ from mars_hf.decoding.generation import enable_mars
 from mars_hf.serving import BackgroundServer, ControllerConfig, ServerConfig, build_server
 from tests.tiny import tiny_model, tiny_tokenizer
 
+HANG_GUARD_S = 120.0  # client timeouts that only catch a hang
 PROMPTS = ["the cat sat on the mat", "a dog is red", "one two three", "hello world print", "x y z and"]
 
 
@@ -71,7 +72,9 @@ def test_mixed_tau_and_verify_in_one_batch_equal_generate(served):
         return text, usage
 
     async def main():
-        ac = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        ac = openai.AsyncOpenAI(
+            base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S
+        )
         return await asyncio.gather(*(one(ac, p, s, i % 2 == 0) for i, (p, s) in enumerate(cases)))
 
     results = asyncio.run(main())
@@ -92,7 +95,7 @@ def test_mixed_tau_and_verify_in_one_batch_equal_generate(served):
 
 def test_chat_stream_equals_non_stream_and_a_seed_reproduces_samples(served):
     server, model, tok, _ = served
-    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
     messages = [{"role": "user", "content": "the cat sat"}]
     plain = c.chat.completions.create(
         model="tiny", messages=messages, max_tokens=8, extra_body={"mars_threshold": 0.5}
@@ -143,7 +146,9 @@ def test_synthetic_controller_lowers_tau_under_load_and_keeps_tau_max_at_low_loa
         )
 
     with BackgroundServer(app) as server:
-        c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        c = openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S
+        )
         alone = c.chat.completions.create(
             model="syn", messages=[{"role": "user", "content": prompts[0]}], max_tokens=40
         )
@@ -159,13 +164,17 @@ def test_synthetic_controller_lowers_tau_under_load_and_keeps_tau_max_at_low_loa
                 release.set()
 
         def held():
-            if not release.wait(60):  # a hang guard
+            if not release.wait(HANG_GUARD_S):  # a hang guard
                 raise RuntimeError("the burst never reached the server")
             return step()
 
         scheduler.submit, scheduler.engine.step = counted, held
         results = asyncio.run(
-            burst(openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0))
+            burst(
+                openai.AsyncOpenAI(
+                    base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S
+                )
+            )
         )
     taus = [r.usage.model_dump()["mars_threshold"] for r in results]
     assert min(taus) < 0.95  # 16 requests on 4 slots: the queue pushed τ down
