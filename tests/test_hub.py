@@ -18,8 +18,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from huggingface_hub import HfApi, ModelCard
+from packaging.requirements import Requirement
+from packaging.version import Version
 from transformers import AutoModelForCausalLM
 
 from mars_hf import hub
@@ -242,6 +245,17 @@ def test_overwrite_guard(saved, tokenizer):
     (folder / "stale.bin").write_text("old")
     assert hub.save_pretrained(model, tokenizer, folder, overwrite=True) == hub.list_folder(folder)
     assert not (folder / "stale.bin").exists()
+
+
+def test_custom_generate_requirements_are_the_ranges_pyproject_declares(tmp_path):
+    """custom_generate/requirements.txt names the torch/transformers ranges mars-hf declares (and tests)."""
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    ranges = {Requirement(line).name: Requirement(line).specifier for line in declared}
+    hub.write_custom_generate(tmp_path / "custom_generate")
+    lines = (tmp_path / "custom_generate" / "requirements.txt").read_text().splitlines()
+    assert lines == [f"torch{ranges['torch']}", f"transformers{ranges['transformers']}", "safetensors"]
+    # the torch this suite runs on is inside the shipped range
+    assert Version(torch.__version__.split("+")[0]) in ranges["torch"]
 
 
 def test_custom_generate_must_be_self_contained(tmp_path):

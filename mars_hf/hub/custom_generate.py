@@ -10,6 +10,7 @@ torch, transformers, safetensors, the standard library and the other shipped fil
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import os
 import shutil
 import sys
@@ -28,11 +29,41 @@ CUSTOM_GENERATE_FILES = {
     "planner.py": "planner.py",
     "draft_sources.py": "draft_sources.py",
     "settings.py": "settings.py",
+    "rows.py": "rows.py",
+    "feeding.py": "feeding.py",
 }
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
 ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}
-CUSTOM_GENERATE_REQUIREMENTS = "torch>=2.4\ntransformers>=5.24.0\nsafetensors\n"
+# The packages of requirements.txt whose ranges are mars-hf's own (pyproject.toml). safetensors has no
+# range of ours: transformers requires it, with the range it needs.
+PINNED_REQUIREMENTS = ("torch", "transformers")
 DECODING_DIR = Path(__file__).resolve().parents[1] / "decoding"
+
+
+def custom_generate_requirements() -> str:
+    """``requirements.txt`` of ``custom_generate/``: torch and transformers with the ranges mars-hf declares.
+
+    Read from the installed package's metadata (built from pyproject.toml), so the shipped ranges are the
+    tested ones and cannot drift from them.
+    """
+    from packaging.requirements import Requirement
+
+    try:
+        declared = importlib.metadata.requires("mars-hf") or []
+    except importlib.metadata.PackageNotFoundError as error:
+        raise importlib.metadata.PackageNotFoundError(
+            "mars-hf is not installed, so the torch/transformers ranges for custom_generate/requirements.txt "
+            "cannot be read; install it (`pip install -e .` in a checkout)."
+        ) from error
+    specs = {}
+    for line in declared:
+        requirement = Requirement(line)
+        if requirement.marker is None and requirement.name in PINNED_REQUIREMENTS:
+            specs[requirement.name] = str(requirement.specifier)
+    missing = [name for name in PINNED_REQUIREMENTS if name not in specs]
+    if missing:
+        raise ValueError(f"mars-hf's installed metadata declares no {missing}; reinstall mars-hf.")
+    return "".join(f"{name}{specs[name]}\n" for name in PINNED_REQUIREMENTS) + "safetensors\n"
 
 
 def write_custom_generate(target: str | os.PathLike) -> list[str]:
@@ -45,10 +76,11 @@ def write_custom_generate(target: str | os.PathLike) -> list[str]:
                 f"{source} is missing; the package's decoding module is needed for custom_generate/."
             )
         check_self_contained(source)
+    requirements = custom_generate_requirements()
     target.mkdir(parents=True, exist_ok=True)
     for source, destination in sources.items():
         shutil.copyfile(source, destination)
-    (target / "requirements.txt").write_text(CUSTOM_GENERATE_REQUIREMENTS)
+    (target / "requirements.txt").write_text(requirements)
     return sorted(p.name for p in target.iterdir())
 
 
