@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from mars_hf.decoding.decoder import RowUpdate
+from mars_hf.decoding.decoder import RowSettings, RowUpdate
 from mars_hf.serving.controller import TauController
 from mars_hf.serving.engine import Engine, RowFailure
 from mars_hf.serving.metrics import ServingMetrics
@@ -114,8 +114,112 @@ class WaitingQueue:
         self.metrics.queue_depth.set(len(self._requests))
 
 
+class RunningRows:
+    """The batch: rows in the engine and the requests they answer.
+
+    A request takes a slot (`add`), gets each step's tokens (`route`) and leaves when its row finishes or
+    fails, or when the scheduler ends it (`end`); `finish` answers any request and counts its outcome.
+    Used by the scheduler thread only.
+    """
+
+    def __init__(self, engine: Engine, metrics: ServingMetrics):
+        self.engine = engine
+        self.metrics = metrics
+        self.requests: dict[int, GenerationRequest] = {}
+        self.avg_latency_s = 1.0  # of requests that finished, for `Scheduler.retry_after_s`
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: GenerationRequest, settings: RowSettings, now: float) -> None:
+        """Give ``request`` a row; raises ValueError when the engine refuses its settings."""
+        row_id = self.engine.add_row(request.prompt_ids, settings)
+        request.row_id = row_id
+        request.started_at = now
+        self.metrics.queue_wait.observe(now - request.arrival)
+        self.requests[row_id] = request
+        self.metrics.running_rows.set(len(self.requests))
+
+    def set_threshold(self, tau: float) -> None:
+        """Hand τ to every row whose request did not pin its own."""
+        for row_id, request in self.requests.items():
+            if not request.pinned and request.settings.threshold != tau:
+                self.engine.set_threshold(row_id, tau)
+                request.settings.threshold = tau
+
+    def route(self, updates: list[RowUpdate | RowFailure], now: float) -> None:
+        """Hand each row's update to its request; count the step in the metrics."""
+        rows_in_step = len(self.requests)
+        for request in self.requests.values():
+            request.record_step()
+        emitted = sum(self._deliver(update, now) for update in updates)
+        self.metrics.record_step(emitted, rows_in_step, now)
+        self.metrics.running_rows.set(len(self.requests))
+
+    def _deliver(self, update: RowUpdate | RowFailure, now: float) -> int:
+        """One row's update to its request (tokens, then the end if it ended); returns the tokens sent."""
+        request = self.requests.get(update.row_id)
+        if request is None:
+            return 0
+        if isinstance(update, RowFailure):
+            kind = update.error.split(":", 1)[0]
+            message = (
+                f"Decoding this request failed on the server ({kind}); the other requests were not "
+                "affected. See the server log."
+            )
+            self.end(update.row_id, Failed(500, message), "error")
+            return 0
+        if update.drafts_proposed:
+            request.record_drafts(update.draft_source, update.drafts_proposed, update.drafts_accepted)
+            self.metrics.record_drafts(update.draft_source, update.drafts_proposed, update.drafts_accepted)
+        if update.tokens:
+            if request.first_token_at is None:
+                request.first_token_at = now
+                self.metrics.ttft.observe(now - request.arrival)
+            request.completion_tokens += len(update.tokens)
+            request.deliver(Tokens(list(update.tokens)))
+        if update.finished:
+            self.end(update.row_id, Done(update.finish_reason or "stop"), "ok")
+        return len(update.tokens)
+
+    def end(self, row_id: int, event, outcome: str) -> None:
+        """Free the row and answer its request with ``event``."""
+        request = self.requests.get(row_id)
+        self.drop(row_id)
+        if request is not None:
+            self.finish(request, event, outcome)
+
+    def end_all(self, event, outcome: str) -> None:
+        for row_id in list(self.requests):
+            self.end(row_id, event, outcome)
+
+    def drop(self, row_id: int) -> None:
+        """Free the row (its request is answered separately)."""
+        self.requests.pop(row_id, None)
+        self.metrics.running_rows.set(len(self.requests))
+        try:
+            self.engine.drop_row(row_id)
+        except (KeyError, ValueError):
+            pass
+
+    def finish(self, request: GenerationRequest, event, outcome: str) -> None:
+        """Deliver the request's last event and count its outcome (and its latency when it succeeded)."""
+        request.finished_at = time.monotonic()
+        self.metrics.requests.labels(outcome).inc()
+        if isinstance(event, Done) and outcome == "ok":
+            request.finish_reason = event.finish_reason
+            latency = request.finished_at - request.arrival
+            self.metrics.latency.observe(latency)
+            self.avg_latency_s = 0.9 * self.avg_latency_s + 0.1 * latency
+        request.deliver(event)
+
+
 class Scheduler:
-    """Owns the engine on its own thread; the HTTP layer only calls `submit` and `cancel`."""
+    """Owns the engine on its own thread; the HTTP layer only calls `submit` and `cancel`.
+
+    Between two steps the thread sweeps cancelled and timed-out requests, admits waiting ones into free
+    slots (`WaitingQueue` → `RunningRows`), hands the controller's τ to unpinned rows, then steps.
+    """
 
     def __init__(
         self,
@@ -131,9 +235,8 @@ class Scheduler:
         self.metrics = metrics or ServingMetrics()
         self.idle_poll_s = idle_poll_s
         self.waiting = WaitingQueue(max_queue, self.metrics)
-        self.running: dict[int, GenerationRequest] = {}
+        self.rows = RunningRows(engine, self.metrics)
         self.tau = controller.tau
-        self.avg_latency_s = 1.0
         self._stop = False
         self._drain_lock = threading.Lock()
         self._drain_deadline: float | None = None
@@ -142,6 +245,11 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.metrics.slots.set(engine.max_rows)
         self.metrics.tau.set(self.tau)
+
+    @property
+    def running(self) -> dict[int, GenerationRequest]:
+        """The requests with a row in the engine, by row id."""
+        return self.rows.requests
 
     # ----- called from the HTTP side -----
 
@@ -160,7 +268,7 @@ class Scheduler:
     def retry_after_s(self) -> int:
         """A rough wait before retrying: the queue ahead divided by the slots, times a request's latency."""
         ahead = len(self.waiting) / max(1, self.engine.max_rows)
-        return max(1, round(ahead * self.avg_latency_s))
+        return max(1, round(ahead * self.rows.avg_latency_s))
 
     @property
     def closing(self) -> bool:
@@ -178,7 +286,7 @@ class Scheduler:
 
     def _run(self) -> None:
         while True:
-            if not self.running and not self.waiting:
+            if not self.rows and not self.waiting:
                 self.metrics.idle()
                 self.waiting.wait(self.idle_poll_s, unless=lambda: self._stop)
             if self._stop:
@@ -194,31 +302,38 @@ class Scheduler:
         else:
             self._admit(now)
         self._set_tau(now)  # also while idle: τ keeps climbing back to τ_max
-        if not self.running:
+        if not self.rows:
             return
         try:
             updates = self.engine.step()
         except Exception as error:  # the engine could not isolate the failing row(s)
-            self._fail_running(error)
+            logger.error(
+                "A decoding step failed (%s: %s); failing the %d running requests.",
+                type(error).__name__,
+                error,
+                len(self.rows),
+                exc_info=error,
+            )
+            self.rows.end_all(Failed(500, "decoding failed on the server; see its log"), "error")
             return
-        self._route(updates, time.monotonic())
+        self.rows.route(updates, time.monotonic())
 
     def _drop_cancelled_and_expired(self, now: float) -> None:
         self.waiting.remove_where(lambda request: self._end_if_over(request, now))
-        for row_id, request in list(self.running.items()):
+        for row_id, request in list(self.rows.requests.items()):
             if request.cancelled or self._expired(request, now):
-                self._drop(row_id)
+                self.rows.drop(row_id)
                 self._end_if_over(request, now)
 
     def _end_if_over(self, request: GenerationRequest, now: float) -> bool:
         """Answer a cancelled or timed-out request; False (untouched) otherwise."""
         if request.cancelled:
-            self._finish(request, Done("cancelled"), request.cancel_outcome)
+            self.rows.finish(request, Done("cancelled"), request.cancel_outcome)
         elif self._expired(request, now):
             message = (
                 f"the request did not finish within the server's request timeout ({request.timeout_s:g} s)"
             )
-            self._finish(request, Failed(504, message), "timeout")
+            self.rows.finish(request, Failed(504, message), "timeout")
         else:
             return False
         return True
@@ -237,15 +352,9 @@ class Scheduler:
             if not request.pinned:
                 settings = dataclasses.replace(settings, threshold=self.tau)
             try:
-                row_id = self.engine.add_row(request.prompt_ids, settings)
+                self.rows.add(request, settings, now)
             except ValueError as error:
-                self._finish(request, Failed(400, str(error)), "bad_request")
-                continue
-            request.row_id = row_id
-            request.started_at = now
-            self.metrics.queue_wait.observe(now - request.arrival)
-            self.running[row_id] = request
-            self.metrics.running_rows.set(len(self.running))
+                self.rows.finish(request, Failed(400, str(error)), "bad_request")
 
     def _set_tau(self, now: float) -> None:
         """Ask the controller for τ under the current queue and hand it to every unpinned row."""
@@ -254,78 +363,7 @@ class Scheduler:
         if tau != self.tau:
             self.tau = tau
             self.metrics.tau.set(tau)
-        for row_id, request in self.running.items():
-            if not request.pinned and request.settings.threshold != tau:
-                self.engine.set_threshold(row_id, tau)
-                request.settings.threshold = tau
-
-    def _route(self, updates: list[RowUpdate | RowFailure], now: float) -> None:
-        """Hand each row's update to its request; count the step in the metrics."""
-        rows_in_step = len(self.running)
-        for request in self.running.values():
-            request.record_step()
-        emitted = sum(self._deliver(update, now) for update in updates)
-        self.metrics.record_step(emitted, rows_in_step, now)
-        self.metrics.running_rows.set(len(self.running))
-
-    def _deliver(self, update: RowUpdate | RowFailure, now: float) -> int:
-        """One row's update to its request (tokens, then the end if it ended); returns the tokens sent."""
-        request = self.running.get(update.row_id)
-        if request is None:
-            return 0
-        if isinstance(update, RowFailure):
-            self._drop(update.row_id)
-            kind = update.error.split(":", 1)[0]
-            message = (
-                f"Decoding this request failed on the server ({kind}); the other requests were not "
-                "affected. See the server log."
-            )
-            self._finish(request, Failed(500, message), "error")
-            return 0
-        if update.drafts_proposed:
-            request.record_drafts(update.draft_source, update.drafts_proposed, update.drafts_accepted)
-            self.metrics.record_drafts(update.draft_source, update.drafts_proposed, update.drafts_accepted)
-        if update.tokens:
-            if request.first_token_at is None:
-                request.first_token_at = now
-                self.metrics.ttft.observe(now - request.arrival)
-            request.completion_tokens += len(update.tokens)
-            request.deliver(Tokens(list(update.tokens)))
-        if update.finished:
-            self._drop(update.row_id)
-            self._finish(request, Done(update.finish_reason or "stop"), "ok")
-        return len(update.tokens)
-
-    def _fail_running(self, error: Exception) -> None:
-        logger.error(
-            "A decoding step failed (%s: %s); failing the %d running requests.",
-            type(error).__name__,
-            error,
-            len(self.running),
-            exc_info=error,
-        )
-        for row_id, request in list(self.running.items()):
-            self._drop(row_id)
-            self._finish(request, Failed(500, "decoding failed on the server; see its log"), "error")
-
-    def _drop(self, row_id: int) -> None:
-        self.running.pop(row_id, None)
-        self.metrics.running_rows.set(len(self.running))
-        try:
-            self.engine.drop_row(row_id)
-        except (KeyError, ValueError):
-            pass
-
-    def _finish(self, request: GenerationRequest, event, outcome: str) -> None:
-        """Deliver the request's last event and count its outcome (and its latency when it succeeded)."""
-        request.finished_at = time.monotonic()
-        self.metrics.requests.labels(outcome).inc()
-        if isinstance(event, Done) and outcome == "ok":
-            request.finish_reason = event.finish_reason
-            latency = request.finished_at - request.arrival
-            self.metrics.latency.observe(latency)
-            self.avg_latency_s = 0.9 * self.avg_latency_s + 0.1 * latency
-        request.deliver(event)
+        self.rows.set_threshold(tau)
 
     # ----- draining and shutdown -----
 
@@ -339,10 +377,10 @@ class Scheduler:
             queued = self.waiting.close()
         message = "The server is shutting down; this request was not started. Retry it."
         for request in queued:
-            self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
+            self.rows.finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
         logger.info(
             "Draining: %d running, %d queued; running rows have %g s to finish.",
-            len(self.running),
+            len(self.rows),
             len(queued),
             self._grace_s,
         )
@@ -372,22 +410,18 @@ class Scheduler:
 
     def _drain_step(self, now: float) -> None:
         """While draining, past the deadline: the rows still running get 503."""
-        if self.running and self._drain_deadline is not None and now >= self._drain_deadline:
-            logger.info("Drain: ending %d rows still running after the grace period.", len(self.running))
+        if self.rows and self._drain_deadline is not None and now >= self._drain_deadline:
+            logger.info("Drain: ending %d rows still running after the grace period.", len(self.rows))
             message = (
                 "The server is shutting down and this request did not finish within its shutdown grace "
                 f"period ({self._grace_s:g} s). Retry it."
             )
-            for row_id, request in list(self.running.items()):
-                self._drop(row_id)
-                self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
-        if not self.running:
+            self.rows.end_all(Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
+        if not self.rows:
             self._drained.set()
 
     def _cancel_all(self, message: str) -> None:
-        pending = self.waiting.close() + list(self.running.values())
-        for row_id in list(self.running):
-            self._drop(row_id)
-        for request in pending:
-            self._finish(request, Failed(503, message, SHUTDOWN_RETRY_AFTER_S), "shutdown")
-        self.metrics.running_rows.set(0)
+        event = Failed(503, message, SHUTDOWN_RETRY_AFTER_S)
+        for request in self.waiting.close():
+            self.rows.finish(request, event, "shutdown")
+        self.rows.end_all(event, "shutdown")
