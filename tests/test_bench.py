@@ -42,6 +42,10 @@ def test_build_configurations_grid():
     assert {c.scheme for c in configurations if c.tau == 0.9} == {"none", "cursor", "block"}
     with pytest.raises(ValueError, match="Unknown scheme"):
         build_configurations([0.9], [4], schemes=["stock", "fast"])
+    # The decoder's own one-token rule: margin at τ = 1 keeps one token per step too, entropy does not.
+    for acceptance, schemes in (("margin", {"cursor"}), ("entropy", {"none", "cursor", "block"})):
+        grid = build_configurations([1.0], [4], acceptance=acceptance)
+        assert {c.scheme for c in grid if c.scheme != "stock"} == schemes, acceptance
 
 
 def test_count_generated_tokens_stops_at_first_eos():

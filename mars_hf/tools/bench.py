@@ -38,6 +38,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from mars_hf.decoding.acceptance import one_token_per_step
+from mars_hf.tools.tables import Column, cost_curve_text, fixed_width_table, fmt, planner_choices
+
 logger = logging.getLogger(__name__)
 
 SCHEMES = ("stock", "none", "cursor", "block")
@@ -84,15 +87,6 @@ class BenchConfiguration:
         return self.layout is not None
 
     @property
-    def rule(self) -> str:
-        """The acceptance column: τ, or the verify layout."""
-        if self.verify:
-            return f"v-{self.layout[:4]}" + ("+pl" if self.lookup else "")
-        if self.lookup:
-            return f"pl{self.lookup}"
-        return "-" if self.tau is None else f"{self.tau:.2f}"
-
-    @property
     def label(self) -> str:
         if self.scheme == "stock":
             return f"stock prompt-lookup={self.lookup}" if self.lookup else "stock"
@@ -115,11 +109,6 @@ class BenchConfiguration:
         return kwargs
 
 
-def one_token_mode(tau: float, acceptance: str) -> bool:
-    """τ ≥ 1 with the probability metric accepts exactly one token per step (MARS_SPEC §2)."""
-    return acceptance == "probability" and tau >= 1.0
-
-
 def build_configurations(
     taus,
     windows,
@@ -131,7 +120,7 @@ def build_configurations(
     lookup_tokens=(),
 ) -> list[BenchConfiguration]:
     """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
-    (τ ≥ 1) the schemes all do the same work, so only ``one_token_schemes`` run there. Each of
+    (τ ≥ 1 with the probability or margin metric: ``one_token_per_step``) the schemes all do the same work, so only ``one_token_schemes`` run there. Each of
     ``verify_layouts`` adds verified decoding (cursor scheme) for every window. Each k of
     ``lookup_tokens`` adds transformers' prompt lookup (stock ``generate``, batch 1 only) and every
     verify row again with prompt-lookup drafts."""
@@ -144,7 +133,7 @@ def build_configurations(
             for scheme in schemes:
                 if scheme == "stock":
                     continue
-                if one_token_mode(tau, acceptance) and scheme not in one_token_schemes:
+                if one_token_per_step(acceptance, tau) and scheme not in one_token_schemes:
                     continue
                 if scheme != "block":
                     configurations.append(BenchConfiguration(scheme, float(tau), int(window)))
@@ -506,7 +495,7 @@ def run_benchmark(
                         measurements[configuration].append(measurement)
                     bar.update(1)
             bar.close()
-            rows = _summarise(batch_size, batches, measurements, model_name)
+            rows = summarise_measurements(batch_size, batches, measurements, model_name)
             costs = _add_cost_model(model, batches[0], rows, args)
             result["rows"].extend(rows)
             result["costs"][str(batch_size)] = costs
@@ -529,7 +518,9 @@ def _measure_decoder_costs(model, batch_size: int, windows, max_new_tokens: int)
             )
 
 
-def _summarise(batch_size, batches, measurements, model_name) -> list[dict]:
+def summarise_measurements(batch_size, batches, measurements, model_name) -> list[dict]:
+    """One row per configuration from its repeats (the first run's outputs and counts, the median time),
+    with ratios against the stock row, which comes first."""
     stock_tokens = measurements[BenchConfiguration("stock")][0].new_tokens
     prompt_tokens = statistics.mean(inputs["input_ids"].shape[1] for inputs in batches)
     rows = []
@@ -633,23 +624,8 @@ def _add_cost_model(model, inputs, rows, args) -> dict:
 
 def format_table(result: dict) -> str:
     """A plain-text table of the rows (one block per batch size) and the measured step costs."""
-    header = (
-        f"{'batch':>5} {'tau':>6} {'W':>3} {'scheme':<7} {'C':>3} {'tok/fwd':>7} {'fwds':>5} {'tok/s':>8} "
-        f"{'speedup':>7} {'(best)':>6} {'effic.':>6} {'step':>6} {'cost':>5} {'pred.':>6} {'=stock':>6}"
-    )
-    lines = [f"model: {result['model']}  ({_describe_environment(result)})", header, "-" * len(header)]
-    previous_batch = None
-    for row in result["rows"]:
-        if previous_batch is not None and row["batch"] != previous_batch:
-            lines.append("")
-        previous_batch = row["batch"]
-        lines.append(
-            f"{row['batch']:>5} {_rule(row):>6} {_fmt(row['window'], 'd'):>3} {row['scheme']:<7} "
-            f"{_fmt(row['cache_block'], 'd'):>3} {row['tokens_per_forward']:>7.2f} {row['num_forwards']:>5} "
-            f"{row['tokens_per_s']:>8.1f} {row['speedup']:>6.2f}x {row['speedup_best']:>5.2f}x {row['efficiency']:>6.2f} "
-            f"{row.get('step_tokens', float('nan')):>6.1f} {row.get('step_cost', float('nan')):>5.2f} "
-            f"{row.get('predicted_speedup', float('nan')):>5.2f}x {row['same_as_stock']:>6.2f}"
-        )
+    lines = [f"model: {result['model']}  ({_describe_environment(result)})"]
+    lines += fixed_width_table(TABLE_COLUMNS, result["rows"], group=lambda row: row["batch"])
     lines.append("")
     lines.append(
         "tok/fwd = generated tokens / (batch x forwards); speedup = tokens/s vs stock generate (same run, "
@@ -675,14 +651,6 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def planner_choices(row: dict) -> tuple[str, str]:
-    """``(widths, plans)`` of one MARS row as text: forwards by columns per row (``width:count``) and the
-    planner's choices per row-step (``name count``); shared by `bench` and `gpu-check` tables."""
-    widths = " ".join(f"{w}:{n}" for w, n in row["width_histogram"].items())
-    plans = ", ".join(f"{k} {n}" for k, n in sorted((row.get("plan_counts") or {}).items()))
-    return widths, plans
-
-
 def format_planner(result: dict) -> list[str]:
     """Per MARS row: columns per row fed by each forward (histogram) and the planner's choices; per
     batch size, the cost curve the decoder measured (the planner's input)."""
@@ -692,7 +660,7 @@ def format_planner(result: dict) -> list[str]:
         if row["scheme"] == "stock" or not row.get("width_histogram"):
             continue
         widths, plans = planner_choices(row)
-        label = f"{row['batch']:>5} {_rule(row):>6} {row['scheme']:<7}"
+        label = " ".join(column.cell(row) for column in TABLE_COLUMNS[:2] + TABLE_COLUMNS[3:4])
         lines.append(f"{label} widths {widths}" + (f"; plans: {plans}" if plans else ""))
         if row.get("drafts_by_source"):
             kept = ", ".join(
@@ -704,22 +672,44 @@ def format_planner(result: dict) -> list[str]:
         if row.get("cost_curve"):
             curves.setdefault(row["batch"], row["cost_curve"])
     for batch, curve in curves.items():
-        points = ", ".join(f"{n}:{float(c):.2f}" for n, c in curve.items())
+        points = cost_curve_text(curve)
         lines.append(f"batch {batch}: the decoder's cost curve (columns per row: relative cost) {points}")
     return lines
 
 
 def _rule(row) -> str:
+    """The acceptance column: τ, the verify layout (``v-auto``, with ``+pl`` for prompt-lookup drafts), or
+    transformers' own prompt lookup (``plK``)."""
     lookup = row.get("prompt_lookup_num_tokens")
     if row.get("layout"):
         return f"v-{row['layout'][:4]}" + ("+pl" if lookup else "")
     if lookup:
         return f"pl{lookup}"
-    return _fmt(row["tau"], ".2f")
+    return fmt(row["tau"], ".2f")
 
 
-def _fmt(value, spec):
-    return "-" if value is None else format(value, spec)
+def _measured(key: str):
+    """A column of the cost model's numbers (NaN until `_add_cost_model` has added them)."""
+    return lambda row: row.get(key, float("nan"))
+
+
+TABLE_COLUMNS = [
+    Column("batch", 5, "batch"),
+    Column("tau", 6, _rule),
+    Column("W", 3, "window", "d"),
+    Column("scheme", 7, "scheme", align="<"),
+    Column("C", 3, "cache_block", "d"),
+    Column("tok/fwd", 7, "tokens_per_forward", ".2f"),
+    Column("fwds", 5, "num_forwards"),
+    Column("tok/s", 8, "tokens_per_s", ".1f"),
+    Column("speedup", 7, "speedup", ".2f", "x"),
+    Column("(best)", 6, "speedup_best", ".2f", "x"),
+    Column("effic.", 6, "efficiency", ".2f"),
+    Column("step", 6, _measured("step_tokens"), ".1f"),
+    Column("cost", 5, _measured("step_cost"), ".2f"),
+    Column("pred.", 6, _measured("predicted_speedup"), ".2f", "x"),
+    Column("=stock", 6, "same_as_stock", ".2f"),
+]
 
 
 def _describe_environment(result):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from mars_hf.tools.bench import BenchConfiguration, ForwardCounter, _summarise, run_once
+from mars_hf.tools.bench import BenchConfiguration, ForwardCounter, run_once, summarise_measurements
 from mars_hf.tools.gpu_check.generation import SynchronizedGenerate, greedy_generation_config
 from mars_hf.tools.gpu_check.machine import peak_memory_mb, peak_memory_reset
 from mars_hf.tools.gpu_check.random_models import make_prompts
@@ -92,7 +92,7 @@ def decode_group(check, shape: str, rate: float, batch: int, configurations) -> 
     for configuration, reason in runs.failed.items():
         check.skip(f"{group_name(shape, rate, batch)} {configuration.label}", reason)
         runs.measurements.pop(configuration)
-    rows = _summarise(batch, [inputs], runs.measurements, shape)
+    rows = summarise_measurements(batch, [inputs], runs.measurements, shape)
     last_positions = (inputs["attention_mask"].sum(1) - 1).tolist()
     steps = forcer.simulate_steps(last_positions, args.max_new_tokens, args.window)
     stock_step = check.estimates.step_seconds.get((shape, batch))
