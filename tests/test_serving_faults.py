@@ -1,4 +1,4 @@
-"""Faults stay where they start (issue 19): real servers on loopback, driven by a raw HTTP client.
+"""Faults stay where they start: real servers on loopback, driven by a raw HTTP client.
 
 - a row that raises inside the model fails alone (its request gets a JSON 500 or an SSE error event
   then ``[DONE]``); the other rows of its batch go on and equal plain greedy decoding (a slow, obvious
@@ -201,7 +201,7 @@ def _gpt2(tok):
 
 
 def test_max_length_is_capped_by_the_model_positions_and_a_long_prompt_is_a_400(caplog):
-    """Issue 19's probe: GPT-2-style (64 positions), default --max-length 2048, one 100-token prompt + 6 valid."""
+    """A GPT-2-style probe (64 positions), default --max-length 2048, one 100-token prompt + 6 valid."""
     tok = tiny_tokenizer()
     model = _gpt2(tok)
     config = ServerConfig(model_id="tiny", max_rows=4, controller=ControllerConfig(tau_min=1.0, tau_max=1.0))
@@ -350,7 +350,7 @@ def test_drain_finishes_running_rows_and_answers_new_and_queued_requests_503():
 
 
 def test_drain_past_the_grace_period_ends_every_request_properly():
-    """Issue 19's probe: rows still running when the grace ends got plain-text 500s and cut streams.
+    """Rows still running when the grace ends once got plain-text 500s and cut streams.
 
     The engine's steps are held until the drain has begun, so no row can finish first on any host (200
     tokens a row; past the grace of 0 s the next step boundary ends every running row)."""
@@ -474,7 +474,7 @@ def test_sigterm_under_load_in_a_real_serve_process(tmp_path):
 
 
 def test_fault_run_every_request_answered_once_and_correctly_memory_flat():
-    """~100 mixed requests on the real decoder (the lead runs >= 1,000 on synthetic: docs/serving.md)."""
+    """~100 mixed requests on the real decoder (>= 1,000 on the synthetic model: docs/serving.md)."""
     tok = tiny_tokenizer()
     model = llama(tok)
     report = fault_run(

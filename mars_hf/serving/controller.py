@@ -1,6 +1,6 @@
 """Load-adaptive τ: trade a little quality for throughput while requests wait, give it back when they don't.
 
-Lower τ accepts more tokens per forward (MARS_SPEC §2), so a server whose queue grows can clear it
+Lower τ accepts more tokens per forward (docs/method.md §2), so a server whose queue grows can clear it
 faster without swapping models. The controller maps *pressure* — how full the waiting queue is
 relative to the batch, and how long the oldest request has waited — to a τ in ``[tau_min, tau_max]``.
 It lowers τ at once when pressure rises (waiting requests are the cost being fought) and raises it
