@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import random
@@ -21,8 +22,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx2
+import openai
+import torch
+
 from mars_hf.serving.controller import ControllerConfig
-from mars_hf.serving.server import BackgroundServer, ServerConfig, build_server
+from mars_hf.serving.protocol import chat_prompt_ids, completion_prompt_ids
+from mars_hf.serving.server import BackgroundServer, ServerConfig, build_server, model_position_limit
+from mars_hf.tools.loading import load_served_model
+from mars_hf.tools.synthetic import synthetic_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +126,6 @@ async def _one(client, prompt: str, max_tokens: int, start: float, record: dict)
 
 
 async def _drive(base_url: str, prompts: list[str], arrivals: list[float], config: LoadTestConfig):
-    import httpx2
-    import openai
-
     client = openai.AsyncOpenAI(
         base_url=base_url + "/v1", api_key="loopback", max_retries=0, timeout=config.time_limit_s
     )
@@ -200,12 +205,8 @@ def run_loadtest(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if model is None and engine_factory is None:
-        from mars_hf.tools.loading import load_served_model
-
         model, tokenizer = load_served_model(config.model, config.dtype)
     if config.model == "synthetic":
-        from mars_hf.tools.synthetic import synthetic_prompts
-
         pool = synthetic_prompts(max(config.requests, 8), seed=config.seed + 1234)
     else:
         pool = GENERIC_PROMPTS
@@ -354,8 +355,6 @@ def inject_faults(model, marker_token_id: int) -> list:
 
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=()) -> list[int]:
     """Plain greedy decoding by full forwards (no cache, no MARS): the answer a lossless row must give."""
-    import torch
-
     ids, out = list(prompt_ids), []
     with torch.inference_mode():
         for _ in range(max_new_tokens):
@@ -436,8 +435,6 @@ def classify_drain_answer(answer: dict | None) -> str:
 
 async def _drain_drive(base_url: str, jobs: list[tuple[str, dict, bool]], trigger, timeout_s: float):
     """Send ``jobs`` (path, body, stream), wait until the server holds them all, ``trigger()``, collect."""
-    import httpx2
-
     async with httpx2.AsyncClient(timeout=timeout_s) as http:
 
         async def one(path, body, stream):
@@ -492,6 +489,196 @@ def _pick_marker(tokenizer, prompt_id_lists: list[list[int]], reserved: set[int]
     raise ValueError("No token id is free to serve as the fault marker.")
 
 
+@dataclass
+class FaultRequest:
+    """One request of a fault run: what it sends and, for a valid one, the text it must get back."""
+
+    kind: str
+    path: str
+    body: dict | bytes
+    stream: bool
+    expected_text: str | None = None
+
+
+class FaultPlan:
+    """The requests of a fault run (kinds drawn from ``mix``, seeded) and the check of each answer.
+
+    Valid requests (τ = 1 or verify, lossless) must equal ``reference(prompt_ids, max_tokens)``, computed
+    here before serving; ``marker``: the token whose pair makes the model raise (`inject_faults`);
+    ``positions``: the model's position limit, named in an over-long prompt's 400.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompts: list[str],
+        *,
+        total: int,
+        mix: dict[str, int],
+        max_tokens: int,
+        seed: int,
+        reference,
+        limits,
+        marker: int | None,
+        positions: int | None,
+    ):
+        self.rng = random.Random(seed)
+        self.names = list(mix)
+        drawn = self.rng.choices(self.names, weights=[mix[k] for k in self.names], k=max(0, total - len(mix)))
+        self.kinds = (self.names + drawn)[:total]
+        self.prompts, self.max_tokens, self.limits, self.marker = prompts, max_tokens, limits, marker
+        self.positions = positions
+        self.too_long = (positions or limits.max_prompt_tokens) + 10
+        self.chat_ids = [
+            chat_prompt_ids({"messages": [{"role": "user", "content": p}]}, tokenizer) for p in prompts
+        ]
+        self.plain_ids = [completion_prompt_ids({"prompt": p}, tokenizer) for p in prompts]
+        self.expected = {
+            (route, i): tokenizer.decode(reference(ids[i], max_tokens), skip_special_tokens=True)
+            for route, ids in (("chat", self.chat_ids), ("plain", self.plain_ids))
+            for i in range(len(prompts))
+        }
+        self.requests = [self._request(i) for i in range(len(self.kinds))]
+
+    def count(self, kind: str) -> int:
+        return self.kinds.count(kind)
+
+    def _request(self, i: int) -> FaultRequest:
+        kind, p = self.kinds[i], i % len(self.prompts)
+        lossless = {"mars_acceptance": "verify"} if i % 2 else {"mars_threshold": 1.0}
+        if kind == "plain":
+            body = {"prompt": self.prompts[p], "max_tokens": self.max_tokens, **lossless}
+            return FaultRequest(kind, "/v1/completions", body, False, self.expected[("plain", p)])
+        if kind in ("stream", "disconnect"):
+            messages = [{"role": "user", "content": self.prompts[p]}]
+            body = {"messages": messages, "max_tokens": self.max_tokens, **lossless, "stream": True}
+            return FaultRequest(kind, "/v1/chat/completions", body, True, self.expected[("chat", p)])
+        if kind == "malformed":
+            return FaultRequest(kind, "/v1/chat/completions", self.rng.choice(MALFORMED), False)
+        if kind == "overlong":
+            body = {"prompt": [self.plain_ids[p][0]] * self.too_long, "max_tokens": 2}
+            return FaultRequest(kind, "/v1/completions", body, False)
+        if kind == "mask":
+            body = {"prompt": self.plain_ids[p] + [self.limits.mask_token_id], "max_tokens": 2}
+            return FaultRequest(kind, "/v1/completions", body, False)
+        stream = kind == "raises-stream"
+        prompt = self.plain_ids[p] + [self.marker, self.marker]
+        body = {"prompt": prompt, "max_tokens": self.max_tokens, **lossless, "stream": stream}
+        return FaultRequest(kind, "/v1/completions", body, stream)
+
+    def check(self, i: int, answer: dict) -> str | None:
+        """None when request ``i``'s answer is right, else what is wrong."""
+        request = self.requests[i]
+        if "exception" in answer:
+            return f"{request.kind}: {answer['exception']}"
+        if request.kind in ("plain", "stream"):
+            return self._check_text(request, answer)
+        if request.kind in ("malformed", "overlong", "mask"):
+            return self._check_refused(request.kind, answer)
+        if request.kind == "raises":
+            ok = _is_json_error(answer, 500) and ROW_FAILED in answer["json"]["error"]["message"]
+            return None if ok else f"raises: status {answer['status']} (want a JSON 500)"
+        if request.kind == "raises-stream":
+            sse = answer.get("sse")
+            ok = sse is not None and sse["done_once_last"] and sse["errors"] == 1 and sse["finishes"] == 0
+            return None if ok else "raises-stream: not one error event then [DONE]"
+        return None
+
+    @staticmethod
+    def _check_text(request: FaultRequest, answer: dict) -> str | None:
+        """A valid request: its text, and for a stream exactly one final chunk then ``[DONE]``."""
+        if request.kind == "stream":
+            sse = answer.get("sse")
+            if sse is None:
+                return f"stream: status {answer['status']}"
+            if not (sse["done_once_last"] and sse["finishes"] == 1 and sse["errors"] == 0):
+                return "stream: not exactly one final chunk then [DONE]"
+            got = sse["text"]
+        else:
+            if answer["status"] != 200:
+                return f"plain: status {answer['status']}"
+            got = answer["json"]["choices"][0]["text"]
+        return None if got == request.expected_text else f"{request.kind}: wrong text"
+
+    def _check_refused(self, kind: str, answer: dict) -> str | None:
+        """A JSON 400 whose message names what is wrong."""
+        if not _is_json_error(answer, 400):
+            return f"{kind}: status {answer['status']} (want a JSON 400)"
+        message = answer["json"]["error"]["message"]
+        if (
+            kind == "overlong"
+            and self.positions
+            and not (str(self.too_long) in message and str(self.positions) in message)
+        ):
+            return "overlong: the 400 does not name the prompt length and the model's positions"
+        if kind == "mask" and "mask token" not in message:
+            return "mask: the 400 does not name the mask token"
+        return None
+
+
+async def _send_fault_requests(
+    base_url: str, plan: FaultPlan, indices, answers: list, concurrency: int, limit_s: float
+):
+    """Send requests ``indices`` of ``plan``, ``concurrency`` at a time; a disconnect reads one line and hangs up."""
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx2.AsyncClient(timeout=limit_s) as http:
+
+        async def one(i):
+            request = plan.requests[i]
+            async with gate:
+                try:
+                    if request.kind == "disconnect":
+                        async with http.stream(
+                            "POST", base_url + request.path, json=request.body
+                        ) as response:
+                            async for _ in response.aiter_lines():
+                                break  # first line, then hang up
+                        answers[i] = {"status": response.status_code, "disconnected": True}
+                    else:
+                        answers[i] = await _post(http, base_url + request.path, request.body, request.stream)
+                except Exception as error:
+                    answers[i] = {"exception": type(error).__name__}
+
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in indices)), limit_s)
+
+
+def _serve_fault_plan(
+    app, scheduler, plan: FaultPlan, *, concurrency: int, limit_s: float, warmup_fraction: float
+):
+    """Serve ``plan`` on a fresh server: a warm-up share first (RSS measured after it), then the rest."""
+    total = len(plan.kinds)
+    answers: list[dict | None] = [None] * total
+    warm = min(total, max(len(plan.names), int(total * warmup_fraction)))
+    with BackgroundServer(app) as server:
+        base = server.base_url
+        t0 = time.monotonic()
+        asyncio.run(_send_fault_requests(base, plan, range(warm), answers, concurrency, limit_s))
+        gc.collect()
+        rss_warm = _rss_mb()
+        asyncio.run(_send_fault_requests(base, plan, range(warm, total), answers, concurrency, limit_s))
+        wall = time.monotonic() - t0
+        end = time.monotonic() + 30  # cancelled rows leave at the next step boundary
+        while (scheduler.running or scheduler.waiting) and time.monotonic() < end:
+            time.sleep(0.02)
+        gc.collect()
+        rss_end = _rss_mb()
+        health = httpx2.get(base + "/health").json()
+        metrics_text = httpx2.get(base + "/metrics").text
+    outcomes = {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith("mars_requests_total{")
+    }
+    return {
+        "answers": answers,
+        "rss_warm": rss_warm,
+        "rss_end": rss_end,
+        "wall": wall,
+        "health": health,
+        "outcomes": outcomes,
+    }
+
+
 def fault_run(
     model,
     tokenizer,
@@ -513,7 +700,7 @@ def fault_run(
 ) -> dict:
     """Send ``total`` mixed requests (see `FAULT_MIX`) to a fresh server, then drain one under load.
 
-    Checked per request: valid ones (τ = 1 or verify, lossless) equal ``reference(prompt_ids,
+    Checked per request (`FaultPlan.check`): valid ones (τ = 1 or verify, lossless) equal ``reference(prompt_ids,
     max_tokens)`` (default: `greedy_reference` on ``model``) and streams end with exactly one final
     chunk then ``[DONE]``; malformed / over-long / mask-token requests get a JSON 400; requests whose
     row raises inside the model get a JSON 500 (streams: one error event, then ``[DONE]``); nobody else
@@ -521,190 +708,53 @@ def fault_run(
     among them) against RSS at the end. ``engine_factory``: a scripted `Engine` instead of ``model``
     (then no marker faults). Returns a report; ``report["ok"]`` says whether every check held.
     """
-    import gc
-
-    import httpx2
-
-    from mars_hf.serving.protocol import chat_prompt_ids, completion_prompt_ids
-    from mars_hf.serving.server import model_position_limit
-
     mix = dict(kinds or FAULT_MIX)
     if engine_factory is not None:
         mix = {k: w for k, w in mix.items() if k not in ("raises", "raises-stream", "mask")}
     config = LoadTestConfig(max_rows=max_rows, max_tokens=max_tokens, time_limit_s=time_limit_s)
     server_cfg = server_config("controller", config)
     server_cfg.max_prompt_tokens = 256
-    engine = engine_factory() if engine_factory is not None else model
-    app, scheduler = build_server(engine, tokenizer, server_cfg)
+    app, scheduler = build_server(
+        engine_factory() if engine_factory is not None else model, tokenizer, server_cfg
+    )
     limits = app.state.serving.limits
     prompts = prompts or GENERIC_PROMPTS
-    chat_ids = [chat_prompt_ids({"messages": [{"role": "user", "content": p}]}, tokenizer) for p in prompts]
-    plain_ids = [completion_prompt_ids({"prompt": p}, tokenizer) for p in prompts]
-    eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
     if reference is None:
+        eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
 
         def reference(ids, n):
             return greedy_reference(model, ids, n, eos)
 
     marker, handles = None, []
     if engine_factory is None:
-        marker = _pick_marker(
-            tokenizer,
-            chat_ids + plain_ids,
-            {limits.mask_token_id} if limits.mask_token_id is not None else set(),
-        )
+        all_ids = [completion_prompt_ids({"prompt": p}, tokenizer) for p in prompts] + [
+            chat_prompt_ids({"messages": [{"role": "user", "content": p}]}, tokenizer) for p in prompts
+        ]
+        reserved = {limits.mask_token_id} if limits.mask_token_id is not None else set()
+        marker = _pick_marker(tokenizer, all_ids, reserved)
         handles = inject_faults(model, marker)
     positions = model_position_limit(model.config) if model is not None else None
-    too_long = (positions[0] if positions else limits.max_prompt_tokens) + 10
-
-    rng = random.Random(seed)
-    names = list(mix)
-    plan = names + rng.choices(names, weights=[mix[k] for k in names], k=max(0, total - len(names)))
-    plan = plan[:total]
-    expected: dict[tuple[str, int], str] = {}
     try:
-        for i in range(len(prompts)):  # computed before serving, with the fault hooks on
-            expected[("chat", i)] = tokenizer.decode(
-                reference(chat_ids[i], max_tokens), skip_special_tokens=True
-            )
-            expected[("plain", i)] = tokenizer.decode(
-                reference(plain_ids[i], max_tokens), skip_special_tokens=True
-            )
-
-        def request(i: int) -> tuple[str, object, bool, str | None]:
-            """(path, body, stream, expected text) of request ``i``."""
-            kind, p = plan[i], i % len(prompts)
-            lossless = {"mars_acceptance": "verify"} if i % 2 else {"mars_threshold": 1.0}
-            chat = {
-                "messages": [{"role": "user", "content": prompts[p]}],
-                "max_tokens": max_tokens,
-                **lossless,
-            }
-            if kind == "plain":
-                return (
-                    "/v1/completions",
-                    {"prompt": prompts[p], "max_tokens": max_tokens, **lossless},
-                    False,
-                    expected[("plain", p)],
-                )
-            if kind in ("stream", "disconnect"):
-                return "/v1/chat/completions", {**chat, "stream": True}, True, expected[("chat", p)]
-            if kind == "malformed":
-                return "/v1/chat/completions", rng.choice(MALFORMED), False, None
-            if kind == "overlong":
-                return (
-                    "/v1/completions",
-                    {"prompt": [plain_ids[p][0]] * too_long, "max_tokens": 2},
-                    False,
-                    None,
-                )
-            if kind == "mask":
-                return (
-                    "/v1/completions",
-                    {"prompt": plain_ids[p] + [limits.mask_token_id], "max_tokens": 2},
-                    False,
-                    None,
-                )
-            body = {"prompt": plain_ids[p] + [marker, marker], "max_tokens": max_tokens, **lossless}
-            return (
-                "/v1/completions",
-                {**body, "stream": kind == "raises-stream"},
-                kind == "raises-stream",
-                None,
-            )
-
-        def check(i: int, answer: dict) -> str | None:
-            """None when request ``i``'s answer is right, else what is wrong."""
-            kind = plan[i]
-            _, body, _, text = request_specs[i]
-            if "exception" in answer:
-                return f"{kind}: {answer['exception']}"
-            if kind in ("plain", "stream"):
-                if kind == "stream":
-                    sse = answer.get("sse")
-                    if sse is None:
-                        return f"stream: status {answer['status']}"
-                    if not (sse["done_once_last"] and sse["finishes"] == 1 and sse["errors"] == 0):
-                        return "stream: not exactly one final chunk then [DONE]"
-                    got = sse["text"]
-                else:
-                    if answer["status"] != 200:
-                        return f"plain: status {answer['status']}"
-                    got = answer["json"]["choices"][0]["text"]
-                return None if got == text else f"{kind}: wrong text"
-            if kind in ("malformed", "overlong", "mask"):
-                if not _is_json_error(answer, 400):
-                    return f"{kind}: status {answer['status']} (want a JSON 400)"
-                message = answer["json"]["error"]["message"]
-                if (
-                    kind == "overlong"
-                    and positions
-                    and not (str(too_long) in message and str(positions[0]) in message)
-                ):
-                    return "overlong: the 400 does not name the prompt length and the model's positions"
-                if kind == "mask" and "mask token" not in message:
-                    return "mask: the 400 does not name the mask token"
-                return None
-            if kind == "raises":
-                ok = _is_json_error(answer, 500) and ROW_FAILED in answer["json"]["error"]["message"]
-                return None if ok else f"raises: status {answer['status']} (want a JSON 500)"
-            if kind == "raises-stream":
-                sse = answer.get("sse")
-                ok = sse is not None and sse["done_once_last"] and sse["errors"] == 1 and sse["finishes"] == 0
-                return None if ok else "raises-stream: not one error event then [DONE]"
-            return None
-
-        request_specs = [request(i) for i in range(total)]
-        answers: list[dict | None] = [None] * total
-
-        async def drive(indices: list[int]):
-            gate = asyncio.Semaphore(concurrency)
-            async with httpx2.AsyncClient(timeout=time_limit_s) as http:
-
-                async def one(i):
-                    path, body, stream, _ = request_specs[i]
-                    async with gate:
-                        try:
-                            if plan[i] == "disconnect":
-                                async with http.stream("POST", base + path, json=body) as response:
-                                    async for _ in response.aiter_lines():
-                                        break  # first line, then hang up
-                                answers[i] = {"status": response.status_code, "disconnected": True}
-                            else:
-                                answers[i] = await _post(http, base + path, body, stream)
-                        except Exception as error:
-                            answers[i] = {"exception": type(error).__name__}
-
-                await asyncio.wait_for(asyncio.gather(*(one(i) for i in indices)), time_limit_s)
-
-        warm = max(len(names), int(total * warmup_fraction))
-        with BackgroundServer(app) as server:
-            base = server.base_url
-            t0 = time.monotonic()
-            asyncio.run(drive(list(range(min(warm, total)))))
-            gc.collect()
-            rss_warm = _rss_mb()
-            asyncio.run(drive(list(range(min(warm, total), total))))
-            wall = time.monotonic() - t0
-            end = time.monotonic() + 30  # cancelled rows leave at the next step boundary
-            while (scheduler.running or scheduler.waiting) and time.monotonic() < end:
-                time.sleep(0.02)
-            gc.collect()
-            rss_end = _rss_mb()
-            health = httpx2.get(base + "/health").json()
-            metrics_text = httpx2.get(base + "/metrics").text
-        problems: dict[str, int] = {}
-        for i, answer in enumerate(answers):
-            if plan[i] == "disconnect":
-                continue
-            problem = "no answer" if answer is None else check(i, answer)
-            if problem:
-                problems[problem] = problems.get(problem, 0) + 1
-        outcomes = {
-            line.split('"')[1]: float(line.rsplit(" ", 1)[1])
-            for line in metrics_text.splitlines()
-            if line.startswith("mars_requests_total{")
-        }
+        plan = FaultPlan(  # the expected texts are computed with the fault hooks on
+            tokenizer,
+            prompts,
+            total=total,
+            mix=mix,
+            max_tokens=max_tokens,
+            seed=seed,
+            reference=reference,
+            limits=limits,
+            marker=marker,
+            positions=positions[0] if positions else None,
+        )
+        served = _serve_fault_plan(
+            app,
+            scheduler,
+            plan,
+            concurrency=concurrency,
+            limit_s=time_limit_s,
+            warmup_fraction=warmup_fraction,
+        )
         drain_report = None
         if drain:
             drain_report = _drain_check(
@@ -718,26 +768,37 @@ def fault_run(
     finally:
         for handle in handles:
             handle.remove()
-    growth = (rss_end - rss_warm) / rss_warm
-    by_kind = {k: plan.count(k) for k in names}
-    valid = by_kind.get("plain", 0) + by_kind.get("stream", 0)
-    failing = by_kind.get("raises", 0) + by_kind.get("raises-stream", 0)
+    return _fault_report(plan, served, scheduler.engine.num_rows, drain_report)
+
+
+def _fault_report(plan: FaultPlan, served: dict, rows_left: int, drain_report: dict | None) -> dict:
+    """The fault run's report; ``ok`` when every request got its right answer and nothing leaked."""
+    problems: dict[str, int] = {}
+    for i, answer in enumerate(served["answers"]):
+        if plan.kinds[i] == "disconnect":
+            continue
+        problem = "no answer" if answer is None else plan.check(i, answer)
+        if problem:
+            problems[problem] = problems.get(problem, 0) + 1
+    total, health, outcomes = len(plan.kinds), served["health"], served["outcomes"]
+    growth = (served["rss_end"] - served["rss_warm"]) / served["rss_warm"]
+    failing = plan.count("raises") + plan.count("raises-stream")
     report = {
         "requests": total,
-        "by_kind": by_kind,
+        "by_kind": {k: plan.count(k) for k in plan.names},
         "failing_in_model_fraction": round(failing / total, 3) if total else 0.0,
-        "valid": valid,
-        "answered_correctly": total - by_kind.get("disconnect", 0) - sum(problems.values()),
-        "answerable": total - by_kind.get("disconnect", 0),
+        "valid": plan.count("plain") + plan.count("stream"),
+        "answered_correctly": total - plan.count("disconnect") - sum(problems.values()),
+        "answerable": total - plan.count("disconnect"),
         "problems": problems,
         "server_outcomes": outcomes,
         "server_outcomes_total": sum(outcomes.values()),
         "health": health,
-        "rows_left_in_engine": scheduler.engine.num_rows,
-        "rss_mb_after_warmup": round(rss_warm, 1),
-        "rss_mb_end": round(rss_end, 1),
+        "rows_left_in_engine": rows_left,
+        "rss_mb_after_warmup": round(served["rss_warm"], 1),
+        "rss_mb_end": round(served["rss_end"], 1),
         "rss_growth_after_warmup": round(growth, 4),
-        "wall_s": round(wall, 1),
+        "wall_s": round(served["wall"], 1),
         "drain": drain_report,
     }
     report["ok"] = (
@@ -745,7 +806,7 @@ def fault_run(
         and report["server_outcomes_total"] == total  # every request counted once, by one outcome
         and health.get("status") == "ok"
         and health.get("running") == 0
-        and report["rows_left_in_engine"] == 0
+        and rows_left == 0
         and growth < 0.05
         and (drain_report is None or drain_report["bad"] == 0)
     )
