@@ -5,12 +5,8 @@ import json
 import pytest
 import torch
 
-from mars_hf.tools.quickstart.pipeline import (
-    QuickstartConfig,
-    TimeBudget,
-    run_quickstart,
-    summary,
-)
+from mars_hf.tools.quickstart.pipeline import QuickstartConfig, run_quickstart, summary
+from mars_hf.tools.quickstart.train import TimeBudget
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -112,7 +108,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch
 
 def test_time_budget_schedule_warms_up_and_ends_at_zero(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("mars_hf.tools.quickstart.pipeline.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("mars_hf.tools.quickstart.train.time.monotonic", lambda: clock[0])
     budget = TimeBudget(seconds=100.0, warmup_fraction=0.1)
     assert budget(0) == pytest.approx(0.02)  # starts the clock
     clock[0] = 105.0
@@ -163,7 +159,7 @@ def test_trained_model_runs_in_its_own_dtype_after_bf16_training(tiny_model_dir)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mars_hf.tools.quickstart.pipeline import train_mars
+    from mars_hf.tools.quickstart.train import train_mars
     from mars_hf.training.data import self_distill
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -236,8 +232,8 @@ def shipped_checkpoint(tmp_path, monkeypatch):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from mars_hf.decoding import gated_lora
     from mars_hf import hub
+    from mars_hf.decoding import gated_lora
     from mars_hf.models import embedded_model
 
     tokenizer = tiny_tokenizer()

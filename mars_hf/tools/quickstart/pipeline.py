@@ -30,8 +30,7 @@ evaluated in that precision too (stock and MARS alike, so the speed ratio compar
 
 This module holds the settings, the precision probe and the pipeline; the steps live in
 :mod:`mars_hf.tools.quickstart.data` (self-distillation and reference, cached), :mod:`mars_hf.tools.quickstart.train`
-(training within a time budget) and :mod:`mars_hf.tools.quickstart.evaluate` (decoding rows, table, plot); their
-public names are importable from here as before.
+(training within a time budget) and :mod:`mars_hf.tools.quickstart.evaluate` (decoding rows, table, plot).
 
 Default time split (≤ 30 min on 2 CPU cores in all): shipped model 3 min, self-distillation 5,
 training 12, evaluation of the trained model 5, plus loading, the reference answers and saving.
@@ -39,6 +38,7 @@ training 12, evaluation of the trained model 5, plus loading, the reference answ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -49,18 +49,14 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mars_hf.evaluation.runs import run_label, summarize_runs
-from mars_hf.tools.quickstart.data import (  # noqa: F401  (public names of this module before the split)
-    CACHE_VERSION,
-    budgeted_self_distill,
-    cached_reference,
-    cached_self_distill,
-)
-from mars_hf.tools.quickstart.evaluate import (  # noqa: F401  (public names of this module before the split)
+from mars_hf.evaluation.runs import run_label, summarize_runs, teacher_forced_acceptance
+from mars_hf.models.embedded_model import resolve_model_path
+from mars_hf.tools.quickstart.data import budgeted_self_distill, cached_reference
+from mars_hf.tools.quickstart.evaluate import (
     OWN_SECTION,
     SHIPPED_SECTION,
-    SUMMARY_COLUMNS,
     VERIFY_LABEL,
     evaluate,
     evaluate_shipped,
@@ -68,12 +64,7 @@ from mars_hf.tools.quickstart.evaluate import (  # noqa: F401  (public names of 
     pareto_plot,
     results_table,
 )
-from mars_hf.tools.quickstart.train import (  # noqa: F401  (public names of this module before the split)
-    METHOD_DEFAULTS,
-    TimeBudget,
-    resolved,
-    train_mars,
-)
+from mars_hf.tools.quickstart.train import resolved, train_mars
 from mars_hf.training.calibration_fit import attach_calibration, held_out_split
 from mars_hf.training.data import chat_prompt_ids
 from mars_hf.training.prompts import held_out_prompts, training_prompts
@@ -215,9 +206,7 @@ class QuickstartConfig:
     )
     verify: bool = dataclasses.field(
         default=True,
-        metadata={
-            "help": "Also evaluate verified decoding (mars_acceptance='verify', lossless)."
-        },
+        metadata={"help": "Also evaluate verified decoding (mars_acceptance='verify', lossless)."},
     )
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed for prompts and training."})
     num_threads: int | None = dataclasses.field(
@@ -418,14 +407,14 @@ def _calibration_split(dataset, config: QuickstartConfig):
 
 
 def run_quickstart(config: QuickstartConfig) -> dict:
-    """Run the whole quickstart; returns (and writes to ``results.json``) everything measured."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Run the whole quickstart; returns (and writes to ``results.json``) everything measured.
 
-    from mars_hf.models.embedded_model import resolve_model_path
-
+    The steps, each its own function: the shipped model first (what a user can call at once), the base
+    model and its self-distilled answers, training, evaluation of the trained model, the report.
+    """
     config = resolved(config)
-    total_start = time.monotonic()
     timings: dict[str, float] = {}
+    total_start = time.monotonic()
     machine = choose_precision_and_threads(config)
     config = dataclasses.replace(config, bf16=machine["bf16"], num_threads=machine["threads"])
     torch.manual_seed(config.seed)
@@ -433,104 +422,180 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
 
     shipped = None
-    if not config.skip_shipped:  # the shipped model first: what a user can call at once
+    if not config.skip_shipped:
         shipped = shipped_evaluation(config, bf16=machine["bf16"])
         timings["shipped"] = shipped.pop("seconds")
         (output_dir / "results.json").write_text(json.dumps({"shipped": shipped}, indent=2))
+    with _timed(timings, "load"):
+        base = _load_base(config)
+    data = _base_answers(config, base, timings)
+    trained, training = _train(config, base, data, timings)
+    with _timed(timings, "evaluate"):
+        runs, rows = _evaluate_own(config, base, data, trained)
+    timings["total"] = time.monotonic() - total_start
+    results = _results(config, machine, base, data, training, runs, rows, shipped, timings)
+    _write_report(results, trained, base.tokenizer, config, timings, total_start)
+    return results
 
+
+@dataclasses.dataclass
+class _Base:
+    """The base model the quickstart trains, as loaded (float32)."""
+
+    path: str
+    tokenizer: object
+    model: object
+
+
+@dataclasses.dataclass
+class _BaseAnswers:
+    """The prompts, the base model's self-distilled training answers and its held-out reference answers."""
+
+    train_prompts: list
+    eval_prompts: list
+    eval_ids: list
+    dataset: object
+    distill_cached: bool
+    reference: list
+    reference_cached: bool
+
+    @property
+    def tracking(self) -> tuple[list, list]:
+        """Held-out prompts + reference answers as ``(input_ids, labels)``: teacher-forced acceptance."""
+        return (
+            [ids + out for ids, out in zip(self.eval_ids, self.reference)],
+            [[-100] * len(ids) + out for ids, out in zip(self.eval_ids, self.reference)],
+        )
+
+
+@contextlib.contextmanager
+def _timed(timings: dict, name: str):
     start = time.monotonic()
-    model_path = resolve_model_path(config.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    timings["load"] = time.monotonic() - start
+    yield
+    timings[name] = time.monotonic() - start
 
+
+def _load_base(config: QuickstartConfig) -> _Base:
+    path = resolve_model_path(config.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _Base(path, tokenizer, model)
+
+
+def _base_answers(config: QuickstartConfig, base: _Base, timings: dict) -> _BaseAnswers:
+    """Self-distilled training answers and the held-out reference (both cached on disk)."""
     train_prompts = training_prompts(config.num_train_prompts, seed=config.seed)
     eval_prompts = held_out_prompts(config.num_eval_prompts, seed=config.seed)
-    eval_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in eval_prompts]
-
-    start = time.monotonic()
-    dataset, distill_cached = budgeted_self_distill(
-        model, tokenizer, train_prompts, model_path=model_path, config=config
+    eval_ids = [chat_prompt_ids(base.tokenizer, prompt) for prompt in eval_prompts]
+    with _timed(timings, "self_distill"):
+        dataset, distill_cached = budgeted_self_distill(
+            base.model, base.tokenizer, train_prompts, model_path=base.path, config=config
+        )
+    with _timed(timings, "reference"):
+        reference, reference_cached = cached_reference(
+            base.model, base.tokenizer, eval_ids, model_path=base.path, prompts=eval_prompts, config=config
+        )
+    return _BaseAnswers(
+        train_prompts, eval_prompts, eval_ids, dataset, distill_cached, reference, reference_cached
     )
-    timings["self_distill"] = time.monotonic() - start
-    start = time.monotonic()
-    reference, reference_cached = cached_reference(
-        model, tokenizer, eval_ids, model_path=model_path, prompts=eval_prompts, config=config
-    )
-    timings["reference"] = time.monotonic() - start
 
-    start = time.monotonic()
-    train_model = model  # with LoRA, PEFT wraps this module (merged back after training)
-    tracking = (
-        [ids + out for ids, out in zip(eval_ids, reference)],
-        [[-100] * len(ids) + out for ids, out in zip(eval_ids, reference)],
-    )
-    train_rows, calibration_rows = _calibration_split(dataset, config)
-    with tempfile.TemporaryDirectory(prefix="mars_quickstart_") as work_dir:
-        trained, training = train_mars(train_model, tokenizer, train_rows, config, work_dir, tracking=tracking)
-    timings["train"] = time.monotonic() - start
-    if calibration_rows is not None:  # every checkpoint gets a τ that means the same thing
-        training["calibration"] = attach_calibration(trained, tokenizer, calibration_rows)
-    from mars_hf.evaluation.runs import teacher_forced_acceptance
 
+def _train(config: QuickstartConfig, base: _Base, data: _BaseAnswers, timings: dict):
+    """Train within the budget on all but the calibration slice; then fit the calibration on that slice
+    (every checkpoint gets a τ that means the same thing) and score teacher-forced acceptance."""
+    tracking = data.tracking
+    with _timed(timings, "train"):
+        train_rows, calibration_rows = _calibration_split(data.dataset, config)
+        with tempfile.TemporaryDirectory(prefix="mars_quickstart_") as work_dir:
+            # with LoRA, PEFT wraps the base model (merged back after training)
+            trained, training = train_mars(
+                base.model, base.tokenizer, train_rows, config, work_dir, tracking=tracking
+            )
+    if calibration_rows is not None:
+        training["calibration"] = attach_calibration(trained, base.tokenizer, calibration_rows)
     training["teacher_forced"] = teacher_forced_acceptance(trained, *tracking, config.thresholds)
+    return trained, training
 
-    start = time.monotonic()
-    to_save = trained
+
+def _evaluate_own(config: QuickstartConfig, base: _Base, data: _BaseAnswers, trained):
+    """The trained model at batch 1 against the base model's reference: ``(runs, summary rows)``."""
     if config.method == "gated_lora":
         # Evaluate what ships: the saved adapter on the base model, gated by forward hooks (as
         # custom_generate/ and hub.load apply it); PEFT's wrapper decodes several times slower.
-        trained = _reload_gated(trained, tokenizer, model_path)
-    runs = evaluate(trained, tokenizer, eval_ids, config)
+        trained = _reload_gated(trained, base.tokenizer, base.path)
+    runs = evaluate(trained, base.tokenizer, data.eval_ids, config)
     evaluated = len(runs["stock"].outputs)
-    rows = summarize_runs(runs, references=reference[:evaluated])
-    timings["evaluate"] = time.monotonic() - start
+    return runs, summarize_runs(runs, references=data.reference[:evaluated])
 
-    checkpoint_dir = output_dir / "checkpoint"
-    timings["total"] = time.monotonic() - total_start
-    results = {
+
+def _results(
+    config, machine, base: _Base, data: _BaseAnswers, training, runs, rows, shipped, timings
+) -> dict:
+    """Everything measured, JSON-able: settings, machine, data, training, evaluation, samples."""
+    evaluated = len(runs["stock"].outputs)
+    dataset = data.dataset
+    return {
         "config": {
             k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()
         },
-        "model": model_path,
+        "model": base.path,
         "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(), **machine},
         "data": {
             "train_prompts": len(dataset),
-            "train_prompts_requested": len(train_prompts),
+            "train_prompts_requested": len(data.train_prompts),
             "train_tokens": int(sum(sum(1 for t in labels if t != -100) for labels in dataset["labels"])),
             "ended_with_eos": int(sum(dataset["ends_with_eos"])),
             "eval_prompts": evaluated,
-            "self_distill_cached": distill_cached,
-            "reference_cached": reference_cached,
+            "self_distill_cached": data.distill_cached,
+            "reference_cached": data.reference_cached,
         },
         "training": training,
         "evaluation": rows,
         "shipped": shipped,
         "timings_seconds": timings,
-        "checkpoint": str(checkpoint_dir) if config.save_checkpoint else None,
-        "samples": [
-            {
-                "prompt": prompt,
-                "base": tokenizer.decode(reference[i], skip_special_tokens=True),
-                **{
-                    label: tokenizer.decode(run.outputs[i], skip_special_tokens=True)
-                    for label, run in runs.items()
-                    if label in ("stock", run_label(0.9), VERIFY_LABEL)
-                },
-            }
-            for i, prompt in enumerate(eval_prompts[: min(3, evaluated)])
-        ],
+        "checkpoint": str(Path(config.output_dir) / "checkpoint") if config.save_checkpoint else None,
+        "samples": _samples(base.tokenizer, data, runs, evaluated),
     }
-    # Results and plot first, so a failing save loses nothing measured.
+
+
+def _samples(tokenizer, data: _BaseAnswers, runs, evaluated: int, count: int = 3) -> list[dict]:
+    """The first held-out answers side by side: base, stock, τ = 0.9 and verify."""
+    shown = ("stock", run_label(0.9), VERIFY_LABEL)
+    return [
+        {
+            "prompt": prompt,
+            "base": tokenizer.decode(data.reference[i], skip_special_tokens=True),
+            **{
+                label: tokenizer.decode(run.outputs[i], skip_special_tokens=True)
+                for label, run in runs.items()
+                if label in shown
+            },
+        }
+        for i, prompt in enumerate(data.eval_prompts[: min(count, evaluated)])
+    ]
+
+
+def _write_report(results: dict, trained, tokenizer, config: QuickstartConfig, timings, total_start) -> None:
+    """``results.json`` and the plot first, so that a failing save loses nothing measured; then the
+    checkpoint, and ``results.json`` again with the save's time."""
+    output_dir = Path(config.output_dir)
+    rows, shipped = results["evaluation"], results["shipped"]
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
     pareto_plot(rows, output_dir / "pareto.png", shipped_rows=shipped["rows"] if shipped else None)
-    if config.save_checkpoint:
-        start = time.monotonic()
-        save_checkpoint(to_save, tokenizer, checkpoint_dir, rows, config, training, num_prompts=evaluated)
-        timings["save"] = time.monotonic() - start
-        timings["total"] = time.monotonic() - total_start
-        (output_dir / "results.json").write_text(json.dumps(results, indent=2))
-    return results
+    if not config.save_checkpoint:
+        return
+    with _timed(timings, "save"):
+        save_checkpoint(
+            trained,
+            tokenizer,
+            output_dir / "checkpoint",
+            rows,
+            config,
+            results["training"],
+            num_prompts=results["data"]["eval_prompts"],
+        )
+    timings["total"] = time.monotonic() - total_start
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2))
 
 
 def summary(results: dict) -> str:
