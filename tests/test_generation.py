@@ -507,7 +507,8 @@ def test_streamer_receives_exactly_the_final_tokens(scheme, tok):
     assert streamed == out.sequences[0, prompt.input_ids.shape[1] :].tolist()
     assert [len(c) for c in recorder.chunks[1:]] == [n for n in out.accepted_counts[:, 0].tolist() if n]
     assert recorder.ended and out.accepted_counts.max() > 1
-    # the callable form on a plain model (transformers does not forward `streamer` to it)
+    # the callable form on a plain model: transformers does not hand `streamer` to a decoding
+    # callable, so it travels as `mars_streamer` (the prompt once, then the final tokens, then the end)
     recorder = Recorder()
     GenerationMixin.generate(
         model,
@@ -517,9 +518,11 @@ def test_streamer_receives_exactly_the_final_tokens(scheme, tok):
         custom_generate=mars_generate,
         mars_threshold=0.5,
         mars_cache=scheme,
-        streamer=recorder,
+        mars_streamer=recorder,
     )
+    assert recorder.chunks[0] == prompt.input_ids.tolist()
     assert [t for chunk in recorder.chunks[1:] for t in chunk] == streamed
+    assert recorder.ended
 
 
 def test_text_streamers(tok, capsys):

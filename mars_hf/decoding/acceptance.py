@@ -10,7 +10,9 @@ Two acceptance families:
   argmax; sampling: the speculative-sampling rule with the mask's own distribution as the proposal).
   Lossless: the output is the model's own greedy output, or distributed as its own samples.
 
-``ScoreProcessing`` applies the logits processors to predictions whose provisional prefixes differ.
+``ScoreProcessing`` applies the logits processors to predictions whose provisional prefixes differ;
+``ThresholdRule``, ``Verification`` and ``DraftProposal`` apply the rules to the rows of one step
+(``StepLogits``: the forward's logits, the stops and the score records they share).
 This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
 
@@ -185,22 +187,20 @@ def cut_at_floor(tokens: list[int], confidences: list[float], floor: float) -> l
 # ------------------------------------------------------------------------------------------------
 # Applying the rules to the rows of one step
 # ------------------------------------------------------------------------------------------------
+#
+# A row is the decoder's row state: it exposes ``tokens``, ``committed``, ``drafts`` / ``proposal``,
+# its settings and ``processing``; plans come from ``layouts``. Rows that share processors, sampling
+# and metric decide together (one gather, one softmax, one host transfer). Each rule returns
+# ``{row index: (tokens kept, fed tokens now verified, drafts kept, stop reason or None)}``.
 
 
-class StepDecisions:
-    """Turn one forward's logits into each row's kept tokens (threshold or verify, greedy or sampled).
+class StepLogits:
+    """One forward's logits and what every rule does with them: read a row's predictions, cut kept
+    tokens at a stop, write provisional tokens for prefix-dependent processors, record scores."""
 
-    Rows that share processors, sampling and metric decide together (one gather, one softmax, one
-    host transfer). A row is the decoder's row state: it exposes ``tokens``, ``committed``,
-    ``drafts`` / ``proposal``, its settings and ``processing``; plans come from ``layouts``.
-    """
-
-    def __init__(
-        self, logits, where, *, window: int, stopping_criteria=None, score_records=None, calibration=None
-    ):
+    def __init__(self, logits, where, *, stopping_criteria=None, score_records=None, calibration=None):
         self.logits = logits
         self.where = where  # chunk column -> index in ``logits``' second dimension
-        self.window = window
         self.calibration = calibration  # calibration.ConfidenceCalibration: mask k's probability -> P(own token)
         self.stopping_criteria = stopping_criteria
         self.score_records = score_records
@@ -216,148 +216,16 @@ class StepDecisions:
         columns = torch.tensor([where[c] for _, c in entries], device=logits.device)
         return logits[rows, columns].float()
 
-    # ----------------------------------------------------------------------- threshold acceptance
-    def threshold(self, rows, plans, members):
-        """Prediction 0 and the masks' predictions; keep while confident (MARS_SPEC §2)."""
-        outcome = {}
-        for group in _groups(
-            rows, members, lambda r: (id(r.processing), r.do_sample, r.metric, id(r.generator))
-        ):
-            first = rows[group[0]]
-            processing, do_sample, metric = first.processing, first.do_sample, first.metric
-            generator = first.generator
-            entries, spans = [], []
-            for i in group:
-                plan = plans[i]
-                columns = plan.check_columns[:1] + (plan.group_columns.get(0, []) if rows[i].window else [])
-                spans.append((len(entries), len(columns)))
-                entries += [(i, c) for c in columns]
-            raw = self.gather(entries)
-            if processing.position_free:
-                scores = processing.free(raw)
-                tokens = choose(scores, do_sample, generator)
-            else:
-                scores, tokens = self._choose_in_order(
-                    rows, group, spans, raw, processing, do_sample, generator
-                )
-            # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
-            chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
-            if self.calibration is not None and metric == "probability":
-                for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
-                    self.calibration.apply_span(values, start + 1, count - 1, first_offset=1)
-            for i, (start, count) in zip(group, spans):
-                row = rows[i]
-                chosen = [int(t) for t in chosen_all[start : start + count]]
-                passed = [passes(v, row.tau, metric) for v in values[start : start + count]]
-                limit = min(count, row.settings.max_new_tokens - row.generated)
-                n = threshold_count(passed, limit)
-                kept, reason = self.stops(row, chosen[:n])
-                self.record(row, scores[start : start + len(kept)], raw[start : start + len(kept)])
-                fed = len(row.tokens) - row.committed
-                outcome[i] = (kept, fed, 0, reason)
-        return outcome
-
-    def _choose_in_order(self, rows, group, spans, raw, processing, do_sample, generator=None):
-        """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1``."""
-        scores = torch.empty_like(raw)
-        tokens = torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
-        for j in range(max(count for _, count in spans)):
-            active = [(i, start + j) for i, (start, count) in zip(group, spans) if j < count]
-            flat = [k for _, k in active]
-            picked = processing.at_prefixes(
-                raw[flat],
-                [rows[i].batch_index for i, _ in active],
-                [rows[i].column + j for i, _ in active],
-            )
-            chosen = choose(picked, do_sample, generator)
-            scores[flat] = picked
-            tokens[flat] = chosen
-            self.write(processing, [(rows[i], rows[i].column + j) for i, _ in active], chosen.tolist())
-        return scores, tokens
-
-    # -------------------------------------------------------------------------- verified acceptance
-    def verify(self, rows, plans, members):
-        """Check last step's drafts against the model's own choices; propose new drafts (§6)."""
-        outcome = {}
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, id(r.generator))):
-            processing, do_sample = rows[group[0]].processing, rows[group[0]].do_sample
-            generator = rows[group[0]].generator
-            entries, spans = [], []
-            for i in group:
-                spans.append((len(entries), len(plans[i].check_columns)))
-                entries += [(i, c) for c in plans[i].check_columns]
-            raw = self.gather(entries)
-            if processing.position_free:
-                scores = processing.free(raw)
-            else:  # check j sees the fresh tokens and drafts 0 … j-1
-                for i in group:
-                    row = rows[i]
-                    self.write(
-                        processing, [(row, row.column + j) for j in range(len(row.drafts))], row.drafts
-                    )
-                batch_rows, lengths = [], []
-                for i, (_, count) in zip(group, spans):
-                    batch_rows += [rows[i].batch_index] * count
-                    lengths += [rows[i].column + j for j in range(count)]
-                scores = processing.at_prefixes(raw, batch_rows, lengths)
-            own = None if do_sample else scores.argmax(-1).tolist()
-            target = torch.softmax(scores, -1) if do_sample else None
-            followers = []
-            for i, (start, count) in zip(group, spans):
-                row = rows[i]
-                if do_sample:
-                    kept, token = verify_sampled(
-                        row.drafts, row.proposal, target[start : start + count], generator
-                    )
-                else:
-                    kept = verify_greedy(row.drafts, own[start : start + count])
-                    token = own[start + kept]
-                new = row.drafts[:kept] + [token]
-                new = new[: row.settings.max_new_tokens - row.generated]
-                final, reason = self.stops(row, new)
-                self.record(row, scores[start : start + len(final)], raw[start : start + len(final)])
-                fed = len(row.tokens) - row.committed  # fresh tokens, all verified
-                outcome[i] = (final, fed + min(kept, len(final)), min(kept, len(final)), reason)
-                has_group = kept in plans[i].group_columns
-                if reason is None and len(final) == len(new) and has_group:
-                    followers.append((i, kept))
-                else:
-                    row.drafts, row.proposal, row.draft_confidence = [], None, []
-            if followers:
-                self._propose(rows, plans, followers, processing, do_sample, generator, outcome)
-        return outcome
-
-    def _propose(self, rows, plans, followers, processing, do_sample, generator, outcome):
-        """New drafts from the mask group that follows the kept prefix (groups may hold fewer than W
-        masks: the planner sizes them). Each row keeps its drafts' probabilities (``draft_confidence``,
-        calibrated when the model has a calibration): the planner's estimate of their worth."""
+    def gather_spans(self, group, columns_of):
+        """The logits of ``columns_of(i)`` for each row ``i`` of ``group``, one after another, and each
+        row's ``(start, count)`` among them."""
         entries, spans = [], []
-        for i, kept in followers:
-            columns = plans[i].group_columns[kept]
+        for i in group:
+            columns = columns_of(i)
             spans.append((len(entries), len(columns)))
             entries += [(i, c) for c in columns]
-        scores = processing.for_drafts(self.gather(entries))
-        if do_sample:
-            proposal = torch.softmax(scores, -1)
-            tokens = torch.multinomial(proposal, 1, generator=generator).squeeze(1)
-            confidence = proposal.gather(-1, tokens[:, None]).squeeze(1)
-        else:
-            proposal = None
-            confidence, tokens = torch.softmax(scores, -1).max(-1)
-        tokens, confidence = tokens.tolist(), confidence.tolist()
-        if self.calibration is not None:  # draft j of a group is mask j + 1
-            for start, width in spans:
-                self.calibration.apply_span(confidence, start, width, first_offset=1)
-        for (i, _), (start, width) in zip(followers, spans):
-            row = rows[i]
-            accepted_now = len(outcome[i][0])
-            room = row.settings.max_new_tokens - row.generated - accepted_now - 1
-            drafts = cut_at_floor(tokens[start : start + width], confidence[start : start + width], row.floor)
-            row.drafts = drafts[: max(room, 0)]
-            row.draft_confidence = confidence[start : start + len(row.drafts)]
-            row.proposal = proposal[start : start + len(row.drafts)] if proposal is not None else None
+        return self.gather(entries), spans
 
-    # ------------------------------------------------------------------------------ stops, records
     def stops(self, row, tokens):
         """Cut ``tokens`` right after an EOS or where a stopping criterion fires; say why."""
         for j, token in enumerate(tokens):
@@ -385,6 +253,152 @@ class StepDecisions:
     def record(self, row, scores, logits):
         if self.score_records is not None and scores.shape[0]:
             self.score_records.append((row.row_id, row.generated, scores, logits))
+
+
+class ThresholdRule:
+    """Prediction 0 and the masks' predictions; keep while confident (MARS_SPEC §2)."""
+
+    def __init__(self, step: StepLogits):
+        self.step = step
+
+    def decide(self, rows, plans, members):
+        outcome = {}
+        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, r.metric, id(r.generator))):
+            self._decide_group(rows, plans, group, outcome)
+        return outcome
+
+    def _decide_group(self, rows, plans, group, outcome):
+        first = rows[group[0]]
+        processing, do_sample, metric, generator = first.processing, first.do_sample, first.metric, first.generator
+
+        def columns(i):
+            plan = plans[i]
+            return plan.check_columns[:1] + (plan.group_columns.get(0, []) if rows[i].window else [])
+
+        raw, spans = self.step.gather_spans(group, columns)
+        if processing.position_free:
+            scores = processing.free(raw)
+            tokens = choose(scores, do_sample, generator)
+        else:
+            scores, tokens = self._choose_in_order(rows, group, spans, raw, processing, do_sample, generator)
+        # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
+        chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
+        if self.step.calibration is not None and metric == "probability":
+            for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
+                self.step.calibration.apply_span(values, start + 1, count - 1, first_offset=1)
+        for i, (start, count) in zip(group, spans):
+            row = rows[i]
+            chosen = [int(t) for t in chosen_all[start : start + count]]
+            passed = [passes(v, row.tau, metric) for v in values[start : start + count]]
+            n = threshold_count(passed, min(count, row.settings.max_new_tokens - row.generated))
+            kept, reason = self.step.stops(row, chosen[:n])
+            self.step.record(row, scores[start : start + len(kept)], raw[start : start + len(kept)])
+            outcome[i] = (kept, len(row.tokens) - row.committed, 0, reason)
+
+    def _choose_in_order(self, rows, group, spans, raw, processing, do_sample, generator=None):
+        """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1``."""
+        scores = torch.empty_like(raw)
+        tokens = torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
+        for j in range(max(count for _, count in spans)):
+            active = [(i, start + j) for i, (start, count) in zip(group, spans) if j < count]
+            flat = [k for _, k in active]
+            picked = processing.at_prefixes(
+                raw[flat],
+                [rows[i].batch_index for i, _ in active],
+                [rows[i].column + j for i, _ in active],
+            )
+            chosen = choose(picked, do_sample, generator)
+            scores[flat] = picked
+            tokens[flat] = chosen
+            self.step.write(processing, [(rows[i], rows[i].column + j) for i, _ in active], chosen.tolist())
+        return scores, tokens
+
+
+class Verification:
+    """Check last step's drafts against the model's own choices (MARS_SPEC §6); rows that kept a
+    prefix with a mask group after it get new drafts from ``DraftProposal``."""
+
+    def __init__(self, step: StepLogits):
+        self.step = step
+        self.proposal = DraftProposal(step)
+
+    def decide(self, rows, plans, members):
+        outcome = {}
+        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, id(r.generator))):
+            self._decide_group(rows, plans, group, outcome)
+        return outcome
+
+    def _decide_group(self, rows, plans, group, outcome):
+        first = rows[group[0]]
+        processing, do_sample, generator = first.processing, first.do_sample, first.generator
+        raw, spans = self.step.gather_spans(group, lambda i: plans[i].check_columns)
+        scores = self._processed(rows, group, spans, raw, processing)
+        own = None if do_sample else scores.argmax(-1).tolist()
+        target = torch.softmax(scores, -1) if do_sample else None
+        followers = []
+        for i, (start, count) in zip(group, spans):
+            row = rows[i]
+            if do_sample:
+                kept, token = verify_sampled(row.drafts, row.proposal, target[start : start + count], generator)
+            else:
+                kept = verify_greedy(row.drafts, own[start : start + count])
+                token = own[start + kept]
+            new = (row.drafts[:kept] + [token])[: row.settings.max_new_tokens - row.generated]
+            final, reason = self.step.stops(row, new)
+            self.step.record(row, scores[start : start + len(final)], raw[start : start + len(final)])
+            fed = len(row.tokens) - row.committed  # fresh tokens, all verified
+            outcome[i] = (final, fed + min(kept, len(final)), min(kept, len(final)), reason)
+            if reason is None and len(final) == len(new) and kept in plans[i].group_columns:
+                followers.append((i, kept))
+            else:
+                row.drafts, row.proposal, row.draft_confidence = [], None, []
+        if followers:
+            self.proposal.propose(rows, plans, followers, processing, do_sample, generator, outcome)
+
+    def _processed(self, rows, group, spans, raw, processing):
+        """The checks' scores after the processors; check ``j`` sees the fresh tokens and drafts ``0 … j-1``."""
+        if processing.position_free:
+            return processing.free(raw)
+        for i in group:
+            row = rows[i]
+            self.step.write(processing, [(row, row.column + j) for j in range(len(row.drafts))], row.drafts)
+        batch_rows, lengths = [], []
+        for i, (_, count) in zip(group, spans):
+            batch_rows += [rows[i].batch_index] * count
+            lengths += [rows[i].column + j for j in range(count)]
+        return processing.at_prefixes(raw, batch_rows, lengths)
+
+
+class DraftProposal:
+    """New drafts from the mask group that follows each row's kept prefix (groups may hold fewer than W
+    masks: the planner sizes them). Each row keeps its drafts' probabilities (``draft_confidence``,
+    calibrated when the model has a calibration): the planner's estimate of their worth."""
+
+    def __init__(self, step: StepLogits):
+        self.step = step
+
+    def propose(self, rows, plans, followers, processing, do_sample, generator, outcome):
+        kept_of = dict(followers)
+        raw, spans = self.step.gather_spans([i for i, _ in followers], lambda i: plans[i].group_columns[kept_of[i]])
+        scores = processing.for_drafts(raw)
+        if do_sample:
+            proposal = torch.softmax(scores, -1)
+            tokens = torch.multinomial(proposal, 1, generator=generator).squeeze(1)
+            confidences = proposal.gather(-1, tokens[:, None]).squeeze(1)
+        else:
+            proposal = None
+            confidences, tokens = torch.softmax(scores, -1).max(-1)
+        tokens, confidences = tokens.tolist(), confidences.tolist()
+        if self.step.calibration is not None:  # draft j of a group is mask j + 1
+            for start, width in spans:
+                self.step.calibration.apply_span(confidences, start, width, first_offset=1)
+        for (i, _), (start, width) in zip(followers, spans):
+            row = rows[i]
+            room = row.settings.max_new_tokens - row.generated - len(outcome[i][0]) - 1
+            drafts = cut_at_floor(tokens[start : start + width], confidences[start : start + width], row.floor)
+            row.drafts = drafts[: max(room, 0)]
+            row.draft_confidence = confidences[start : start + len(row.drafts)]
+            row.proposal = proposal[start : start + len(row.drafts)] if proposal is not None else None
 
 
 def _groups(rows, members, key):

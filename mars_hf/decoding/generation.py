@@ -4,7 +4,8 @@ Three ways in, one decoder (``decoder.MARSBatchDecoder``):
 
 - ``model.generate(custom_generate=mars_generate, mars_threshold=0.9)``: the *callable* form of
   ``custom_generate``; transformers prepares inputs, logits processors and stopping criteria, then
-  calls ``mars_generate``.
+  calls ``mars_generate``. transformers does not hand such a callable the ``streamer``: on a model
+  without ``enable_mars``, pass it as ``mars_streamer=``.
 - ``enable_mars(model)`` (or a class that mixes in ``MARSGenerationMixin``): afterwards
   ``model.generate(**inputs, mars_threshold=0.9)`` or ``mars_acceptance="verify"`` routes to MARS;
   without them it is stock ``generate``. The settings may also come from a ``GenerationConfig``
@@ -12,14 +13,14 @@ Three ways in, one decoder (``decoder.MARSBatchDecoder``):
 - the module-level ``generate(model, ...)``: the *string* form of ``custom_generate`` (this file
   ships verbatim as a checkpoint's ``custom_generate/generate.py``), which receives raw arguments.
 
+The settings are resolved and checked once (``settings.MARSDecodingSettings``); ``mars_generate``
+then sets the decoder up, runs its steps and assembles transformers' output.
 This module imports only torch, transformers and its sibling modules (shipped beside it).
 """
 
 from __future__ import annotations
 
 import logging
-import numbers
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,27 +35,24 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .acceptance import ACCEPTANCE_RULES, ScoreProcessing, one_token_per_step
+from .acceptance import ACCEPTANCE_RULES, ScoreProcessing
 from .cache import CACHE_SCHEMES, MARSBlockCache
 from .decoder import MARSBatchDecoder, RowSettings, RowUpdate  # noqa: F401  (public re-exports)
-from .draft_sources import DEFAULT_MAX_NGRAM, SOURCES
+from .draft_sources import SOURCES
 from .layouts import LAYOUT_CHOICES
+from .settings import (
+    MARS_KEYWORDS,
+    MARS_ONLY_KEYWORDS,
+    MARSDecodingSettings,
+    check_choice,
+    check_generation_config,
+    check_model_window,
+    fill_from_generation_configs,
+    resolve_mask_token,
+    resolve_window,
+)
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CACHE_BLOCK = 16
-_MARS_KWARGS = (
-    "mars_block_size",
-    "mars_acceptance",
-    "mars_cache",
-    "mars_cache_block",
-    "mars_mask_token_id",
-    "mars_layout",
-    "mars_planner",
-    "mars_cost_table",
-    "mars_cost_probe",
-)
-_MARS_SETTINGS = ("mars_threshold",) + _MARS_KWARGS
 
 
 @dataclass
@@ -86,231 +84,6 @@ class MARSGenerateOutput(GenerateDecoderOnlyOutput):
     plan_counts: dict | None = None
     cost_curve: dict | None = None
     drafts_by_source: dict | None = None
-
-
-# --------------------------------------------------------------------------------------------------
-# Argument resolution and validation
-# --------------------------------------------------------------------------------------------------
-
-
-def _mars_settings(model) -> dict:
-    """``config.mars`` merged with the overrides ``enable_mars`` stored on the model."""
-    settings = dict(getattr(model.config, "mars", None) or {})
-    settings.update(getattr(model, "_mars_overrides", None) or {})
-    return settings
-
-
-def _resolve_window(model, block_size) -> int:
-    if block_size is None:
-        block_size = _mars_settings(model).get("block_size")
-    if block_size is None:
-        raise ValueError(
-            "No MARS window: pass `mars_block_size=W` or set `config.mars['block_size']` "
-            "(`mars_hf.set_mars_config` / `enable_mars(model, block_size=...)`)."
-        )
-    _check_window(block_size)
-    return int(block_size)
-
-
-def _check_window(block_size, name: str = "`mars_block_size` (the window W)") -> None:
-    """W is a whole number >= 1; a string, bool, NaN or inf gets this message, not int()'s."""
-    whole = (isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool)) or (
-        isinstance(block_size, float) and block_size.is_integer()
-    )
-    if not whole or block_size < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {block_size!r}.")
-
-
-def _check_model_window(model, window, name: str) -> None:
-    """A model-wide W is not capped per call by ``max_new_tokens``: bound it by the position limit instead."""
-    _check_window(window, name)
-    limit = _position_limit(model)
-    if limit is not None and window >= limit:
-        raise ValueError(
-            f"{name} = {window} must be below the model's position limit ({limit}): no step can feed "
-            f"{window} masks after a prompt. The paper uses W = 4 to 16; a per-call `mars_block_size` is "
-            "capped by `max_new_tokens` instead."
-        )
-
-
-def _position_limit(model) -> int | None:
-    """The model's largest position (absolute-position models fail past it), when its config says."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for key in ("max_position_embeddings", "n_positions"):
-        limit = getattr(config, key, None)
-        if isinstance(limit, int) and limit > 0:
-            return limit
-    return None
-
-
-def _resolve_mask_token(model, mask_token_id) -> int:
-    if mask_token_id is None:
-        mask_token_id = _mars_settings(model).get("mask_token_id")
-    if mask_token_id is None:
-        raise ValueError(
-            "This model has no MARS mask token. Add one with `mars_hf.add_mask_token(model, tokenizer)` and "
-            "record it with `mars_hf.set_mars_config(model, block_size=..., mask_token_id=...)`, or pass "
-            "`mars_mask_token_id=`."
-        )
-    rows = model.get_input_embeddings().weight.shape[0]
-    if not 0 <= int(mask_token_id) < rows:
-        raise ValueError(
-            f"Mask token id {mask_token_id} is outside the {rows}-row embedding matrix; resize the embeddings "
-            "with `mars_hf.add_mask_token(model, tokenizer)`."
-        )
-    return int(mask_token_id)
-
-
-def _pad_token(generation_config, eos_ids: list[int]) -> int:
-    pad = getattr(generation_config, "_pad_token_tensor", None)
-    if pad is not None:
-        return int(pad.flatten()[0])
-    if generation_config.pad_token_id is not None:
-        return int(generation_config.pad_token_id)
-    return eos_ids[0] if eos_ids else 0
-
-
-def _split_stopping_criteria(stopping_criteria, generation_config):
-    """Pull out max length and EOS (handled vectorised); keep the rest for token-by-token checks."""
-    max_length = generation_config.max_length
-    eos_ids: list[int] = []
-    other = StoppingCriteriaList()
-    for criterion in stopping_criteria or []:
-        if isinstance(criterion, MaxLengthCriteria):
-            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
-        elif isinstance(criterion, EosTokenCriteria):
-            eos_ids.extend(int(i) for i in criterion.eos_token_id.flatten().tolist())
-        else:
-            other.append(criterion)
-    return max_length, sorted(set(eos_ids)), other
-
-
-def _caller_streamer():
-    """transformers does not pass ``streamer`` to a custom decoding callable; recover it from the caller.
-
-    ``GenerationMixin.generate`` already sent the prompt to it, so the caller must not send it again.
-    """
-    try:
-        frame = sys._getframe(2)
-    except ValueError:
-        return None
-    for _ in range(4):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "generate" and "custom_generate" in frame.f_locals:
-            return frame.f_locals.get("streamer")
-        frame = frame.f_back
-    return None
-
-
-def _from_generation_configs(values: dict, *configs) -> dict:
-    """Fill the MARS settings a call left unset from generation configs (first that has one wins)."""
-    filled = dict(values)
-    for key in _MARS_SETTINGS:
-        for config in configs:
-            if filled.get(key) is None and config is not None:
-                filled[key] = getattr(config, key, None)
-    return filled
-
-
-def _wants_mars(values: dict) -> bool:
-    return values.get("mars_threshold") is not None or values.get("mars_acceptance") == "verify"
-
-
-def _resolve_threshold(threshold, acceptance: str, batch_size: int) -> list[float | None]:
-    if acceptance == "verify" and threshold is None:
-        return [None] * batch_size
-    if threshold is None:
-        raise ValueError(
-            "MARS decoding needs `mars_threshold=τ` (a float, or one value per batch row); τ = 1.0 "
-            "reproduces ordinary decoding. Or use `mars_acceptance='verify'` (lossless, no τ needed)."
-        )
-    tau = _threshold_values(threshold)
-    if tau.numel() == 1:
-        tau = tau.expand(batch_size)
-    if tau.numel() != batch_size:
-        raise ValueError(f"`mars_threshold` has {tau.numel()} values for a batch of {batch_size} rows.")
-    if torch.isnan(tau).any():
-        raise ValueError("`mars_threshold` contains NaN.")
-    if acceptance in ("probability", "margin") and ((tau < 0) | (tau > 1)).any():
-        raise ValueError(
-            f"`mars_threshold` must lie in [0, 1] for the {acceptance!r} metric, got {tau.tolist()}. "
-            "1.0 means one token per step, 0.0 accepts every prediction."
-        )
-    if acceptance == "verify" and ((tau < 0) | (tau > 1)).any():
-        raise ValueError(
-            f"With `mars_acceptance='verify'`, `mars_threshold` is a proposal floor in [0, 1] (masks less "
-            f"confident than it are not proposed as drafts), got {tau.tolist()}."
-        )
-    if acceptance == "entropy" and (tau < 0).any():
-        raise ValueError(
-            f"`mars_threshold` is an entropy bound for 'entropy' and must be >= 0, got {tau.tolist()}."
-        )
-    return tau.tolist()
-
-
-def _threshold_values(threshold) -> torch.Tensor:
-    """τ as a flat float64 CPU tensor; anything but numbers is refused by name (torch's TypeError was opaque)."""
-    items = threshold if isinstance(threshold, (list, tuple)) else [threshold]
-    bad = isinstance(threshold, torch.Tensor) and (threshold.dtype == torch.bool or threshold.is_complex())
-    bad = bad or any(isinstance(item, (str, bytes, bool)) for item in items)
-    try:
-        if not bad:
-            return torch.as_tensor(threshold, dtype=torch.float64).flatten().to("cpu")
-    except (TypeError, ValueError, RuntimeError):
-        pass
-    hint = ""
-    if isinstance(threshold, str):
-        try:
-            hint = f" (write mars_threshold={float(threshold)!r}, a number, not the string {threshold!r})"
-        except ValueError:
-            pass
-    raise TypeError(
-        f"`mars_threshold` (τ) must be a real number, or one per batch row (a list or tensor of numbers); got "
-        f"{type(threshold).__name__} {threshold!r}{hint}."
-    )
-
-
-def _prompt_leads(attention_mask, input_ids) -> list[int]:
-    """Left-padding columns per row; MARS needs left padding (as stock decoder-only generation does)."""
-    batch, length = input_ids.shape
-    if attention_mask is None or bool((attention_mask == 1).all()):
-        return [0] * batch
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError("MARS decoding needs a 2D `attention_mask` shaped like `input_ids`.")
-    valid = attention_mask.to(torch.bool)
-    counts = valid.sum(1)
-    leads = (length - counts).tolist()
-    expected = torch.arange(length, device=valid.device)[None, :] >= (length - counts)[:, None]
-    if not torch.equal(valid, expected):
-        raise ValueError(
-            "MARS decoding needs left-padded prompts (padding first, then the prompt); set "
-            "`tokenizer.padding_side = 'left'`."
-        )
-    if any(lead >= length for lead in leads):
-        raise ValueError("A batch row has no prompt token at all (its attention mask is all zeros).")
-    return leads
-
-
-def _user_cache(model_kwargs, scheme: str):
-    cache = model_kwargs.pop("cache", None)
-    legacy = model_kwargs.pop("past_key_values", None)
-    cache = cache if cache is not None else legacy
-    if cache is None or not getattr(cache, "_is_user_defined", isinstance(cache, MARSBlockCache)):
-        return None
-    if scheme == "none":
-        raise ValueError("`mars_cache='none'` recomputes everything; do not pass a cache object.")
-    if not isinstance(cache, MARSBlockCache):
-        raise ValueError(
-            f"MARS decoding keeps one length per row and drops the mask entries after each forward; a "
-            f"{type(cache).__name__} cannot be cropped per row. Pass no cache (a `MARSBlockCache` is created), "
-            "a `mars_hf.MARSBlockCache`, or use `mars_cache='none'`."
-        )
-    if any(getattr(layer, "is_initialized", False) for layer in cache.layers):
-        raise ValueError(
-            "MARS decoding starts from an empty cache; continuing from a filled cache is not supported."
-        )
-    return cache
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,45 +149,67 @@ def mars_generate(
             column's: the planner then goes as wide as the window allows). Default True: measured at
             first use (about 2 s at most, per model, device, dtype, threads and batch size; cached for
             the process, and on disk under ``$MARS_HF_COST_CACHE`` when set).
-        mars_streamer: the streamer (the MARS entry points pass it here because transformers does not
-            forward ``streamer`` to custom decoding functions).
+        mars_streamer: the streamer. transformers does not hand ``streamer`` to a decoding callable, so
+            the MARS entry points pass it here; with the callable form on a model without
+            ``enable_mars``, pass it here yourself. It receives the prompt, then only final tokens.
         mars_assistant_model: ``generate(assistant_model=...)`` (moved here by the entry points): a draft
             model with the same tokenizer, verify only; it proposes ``num_assistant_tokens`` drafts per
             step beside the masks' (MARS_SPEC §5).
     """
     generation_config = generation_config if generation_config is not None else model.generation_config
-    prompt_already_streamed = False
-    if streamer is None and mars_streamer is None:
-        streamer = _caller_streamer()
-        prompt_already_streamed = streamer is not None
     streamer = streamer if streamer is not None else mars_streamer
-
-    values = _from_generation_configs(
-        dict(
-            mars_threshold=mars_threshold,
-            mars_block_size=mars_block_size,
-            mars_acceptance=mars_acceptance,
-            mars_cache=mars_cache,
-            mars_cache_block=mars_cache_block,
-            mars_mask_token_id=mars_mask_token_id,
-            mars_layout=mars_layout,
-            mars_planner=mars_planner,
-            mars_cost_table=mars_cost_table,
-            mars_cost_probe=mars_cost_probe,
-        ),
+    max_length, eos_ids, other_criteria = _split_stopping_criteria(stopping_criteria, generation_config)
+    batch_size, prompt_length = input_ids.shape
+    max_new = max(0, max_length - prompt_length)
+    keywords = dict(
+        mars_threshold=mars_threshold,
+        mars_block_size=mars_block_size,
+        mars_acceptance=mars_acceptance,
+        mars_cache=mars_cache,
+        mars_cache_block=mars_cache_block,
+        mars_mask_token_id=mars_mask_token_id,
+        mars_layout=mars_layout,
+        mars_planner=mars_planner,
+        mars_cost_table=mars_cost_table,
+        mars_cost_probe=mars_cost_probe,
+    )
+    settings = MARSDecodingSettings.resolve(
+        model,
+        keywords,
         generation_config,
+        batch_size=batch_size,
+        max_new_tokens=max_new,
+        assistant=mars_assistant_model is not None,
     )
-    settings = _mars_settings(model)
-    acceptance = values["mars_acceptance"] or settings.get("acceptance", "probability")
-    scheme = values["mars_cache"] or settings.get("cache", "cursor")
-    cache_block = (
-        values["mars_cache_block"] if values["mars_cache_block"] is not None else settings.get("cache_block")
+    _check_supported(model, generation_config, model_kwargs)
+    leads = _prompt_leads(model_kwargs.pop("attention_mask", None), input_ids)
+    user_cache = _take_model_inputs(model_kwargs, settings.cache, generation_config)
+    pad_token_id = _pad_token(generation_config, eos_ids)
+    processing = ScoreProcessing(logits_processor, _token_buffer(input_ids, max_new, settings.window, pad_token_id))
+    decoder = _make_decoder(
+        model, settings, input_ids, max_new, pad_token_id, user_cache, other_criteria, mars_assistant_model
     )
-    layout = values["mars_layout"] or settings.get("layout")
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"`mars_acceptance` must be one of {ACCEPTANCE_RULES}, got {acceptance!r}.")
-    if scheme not in CACHE_SCHEMES:
-        raise ValueError(f"`mars_cache` must be one of {CACHE_SCHEMES}, got {scheme!r}.")
+    if _wants_scores(generation_config):
+        decoder.score_records = []
+    for b in range(batch_size):
+        row = _row_settings(settings, b, max_new, eos_ids, generation_config)
+        decoder.add_row(input_ids[b, leads[b] :], row, processing=processing, batch_index=b, lead=leads[b], row_id=b)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    # prefix-dependent processors and stop criteria read the accepted tokens back from the buffer
+    write_back = not processing.position_free or len(other_criteria) > 0
+    transcript = _Transcript(batch_size, prompt_length, processing.sequences if write_back else None)
+    _run(decoder, transcript, streamer, pad_token_id, max_new)
+    return _output(input_ids, transcript, decoder, pad_token_id, generation_config)
+
+
+# --------------------------------------------------------------------------------------------------
+# Setting up: what the call asks for, and what MARS can do with it
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_supported(model, generation_config, model_kwargs) -> None:
+    """Refuse what MARS decoding cannot do, naming the setting to change."""
     if getattr(generation_config, "num_beams", 1) not in (None, 1):
         raise ValueError("MARS decoding does not support beam search; set `num_beams=1`.")
     if model.config.is_encoder_decoder:
@@ -426,15 +221,55 @@ def mars_generate(
         )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("MARS decoding needs `input_ids`, not `inputs_embeds`.")
-    window = _resolve_window(model, values["mars_block_size"])
-    mask_token_id = _resolve_mask_token(model, values["mars_mask_token_id"])
-    batch_size, prompt_length = input_ids.shape
-    taus = _resolve_threshold(values["mars_threshold"], acceptance, batch_size)
-    cache_block = DEFAULT_CACHE_BLOCK if cache_block is None else int(cache_block)
-    if cache_block < 1:
-        raise ValueError(f"`mars_cache_block` (C) must be >= 1, got {cache_block}.")
 
-    leads = _prompt_leads(model_kwargs.pop("attention_mask", None), input_ids)
+
+def _split_stopping_criteria(stopping_criteria, generation_config):
+    """Pull out max length and EOS (handled vectorised); keep the rest for token-by-token checks."""
+    max_length = generation_config.max_length
+    eos_ids: list[int] = []
+    other = StoppingCriteriaList()
+    for criterion in stopping_criteria or []:
+        if isinstance(criterion, MaxLengthCriteria):
+            max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+        elif isinstance(criterion, EosTokenCriteria):
+            eos_ids.extend(int(i) for i in criterion.eos_token_id.flatten().tolist())
+        else:
+            other.append(criterion)
+    return max_length, sorted(set(eos_ids)), other
+
+
+def _pad_token(generation_config, eos_ids: list[int]) -> int:
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is not None:
+        return int(pad.flatten()[0])
+    if generation_config.pad_token_id is not None:
+        return int(generation_config.pad_token_id)
+    return eos_ids[0] if eos_ids else 0
+
+
+def _prompt_leads(attention_mask, input_ids) -> list[int]:
+    """Left-padding columns per row; MARS needs left padding (as stock decoder-only generation does)."""
+    batch, length = input_ids.shape
+    if attention_mask is None or bool((attention_mask == 1).all()):
+        return [0] * batch
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError("MARS decoding needs a 2D `attention_mask` shaped like `input_ids`.")
+    valid = attention_mask.to(torch.bool)
+    counts = valid.sum(1)
+    leads = (length - counts).tolist()
+    expected = torch.arange(length, device=valid.device)[None, :] >= (length - counts)[:, None]
+    if not torch.equal(valid, expected):
+        raise ValueError(
+            "MARS decoding needs left-padded prompts (padding first, then the prompt); set "
+            "`tokenizer.padding_side = 'left'`."
+        )
+    if any(lead >= length for lead in leads):
+        raise ValueError("A batch row has no prompt token at all (its attention mask is all zeros).")
+    return leads
+
+
+def _take_model_inputs(model_kwargs, scheme: str, generation_config) -> MARSBlockCache | None:
+    """The caller's cache, if any; the model inputs MARS builds itself are dropped, others named."""
     user_cache = _user_cache(model_kwargs, scheme)
     if user_cache is None and scheme != "none" and generation_config.cache_implementation is not None:
         logger.warning(
@@ -447,14 +282,34 @@ def mars_generate(
     leftover = sorted(k for k, v in model_kwargs.items() if v is not None)
     if leftover:
         logger.warning("MARS decoding ignores these model inputs: %s", leftover)
+    return user_cache
 
-    max_length, eos_ids, other_criteria = _split_stopping_criteria(stopping_criteria, generation_config)
-    max_new = max(0, max_length - prompt_length)
-    # Masks past the last token to generate predict nothing that is kept, while the window's buffers and
-    # per-step work grow with W (W = 5000 for 8 tokens took 35 s): capped, a wider W decodes the same.
-    window = min(window, max(1, max_new))
-    pad_token_id = _pad_token(generation_config, eos_ids)
-    # room for the provisional tokens of a step past the last one kept (processors and stop criteria read them)
+
+def _user_cache(model_kwargs, scheme: str):
+    cache = model_kwargs.pop("cache", None)
+    legacy = model_kwargs.pop("past_key_values", None)
+    cache = cache if cache is not None else legacy
+    if cache is None or not getattr(cache, "_is_user_defined", isinstance(cache, MARSBlockCache)):
+        return None
+    if scheme == "none":
+        raise ValueError("`mars_cache='none'` recomputes everything; do not pass a cache object.")
+    if not isinstance(cache, MARSBlockCache):
+        raise ValueError(
+            f"MARS decoding keeps one length per row and drops the mask entries after each forward; a "
+            f"{type(cache).__name__} cannot be cropped per row. Pass no cache (a `MARSBlockCache` is created), "
+            "a `mars_hf.MARSBlockCache`, or use `mars_cache='none'`."
+        )
+    if any(getattr(layer, "is_initialized", False) for layer in cache.layers):
+        raise ValueError(
+            "MARS decoding starts from an empty cache; continuing from a filled cache is not supported."
+        )
+    return cache
+
+
+def _token_buffer(input_ids, max_new: int, window: int, pad_token_id: int) -> torch.Tensor:
+    """The rows' tokens in stock ``generate``'s layout (what processors and stop criteria read), with
+    room for the provisional tokens of a step past the last one kept."""
+    batch_size, prompt_length = input_ids.shape
     sequences = torch.full(
         (batch_size, prompt_length + max_new + min(window, max_new) + 2),
         pad_token_id,
@@ -462,151 +317,109 @@ def mars_generate(
         device=input_ids.device,
     )
     sequences[:, :prompt_length] = input_ids
-    processing = ScoreProcessing(logits_processor, sequences)
-    lookup, ngram = _prompt_lookup(generation_config, acceptance)
-    if mars_assistant_model is not None and acceptance != "verify":
-        raise ValueError(
-            "An `assistant_model` proposes drafts that only verified decoding checks; add "
-            "`mars_acceptance='verify'`, or drop the MARS settings for transformers' assisted decoding."
-        )
-    assistant_tokens = getattr(generation_config, "num_assistant_tokens", None) or 5
-    one_token = all(one_token_per_step(acceptance, tau) for tau in taus)
-    decoder = MARSBatchDecoder(
+    return sequences
+
+
+def _make_decoder(
+    model, settings: MARSDecodingSettings, input_ids, max_new, pad_token_id, user_cache, criteria, assistant
+):
+    """The decoder for this call's rows: its window, cache scheme and feed from ``settings``."""
+    batch_size, prompt_length = input_ids.shape
+    return MARSBatchDecoder(
         model,
         max_rows=batch_size,
         max_length=prompt_length + max_new,
-        window=min(window, max(max_new, 1)),  # masks past the last new token could never be kept
-        mask_token_id=mask_token_id,
+        window=settings.window,
+        mask_token_id=settings.mask_token_id,
         pad_token_id=pad_token_id,
-        # with no masks to drop, a block has nothing to wait for: one-token decoding is cursor decoding
-        cache="cursor" if (scheme == "block" and one_token) else scheme,
-        cache_block=cache_block,
-        layout=layout,
-        planner=bool(values["mars_planner"]),
-        cost_table=values["mars_cost_table"],
-        cost_probe=values["mars_cost_probe"] is not False,
+        cache=settings.decoder_cache,
+        cache_block=settings.cache_block,
+        layout=settings.layout,
+        planner=settings.planner,
+        cost_table=settings.cost_table,
+        cost_probe=settings.cost_probe,
         kv_cache=user_cache,
-        stopping_criteria=other_criteria if len(other_criteria) else None,
-        assistant_model=mars_assistant_model,
-        assistant_tokens=int(assistant_tokens),
+        stopping_criteria=criteria if len(criteria) else None,
+        assistant_model=assistant,
+        assistant_tokens=settings.assistant_tokens,
     )
-    return_dict = bool(generation_config.return_dict_in_generate)
-    keep_scores = return_dict and bool(generation_config.output_scores)
-    keep_logits = return_dict and bool(generation_config.output_logits)
-    if keep_scores or keep_logits:
-        decoder.score_records = []
-    for b in range(batch_size):
-        decoder.add_row(
-            input_ids[b, leads[b] :],
-            RowSettings(
-                threshold=taus[b],
-                acceptance=acceptance,
-                max_new_tokens=max_new,
-                eos_token_ids=tuple(eos_ids),
-                do_sample=bool(generation_config.do_sample),
-                prompt_lookup_num_tokens=lookup,
-                max_matching_ngram_size=ngram,
-            ),
-            processing=processing,
-            batch_index=b,
-            lead=leads[b],
-            row_id=b,
-        )
-    if streamer is not None and not prompt_already_streamed:
-        streamer.put(input_ids.cpu())
 
-    # prefix-dependent processors and stop criteria read the accepted tokens back from the buffer
-    needs_buffer = not processing.position_free or len(other_criteria) > 0
-    generated: list[list[int]] = [[] for _ in range(batch_size)]
-    per_step: list[tuple[list[int], list[int], list[int]]] = []
-    by_source = {source: {"proposed": 0, "accepted": 0} for source in SOURCES}
-    while max_new and decoder.num_rows:
-        updates = decoder.step()
-        counts, proposed, accepted = [0] * batch_size, [0] * batch_size, [0] * batch_size
+
+def _row_settings(settings: MARSDecodingSettings, b: int, max_new: int, eos_ids, generation_config) -> RowSettings:
+    """Batch row ``b``'s settings (its own τ; the rest is the call's)."""
+    return RowSettings(
+        threshold=settings.thresholds[b],
+        acceptance=settings.acceptance,
+        max_new_tokens=max_new,
+        eos_token_ids=tuple(eos_ids),
+        do_sample=bool(generation_config.do_sample),
+        prompt_lookup_num_tokens=settings.prompt_lookup_num_tokens,
+        max_matching_ngram_size=settings.max_matching_ngram_size,
+    )
+
+
+def _wants_scores(generation_config) -> bool:
+    return bool(generation_config.return_dict_in_generate) and bool(
+        generation_config.output_scores or generation_config.output_logits
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The steps, and what they produced
+# --------------------------------------------------------------------------------------------------
+
+
+class _Transcript:
+    """What the steps produced: each row's tokens, per-step counts, drafts per source; and, given the
+    rows' token buffer (``sequences``), the accepted tokens written into it."""
+
+    def __init__(self, batch_size: int, prompt_length: int, sequences: torch.Tensor | None):
+        self.batch_size = batch_size
+        self.prompt_length = prompt_length
+        self.sequences = sequences
+        self.generated: list[list[int]] = [[] for _ in range(batch_size)]
+        self.per_step: list[tuple[list[int], list[int], list[int]]] = []
+        self.by_source = {source: {"proposed": 0, "accepted": 0} for source in SOURCES}
+
+    def record(self, updates: list[RowUpdate]) -> None:
+        counts, proposed, accepted = [0] * self.batch_size, [0] * self.batch_size, [0] * self.batch_size
         places = []
         for update in updates:
             b = update.row_id
-            if needs_buffer:
-                places += [(b, prompt_length + len(generated[b]) + j) for j in range(len(update.tokens))]
-            generated[b] += update.tokens
-            counts[b], proposed[b], accepted[b] = (
-                len(update.tokens),
-                update.drafts_proposed,
-                update.drafts_accepted,
-            )
-            by_source[update.draft_source]["proposed"] += update.drafts_proposed
-            by_source[update.draft_source]["accepted"] += update.drafts_accepted
-            if update.finished:
-                decoder.drop_row(b)
+            if self.sequences is not None:
+                start = self.prompt_length + len(self.generated[b])
+                places += [(b, start + j) for j in range(len(update.tokens))]
+            self.generated[b] += update.tokens
+            counts[b], proposed[b], accepted[b] = len(update.tokens), update.drafts_proposed, update.drafts_accepted
+            self.by_source[update.draft_source]["proposed"] += update.drafts_proposed
+            self.by_source[update.draft_source]["accepted"] += update.drafts_accepted
         if places:
-            rows = torch.tensor([b for b, _ in places], device=sequences.device)
-            columns = torch.tensor([c for _, c in places], device=sequences.device)
-            sequences[rows, columns] = torch.tensor(
-                [t for u in updates for t in u.tokens], dtype=torch.long, device=sequences.device
-            )
-        per_step.append((counts, proposed, accepted))
+            device = self.sequences.device
+            rows = torch.tensor([b for b, _ in places], device=device)
+            columns = torch.tensor([c for _, c in places], device=device)
+            tokens = [t for u in updates for t in u.tokens]
+            self.sequences[rows, columns] = torch.tensor(tokens, dtype=torch.long, device=device)
+        self.per_step.append((counts, proposed, accepted))
+
+    def counts(self, k: int, device) -> torch.Tensor:
+        """``[num_steps, batch]``: accepted tokens (``k = 0``), drafts proposed (1) or kept (2)."""
+        if not self.per_step:
+            return torch.zeros((0, self.batch_size), dtype=torch.long, device=device)
+        return torch.tensor([s[k] for s in self.per_step], dtype=torch.long, device=device)
+
+
+def _run(decoder: MARSBatchDecoder, transcript: _Transcript, streamer, pad_token_id: int, max_new: int) -> None:
+    """Step until every row has finished; finished rows leave the decoder, final tokens are streamed."""
+    while max_new and decoder.num_rows:
+        updates = decoder.step()
+        transcript.record(updates)
+        for update in updates:
+            if update.finished:
+                decoder.drop_row(update.row_id)
         if streamer is not None:
-            _stream(streamer, updates, batch_size, pad_token_id)
+            _stream(streamer, updates, transcript.batch_size, pad_token_id)
     if streamer is not None:
         streamer.end()
-    longest = max((len(g) for g in generated), default=0)
-    output = torch.full(
-        (batch_size, prompt_length + longest), pad_token_id, dtype=torch.long, device=input_ids.device
-    )
-    output[:, :prompt_length] = input_ids
-    for b, tokens in enumerate(generated):
-        if tokens:
-            output[b, prompt_length : prompt_length + len(tokens)] = torch.tensor(
-                tokens, device=output.device
-            )
-    if not return_dict:
-        return output
-
-    def stat(k):
-        if not per_step:
-            return torch.zeros((0, batch_size), dtype=torch.long, device=input_ids.device)
-        return torch.tensor([s[k] for s in per_step], dtype=torch.long, device=input_ids.device)
-
-    scores, logits = _assemble_scores(decoder.score_records, batch_size, longest, keep_scores, keep_logits)
-    return MARSGenerateOutput(
-        sequences=output,
-        scores=scores,
-        logits=logits,
-        cache=decoder.kv,
-        num_forwards=decoder.num_forwards,
-        accepted_counts=stat(0),
-        drafts_proposed=stat(1),
-        drafts_accepted=stat(2),
-        forward_widths=torch.tensor(decoder.forward_widths, dtype=torch.long),
-        plan_counts=dict(decoder.plan_counts),
-        cost_curve=_cost_curve(decoder),
-        drafts_by_source=by_source,
-    )
-
-
-def _prompt_lookup(generation_config, acceptance: str) -> tuple[int | None, int]:
-    """``prompt_lookup_num_tokens`` / ``max_matching_ngram_size`` (transformers' keywords), checked."""
-    lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
-    ngram = getattr(generation_config, "max_matching_ngram_size", None)
-    if lookup is None:
-        return None, DEFAULT_MAX_NGRAM
-    if acceptance != "verify":
-        raise ValueError(
-            "`prompt_lookup_num_tokens` proposes drafts that only verified decoding checks; add "
-            "`mars_acceptance='verify'` (threshold acceptance has no drafts), or drop the MARS settings "
-            "for transformers' own prompt lookup."
-        )
-    for name, value in (("prompt_lookup_num_tokens", lookup), ("max_matching_ngram_size", ngram)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
-            raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-    return int(lookup), int(ngram) if ngram is not None else DEFAULT_MAX_NGRAM
-
-
-def _cost_curve(decoder) -> dict | None:
-    """The curve the planner used at this batch (the widest bucket when rows left and it shrank)."""
-    if not decoder.cost_tables:
-        return None
-    return decoder.cost_tables[max(decoder.cost_tables)].as_dict()
 
 
 def _stream(streamer, updates: list[RowUpdate], batch_size: int, pad_token_id: int) -> None:
@@ -619,6 +432,51 @@ def _stream(streamer, updates: list[RowUpdate], batch_size: int, pad_token_id: i
     for j in range(max((len(t) for t in tokens.values()), default=0)):
         column = [tokens[b][j] if j < len(tokens.get(b, ())) else pad_token_id for b in range(batch_size)]
         streamer.put(torch.tensor(column))
+
+
+# --------------------------------------------------------------------------------------------------
+# Output assembly
+# --------------------------------------------------------------------------------------------------
+
+
+def _output(input_ids, transcript: _Transcript, decoder: MARSBatchDecoder, pad_token_id: int, generation_config):
+    """The sequences (rows padded after their end), or a ``MARSGenerateOutput`` with the statistics."""
+    batch_size, prompt_length = input_ids.shape
+    longest = max((len(g) for g in transcript.generated), default=0)
+    output = torch.full(
+        (batch_size, prompt_length + longest), pad_token_id, dtype=torch.long, device=input_ids.device
+    )
+    output[:, :prompt_length] = input_ids
+    for b, tokens in enumerate(transcript.generated):
+        if tokens:
+            output[b, prompt_length : prompt_length + len(tokens)] = torch.tensor(tokens, device=output.device)
+    return_dict = bool(generation_config.return_dict_in_generate)
+    if not return_dict:
+        return output
+    keep_scores = return_dict and bool(generation_config.output_scores)
+    keep_logits = return_dict and bool(generation_config.output_logits)
+    scores, logits = _assemble_scores(decoder.score_records, batch_size, longest, keep_scores, keep_logits)
+    return MARSGenerateOutput(
+        sequences=output,
+        scores=scores,
+        logits=logits,
+        cache=decoder.kv,
+        num_forwards=decoder.num_forwards,
+        accepted_counts=transcript.counts(0, input_ids.device),
+        drafts_proposed=transcript.counts(1, input_ids.device),
+        drafts_accepted=transcript.counts(2, input_ids.device),
+        forward_widths=torch.tensor(decoder.forward_widths, dtype=torch.long),
+        plan_counts=dict(decoder.plan_counts),
+        cost_curve=_cost_curve(decoder),
+        drafts_by_source=transcript.by_source,
+    )
+
+
+def _cost_curve(decoder) -> dict | None:
+    """The curve the planner used at this batch (the widest bucket when rows left and it shrank)."""
+    if not decoder.cost_tables:
+        return None
+    return decoder.cost_tables[max(decoder.cost_tables)].as_dict()
 
 
 def _assemble_scores(records, batch_size, generated, keep_scores, keep_logits):
@@ -649,44 +507,17 @@ def _call_config(args, kwargs):
     return call_config
 
 
-def _config_settings(config, source: str) -> dict:
-    """The MARS settings a GenerationConfig sets, checked as keywords are.
-
-    A misspelt ``mars_*`` name or a value outside its choices is refused even when the call then decodes
-    stock: ``GenerationConfig(mars_acceptance="bogus")`` used to decode stock without a word.
-    """
-    if config is None:
-        return {}
-    unknown = sorted(key for key in vars(config) if key.startswith("mars_") and key not in _MARS_SETTINGS)
-    if unknown:
-        raise ValueError(f"{source} sets unknown MARS settings {unknown}; they are {list(_MARS_SETTINGS)}.")
-    settings = {key: getattr(config, key, None) for key in _MARS_SETTINGS}
-    settings = {key: value for key, value in settings.items() if value is not None}
-    where = f" (set in {source})"
-    choices = {"mars_acceptance": ACCEPTANCE_RULES, "mars_cache": CACHE_SCHEMES, "mars_layout": LAYOUT_CHOICES}
-    for key, allowed in choices.items():
-        if key in settings and settings[key] not in allowed:
-            raise ValueError(f"`{key}` must be one of {tuple(allowed)}, got {settings[key]!r}{where}.")
-    if "mars_block_size" in settings:
-        _check_window(settings["mars_block_size"], f"`mars_block_size` (the window W){where}")
-    if "mars_cache_block" in settings:
-        _check_window(settings["mars_cache_block"], f"`mars_cache_block` (C){where}")
-    if "mars_mask_token_id" in settings:
-        token = settings["mars_mask_token_id"]
-        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
-            raise ValueError(f"`mars_mask_token_id` must be a token id (an integer >= 0), got {token!r}{where}.")
-    if "mars_threshold" in settings:
-        _threshold_values(settings["mars_threshold"])
-    return settings
+def _wants_mars(values: dict) -> bool:
+    return values.get("mars_threshold") is not None or values.get("mars_acceptance") == "verify"
 
 
 def _call_values(model, args, kwargs) -> dict:
     """This call's MARS settings: keywords, else the call's GenerationConfig, else the model's."""
     call_config = _call_config(args, kwargs)
-    _config_settings(call_config, "the call's `generation_config`")
-    _config_settings(getattr(model, "generation_config", None), "the model's `generation_config`")
-    values = {key: kwargs.get(key) for key in _MARS_SETTINGS}
-    return _from_generation_configs(values, call_config, getattr(model, "generation_config", None))
+    check_generation_config(call_config, "the call's `generation_config`")
+    check_generation_config(getattr(model, "generation_config", None), "the model's `generation_config`")
+    values = {key: kwargs.get(key) for key in MARS_KEYWORDS}
+    return fill_from_generation_configs(values, call_config, getattr(model, "generation_config", None))
 
 
 def _refuse_rerouting(kwargs, call_config) -> None:
@@ -737,18 +568,18 @@ def _stop_strings_as_criteria(model, args, kwargs) -> None:
 
 
 def _stock(model, args, kwargs):
-    stray = [k for k in _MARS_KWARGS if kwargs.get(k) is not None]
+    stray = [k for k in MARS_ONLY_KEYWORDS if kwargs.get(k) is not None]
     if stray:
         raise ValueError(
             f"{stray} only apply to MARS decoding; also pass `mars_threshold=τ` or `mars_acceptance='verify'`."
         )
-    stray = sorted(set(_config_settings(_call_config(args, kwargs), "")) & set(_MARS_KWARGS))
+    stray = sorted(set(check_generation_config(_call_config(args, kwargs), "")) & set(MARS_ONLY_KEYWORDS))
     if stray:
         raise ValueError(
             f"The call's `generation_config` sets {stray}, which only apply to MARS decoding; also set "
             "`mars_threshold=τ` or `mars_acceptance='verify'` in it (or as a keyword), or remove them."
         )
-    for key in _MARS_SETTINGS:
+    for key in MARS_KEYWORDS:
         kwargs.pop(key, None)
     return GenerationMixin.generate(model, *args, **kwargs)
 
@@ -843,16 +674,17 @@ def enable_mars(
         if value is not None
     }
     if block_size is not None:
-        _check_model_window(model, block_size, "`block_size` (the window W)")
+        check_model_window(model, block_size, "`block_size` (the window W)")
     model._mars_overrides = {**(getattr(model, "_mars_overrides", None) or {}), **overrides}
-    _check_model_window(model, _resolve_window(model, None), "The window W (`config.mars['block_size']`)")
-    _resolve_mask_token(model, None)
-    if acceptance is not None and acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"`acceptance` must be one of {ACCEPTANCE_RULES}, got {acceptance!r}.")
-    if cache is not None and cache not in CACHE_SCHEMES:
-        raise ValueError(f"`cache` must be one of {CACHE_SCHEMES}, got {cache!r}.")
-    if layout is not None and layout not in LAYOUT_CHOICES:
-        raise ValueError(f"`layout` must be one of {LAYOUT_CHOICES}, got {layout!r}.")
+    check_model_window(model, resolve_window(model, None), "The window W (`config.mars['block_size']`)")
+    resolve_mask_token(model, None)
+    for name, value, allowed in (
+        ("acceptance", acceptance, ACCEPTANCE_RULES),
+        ("cache", cache, CACHE_SCHEMES),
+        ("layout", layout, LAYOUT_CHOICES),
+    ):
+        if value is not None:
+            check_choice(name, value, allowed=allowed)
     cls = type(model)
     if not isinstance(model, MARSGenerationMixin):
         model.__class__ = type(cls.__name__, (MARSGenerationMixin, cls), {"__module__": cls.__module__})

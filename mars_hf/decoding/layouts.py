@@ -150,7 +150,6 @@ def pack(
     """
     width = max(min_width, max(len(p.tokens) for p in plans))
     last = max_position - 1 if max_position else None
-    n = len(plans)
     ids = [p.tokens + [pad_token_id] * (width - len(p.tokens)) for p in plans]
     positions = [
         [real + q for q in p.positions] + [_padding_position(real + len(p.positions), last)] * (width - len(p.positions))
@@ -170,7 +169,15 @@ def pack(
         end = torch.tensor(lengths, dtype=torch.long, device=device) + prefix
         mask = ((key[None, :] >= lead_t[:, None]) & (key[None, :] < end[:, None])).long()
         return PackedStep(input_ids, position_ids, mask, width)
+    mask = _additive_mask(plans, cached, lead_t, key, width, dtype)
+    return PackedStep(input_ids, position_ids, mask, width)
 
+
+def _additive_mask(plans, cached, lead_t, key, width: int, dtype) -> torch.Tensor:
+    """``[n, 1, width, cached + width]``: each query sees its row's real cached entries (from its lead
+    on) and the chunk columns its plan lets it see (real columns up to its visibility, its own group)."""
+    n, device = len(plans), key.device
+    total = key.shape[0]
     group = torch.tensor(
         [p.group + [_PADDING] * (width - len(p.group)) for p in plans], dtype=torch.long, device=device
     )
@@ -193,4 +200,4 @@ def pack(
     allowed = cached_key[:, None, :] | (in_chunk[:, None, :] & gathered)
     mask = torch.zeros((n, 1, width, total), dtype=dtype, device=device)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    return PackedStep(input_ids, position_ids, mask, width)
+    return mask

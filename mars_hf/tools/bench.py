@@ -508,9 +508,9 @@ def _measure_decoder_costs(model, batch_size: int, windows, max_new_tokens: int)
     """Let the decoder measure its cost curves before anything is timed or counted: once per process,
     for every batch bucket a batch passes through as its rows finish (a one-time cost, not a step's)."""
     from mars_hf.decoding.cost_model import batch_bucket, cost_table
-    from mars_hf.decoding.generation import _resolve_mask_token
+    from mars_hf.decoding.settings import resolve_mask_token
 
-    mask_token_id = _resolve_mask_token(model, None)
+    mask_token_id = resolve_mask_token(model, None)
     for window in windows:
         for rows in sorted({batch_bucket(n) for n in range(1, batch_size + 1)} | {batch_size}):
             cost_table(

@@ -1,0 +1,333 @@
+"""Every MARS setting of one ``generate`` call, gathered and checked in one place.
+
+A setting may come from a keyword (``mars_threshold=0.9``), the call's or the model's
+``GenerationConfig``, ``enable_mars(model, ...)`` or ``config.mars``; ``MARSDecodingSettings.resolve``
+reads them in that order, checks each once (errors name the keyword and the fix) and returns one frozen
+object that the decoding loop reads from. ``check_generation_config`` checks what a ``GenerationConfig``
+sets before any decoding is chosen, so a misspelt or out-of-range ``mars_*`` setting never decodes
+stock in silence.
+
+This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from .acceptance import ACCEPTANCE_RULES, one_token_per_step
+from .cache import CACHE_SCHEMES
+from .cost_model import CostTable
+from .draft_sources import DEFAULT_MAX_NGRAM
+from .layouts import LAYOUT_CHOICES, position_limit
+
+DEFAULT_CACHE_BLOCK = 16
+DEFAULT_ASSISTANT_TOKENS = 5  # transformers' default ``num_assistant_tokens``
+# The keywords that only mean something to MARS decoding (given without τ or verify, they are refused).
+MARS_ONLY_KEYWORDS = (
+    "mars_block_size",
+    "mars_acceptance",
+    "mars_cache",
+    "mars_cache_block",
+    "mars_mask_token_id",
+    "mars_layout",
+    "mars_planner",
+    "mars_cost_table",
+    "mars_cost_probe",
+)
+# Every MARS keyword of ``generate`` (also accepted as ``GenerationConfig`` attributes).
+MARS_KEYWORDS = ("mars_threshold",) + MARS_ONLY_KEYWORDS
+_CHOICES = {"mars_acceptance": ACCEPTANCE_RULES, "mars_cache": CACHE_SCHEMES, "mars_layout": LAYOUT_CHOICES}
+
+
+@dataclass(frozen=True)
+class MARSDecodingSettings:
+    """The MARS settings of one ``generate`` call, resolved and checked (build with ``resolve``).
+
+    Attributes:
+        thresholds: τ per batch row (``mars_threshold``); None for a verify row without a proposal floor.
+        window: W (``mars_block_size``), capped by the tokens to generate (a mask past them is never kept).
+        mask_token_id: ``mars_mask_token_id``, else ``config.mars["mask_token_id"]``.
+        acceptance: ``mars_acceptance``: ``"probability"``, ``"entropy"``, ``"margin"`` or ``"verify"``.
+        cache / cache_block: ``mars_cache`` (``"cursor"``, ``"block"``, ``"none"``) and its C.
+        layout: ``mars_layout`` (None: the step planner, ``"auto"``).
+        planner / cost_table / cost_probe: ``mars_planner``, ``mars_cost_table``, ``mars_cost_probe``.
+        prompt_lookup_num_tokens / max_matching_ngram_size: transformers' prompt-lookup settings (verify only).
+        assistant_tokens: ``num_assistant_tokens`` of a draft model (``assistant_model=``, verify only).
+    """
+
+    thresholds: tuple[float | None, ...]
+    window: int
+    mask_token_id: int
+    acceptance: str = "probability"
+    cache: str = "cursor"
+    cache_block: int = DEFAULT_CACHE_BLOCK
+    layout: str | None = None
+    planner: bool = False
+    cost_table: dict | None = None
+    cost_probe: bool = True
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int = DEFAULT_MAX_NGRAM
+    assistant_tokens: int = DEFAULT_ASSISTANT_TOKENS
+
+    @classmethod
+    def resolve(
+        cls, model, keywords: dict, generation_config, *, batch_size: int, max_new_tokens: int, assistant: bool = False
+    ) -> MARSDecodingSettings:
+        """The settings of a call: ``keywords`` (``MARS_KEYWORDS`` → value or None), else
+        ``generation_config``'s, else ``enable_mars`` / ``config.mars``; each checked, naming the keyword."""
+        values = fill_from_generation_configs(keywords, generation_config)
+        defaults = model_defaults(model)
+        acceptance = values["mars_acceptance"] or defaults.get("acceptance", "probability")
+        cache = values["mars_cache"] or defaults.get("cache", "cursor")
+        cache_block = values["mars_cache_block"]
+        cache_block = defaults.get("cache_block") if cache_block is None else cache_block
+        check_choice("mars_acceptance", acceptance)
+        check_choice("mars_cache", cache)
+        window = resolve_window(model, values["mars_block_size"])
+        mask_token_id = resolve_mask_token(model, values["mars_mask_token_id"])
+        thresholds = resolve_thresholds(values["mars_threshold"], acceptance, batch_size)
+        cache_block = DEFAULT_CACHE_BLOCK if cache_block is None else int(cache_block)
+        if cache_block < 1:
+            raise ValueError(f"`mars_cache_block` (C) must be >= 1, got {cache_block}.")
+        lookup, ngram = prompt_lookup(generation_config, acceptance)
+        if assistant and acceptance != "verify":
+            raise ValueError(
+                "An `assistant_model` proposes drafts that only verified decoding checks; add "
+                "`mars_acceptance='verify'`, or drop the MARS settings for transformers' assisted decoding."
+            )
+        layout = values["mars_layout"] or defaults.get("layout")
+        check_layout(layout)
+        check_cost_table(values["mars_cost_table"])
+        return cls(
+            thresholds=tuple(thresholds),
+            # Masks past the last token to generate predict nothing that is kept, while the window's
+            # buffers and per-step work grow with W (W = 5000 for 8 tokens took 35 s): capped, a wider W
+            # decodes the same.
+            window=min(window, max(1, max_new_tokens)),
+            mask_token_id=mask_token_id,
+            acceptance=acceptance,
+            cache=cache,
+            cache_block=cache_block,
+            layout=layout,
+            planner=bool(values["mars_planner"]),
+            cost_table=values["mars_cost_table"],
+            cost_probe=values["mars_cost_probe"] is not False,
+            prompt_lookup_num_tokens=lookup,
+            max_matching_ngram_size=ngram,
+            assistant_tokens=int(getattr(generation_config, "num_assistant_tokens", None) or DEFAULT_ASSISTANT_TOKENS),
+        )
+
+    @property
+    def one_token_per_step(self) -> bool:
+        """Every row keeps exactly one token per step (τ >= 1 with probability or margin): no masks."""
+        return all(one_token_per_step(self.acceptance, tau) for tau in self.thresholds)
+
+    @property
+    def decoder_cache(self) -> str:
+        """The cache scheme the decoder runs: with no masks to drop, a block has nothing to wait for, so
+        one-token decoding under ``"block"`` is cursor decoding."""
+        return "cursor" if (self.cache == "block" and self.one_token_per_step) else self.cache
+
+
+# --------------------------------------------------------------------------------------------------
+# Where values come from
+# --------------------------------------------------------------------------------------------------
+
+
+def model_defaults(model) -> dict:
+    """``config.mars`` merged with the overrides ``enable_mars`` stored on the model."""
+    settings = dict(getattr(model.config, "mars", None) or {})
+    settings.update(getattr(model, "_mars_overrides", None) or {})
+    return settings
+
+
+def fill_from_generation_configs(values: dict, *configs) -> dict:
+    """Fill the MARS settings a call left unset from generation configs (first that has one wins)."""
+    filled = dict(values)
+    for key in MARS_KEYWORDS:
+        for config in configs:
+            if filled.get(key) is None and config is not None:
+                filled[key] = getattr(config, key, None)
+    return filled
+
+
+def check_generation_config(config, source: str) -> dict:
+    """The MARS settings a GenerationConfig sets, checked as keywords are.
+
+    A misspelt ``mars_*`` name or a value outside its choices is refused even when the call then decodes
+    stock: ``GenerationConfig(mars_acceptance="bogus")`` used to decode stock without a word.
+    """
+    if config is None:
+        return {}
+    unknown = sorted(key for key in vars(config) if key.startswith("mars_") and key not in MARS_KEYWORDS)
+    if unknown:
+        raise ValueError(f"{source} sets unknown MARS settings {unknown}; they are {list(MARS_KEYWORDS)}.")
+    settings = {key: getattr(config, key, None) for key in MARS_KEYWORDS}
+    settings = {key: value for key, value in settings.items() if value is not None}
+    where = f" (set in {source})"
+    for key in _CHOICES:
+        if key in settings:
+            check_choice(key, settings[key], where)
+    if "mars_block_size" in settings:
+        check_window(settings["mars_block_size"], f"`mars_block_size` (the window W){where}")
+    if "mars_cache_block" in settings:
+        check_window(settings["mars_cache_block"], f"`mars_cache_block` (C){where}")
+    if "mars_mask_token_id" in settings:
+        token = settings["mars_mask_token_id"]
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise ValueError(f"`mars_mask_token_id` must be a token id (an integer >= 0), got {token!r}{where}.")
+    if "mars_threshold" in settings:
+        threshold_values(settings["mars_threshold"])
+    return settings
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks, one per setting
+# --------------------------------------------------------------------------------------------------
+
+
+def check_choice(keyword: str, value, where: str = "", allowed=None) -> None:
+    """``value`` is one of the choices of ``keyword`` (``mars_acceptance``, ``mars_cache``, ``mars_layout``)."""
+    allowed = tuple(_CHOICES[keyword] if allowed is None else allowed)
+    if value not in allowed:
+        raise ValueError(f"`{keyword}` must be one of {allowed}, got {value!r}{where}.")
+
+
+def check_layout(layout: str | None) -> None:
+    """``mars_layout``: None (the planner) or one of ``LAYOUT_CHOICES``."""
+    check_choice("mars_layout", layout or "auto")
+
+
+def check_cost_table(cost_table) -> None:
+    """``mars_cost_table``: None, or a mapping ``CostTable.from_mapping`` reads (it names the keyword)."""
+    if cost_table is not None:
+        CostTable.from_mapping(cost_table)
+
+
+def check_window(block_size, name: str = "`mars_block_size` (the window W)") -> None:
+    """W is a whole number >= 1; a string, bool, NaN or inf gets this message, not int()'s."""
+    whole = (isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool)) or (
+        isinstance(block_size, float) and block_size.is_integer()
+    )
+    if not whole or block_size < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {block_size!r}.")
+
+
+def check_model_window(model, window, name: str) -> None:
+    """A model-wide W is not capped per call by ``max_new_tokens``: bound it by the position limit instead."""
+    check_window(window, name)
+    limit = position_limit(model.config)
+    if limit is not None and window >= limit:
+        raise ValueError(
+            f"{name} = {window} must be below the model's position limit ({limit}): no step can feed "
+            f"{window} masks after a prompt. The paper uses W = 4 to 16; a per-call `mars_block_size` is "
+            "capped by `max_new_tokens` instead."
+        )
+
+
+def resolve_window(model, block_size) -> int:
+    """``mars_block_size``, else the model's W; checked."""
+    if block_size is None:
+        block_size = model_defaults(model).get("block_size")
+    if block_size is None:
+        raise ValueError(
+            "No MARS window: pass `mars_block_size=W` or set `config.mars['block_size']` "
+            "(`mars_hf.set_mars_config` / `enable_mars(model, block_size=...)`)."
+        )
+    check_window(block_size)
+    return int(block_size)
+
+
+def resolve_mask_token(model, mask_token_id) -> int:
+    """``mars_mask_token_id``, else the model's mask token; a row of its embedding matrix."""
+    if mask_token_id is None:
+        mask_token_id = model_defaults(model).get("mask_token_id")
+    if mask_token_id is None:
+        raise ValueError(
+            "This model has no MARS mask token. Add one with `mars_hf.add_mask_token(model, tokenizer)` and "
+            "record it with `mars_hf.set_mars_config(model, block_size=..., mask_token_id=...)`, or pass "
+            "`mars_mask_token_id=`."
+        )
+    rows = model.get_input_embeddings().weight.shape[0]
+    if not 0 <= int(mask_token_id) < rows:
+        raise ValueError(
+            f"Mask token id {mask_token_id} is outside the {rows}-row embedding matrix; resize the embeddings "
+            "with `mars_hf.add_mask_token(model, tokenizer)`."
+        )
+    return int(mask_token_id)
+
+
+def resolve_thresholds(threshold, acceptance: str, batch_size: int) -> list[float | None]:
+    """τ per batch row, in the range ``acceptance`` gives it."""
+    if acceptance == "verify" and threshold is None:
+        return [None] * batch_size
+    if threshold is None:
+        raise ValueError(
+            "MARS decoding needs `mars_threshold=τ` (a float, or one value per batch row); τ = 1.0 "
+            "reproduces ordinary decoding. Or use `mars_acceptance='verify'` (lossless, no τ needed)."
+        )
+    tau = threshold_values(threshold)
+    if tau.numel() == 1:
+        tau = tau.expand(batch_size)
+    if tau.numel() != batch_size:
+        raise ValueError(f"`mars_threshold` has {tau.numel()} values for a batch of {batch_size} rows.")
+    if torch.isnan(tau).any():
+        raise ValueError("`mars_threshold` contains NaN.")
+    if acceptance in ("probability", "margin") and ((tau < 0) | (tau > 1)).any():
+        raise ValueError(
+            f"`mars_threshold` must lie in [0, 1] for the {acceptance!r} metric, got {tau.tolist()}. "
+            "1.0 means one token per step, 0.0 accepts every prediction."
+        )
+    if acceptance == "verify" and ((tau < 0) | (tau > 1)).any():
+        raise ValueError(
+            f"With `mars_acceptance='verify'`, `mars_threshold` is a proposal floor in [0, 1] (masks less "
+            f"confident than it are not proposed as drafts), got {tau.tolist()}."
+        )
+    if acceptance == "entropy" and (tau < 0).any():
+        raise ValueError(
+            f"`mars_threshold` is an entropy bound for 'entropy' and must be >= 0, got {tau.tolist()}."
+        )
+    return tau.tolist()
+
+
+def threshold_values(threshold) -> torch.Tensor:
+    """τ as a flat float64 CPU tensor; anything but numbers is refused by name (torch's TypeError was opaque)."""
+    items = threshold if isinstance(threshold, (list, tuple)) else [threshold]
+    bad = isinstance(threshold, torch.Tensor) and (threshold.dtype == torch.bool or threshold.is_complex())
+    bad = bad or any(isinstance(item, (str, bytes, bool)) for item in items)
+    try:
+        if not bad:
+            return torch.as_tensor(threshold, dtype=torch.float64).flatten().to("cpu")
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    hint = ""
+    if isinstance(threshold, str):
+        try:
+            hint = f" (write mars_threshold={float(threshold)!r}, a number, not the string {threshold!r})"
+        except ValueError:
+            pass
+    raise TypeError(
+        f"`mars_threshold` (τ) must be a real number, or one per batch row (a list or tensor of numbers); got "
+        f"{type(threshold).__name__} {threshold!r}{hint}."
+    )
+
+
+def prompt_lookup(generation_config, acceptance: str) -> tuple[int | None, int]:
+    """``prompt_lookup_num_tokens`` / ``max_matching_ngram_size`` (transformers' keywords), checked."""
+    lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
+    ngram = getattr(generation_config, "max_matching_ngram_size", None)
+    if lookup is None:
+        return None, DEFAULT_MAX_NGRAM
+    if acceptance != "verify":
+        raise ValueError(
+            "`prompt_lookup_num_tokens` proposes drafts that only verified decoding checks; add "
+            "`mars_acceptance='verify'` (threshold acceptance has no drafts), or drop the MARS settings "
+            "for transformers' own prompt lookup."
+        )
+    for name, value in (("prompt_lookup_num_tokens", lookup), ("max_matching_ngram_size", ngram)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+    return int(lookup), int(ngram) if ngram is not None else DEFAULT_MAX_NGRAM
