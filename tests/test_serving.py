@@ -594,7 +594,7 @@ def test_loadtest_reports_every_run_and_plots(tok, tmp_path, counted_submissions
 
 def test_fault_run_answers_every_well_formed_request_once(tok):
     """The fault run on the scripted engine (no model faults); the real decoder's: test_serving_faults.py."""
-    from mars_hf.tools.loadtest import fault_run
+    from mars_hf.tools.fault_run import fault_run
 
     report = fault_run(
         None,

@@ -7,9 +7,9 @@
 - a prompt that holds the mask token is refused (400);
 - drain on SIGTERM: new and queued requests get 503 + Retry-After, running rows finish within the
   grace, the rest end with a JSON 503 or an SSE error event then ``[DONE]``; no tracebacks;
-- a bounded fault run (`mars_hf.tools.loadtest.fault_run`) mixing all of it, memory flat.
+- a bounded fault run (`mars_hf.tools.fault_run`) mixing all of it, memory flat.
 
-Faults are injected with forward hooks on the tiny model (`loadtest.inject_faults`: a marker token
+Faults are injected with forward hooks on the tiny model (`fault_run.inject_faults`: a marker token
 twice in a row in the input raises). Every wait is bounded.
 """
 
@@ -32,14 +32,14 @@ import torch
 from mars_hf.decoding.generation import enable_mars
 from mars_hf.serving import BackgroundServer, ControllerConfig, ServerConfig, build_server
 from mars_hf.serving.server import free_port
-from mars_hf.tools.loadtest import (
+from mars_hf.tools.fault_run import (
     ROW_FAILED,
-    _ErrorLog,
-    _post,
+    ErrorLog,
     drain_under_load,
     fault_run,
     greedy_reference,
     inject_faults,
+    post_request,
 )
 from tests.test_serving import ScriptedEngine
 from tests.tiny import tiny_model, tiny_tokenizer
@@ -71,7 +71,7 @@ def greedy_text(model, tok, ids, n):
 async def _gather_posts(base_url, jobs):
     async with httpx.AsyncClient(timeout=HANG_GUARD_S) as http:
         return await asyncio.gather(
-            *(_post(http, base_url + path, body, stream) for path, body, stream in jobs)
+            *(post_request(http, base_url + path, body, stream) for path, body, stream in jobs)
         )
 
 
@@ -111,12 +111,17 @@ def test_a_row_that_raises_at_prefill_fails_alone_and_the_batch_goes_on():
 
             async def main():
                 async with httpx.AsyncClient(timeout=HANG_GUARD_S) as http:
-                    first = [asyncio.create_task(_post(http, server.base_url + p, b, s)) for p, b, s in valid]
+                    first = [
+                        asyncio.create_task(post_request(http, server.base_url + p, b, s))
+                        for p, b, s in valid
+                    ]
                     # the poisoned rows join a batch whose rows are already decoding
                     await asyncio.to_thread(
                         wait_until, lambda: len(scheduler.running) >= 2, what="running rows"
                     )
-                    second = [asyncio.create_task(_post(http, server.base_url + p, b, s)) for p, b, s in bad]
+                    second = [
+                        asyncio.create_task(post_request(http, server.base_url + p, b, s)) for p, b, s in bad
+                    ]
                     return await asyncio.gather(*first), await asyncio.gather(*second)
 
             good, failed = asyncio.run(main())
@@ -288,7 +293,7 @@ def _scripted_server(tok, engine, grace_s):
 
 
 def _watch_logs():
-    log = _ErrorLog()
+    log = ErrorLog()
     watched = [logging.getLogger(), logging.getLogger("uvicorn"), logging.getLogger("uvicorn.error")]
     for logger in watched:
         logger.addHandler(log)
@@ -306,14 +311,16 @@ def test_drain_finishes_running_rows_and_answers_new_and_queued_requests_503():
 
         async def main():
             async with httpx.AsyncClient(timeout=HANG_GUARD_S) as http:
-                tasks = [asyncio.create_task(_post(http, server.base_url + p, b, s)) for p, b, s in jobs]
+                tasks = [
+                    asyncio.create_task(post_request(http, server.base_url + p, b, s)) for p, b, s in jobs
+                ]
                 await asyncio.to_thread(
                     wait_until, lambda: len(scheduler.running) + len(scheduler.waiting) == 6, what="load"
                 )
                 running = len(scheduler.running)  # the first step is held at the gate: no row can finish
                 server.terminate()
                 await asyncio.to_thread(wait_until, lambda: scheduler.closing, what="the drain")
-                late = await _post(
+                late = await post_request(
                     http, server.base_url + "/v1/completions", {"prompt": "late", "max_tokens": 2}, False
                 )
                 health = (await http.get(server.base_url + "/health")).status_code

@@ -68,8 +68,8 @@ def run(args) -> int:
         import json
         from pathlib import Path
 
+        from mars_hf.tools.fault_run import fault_run
         from mars_hf.tools.loading import load_served_model
-        from mars_hf.tools.loadtest import fault_run
 
         model, tokenizer = load_served_model(args.model, args.dtype)
         prompts = None
