@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from mars_hf.tools.quickstart.pipeline import QuickstartConfig, run_quickstart, summary
+from mars_hf.tools.quickstart.config import QuickstartConfig, config_from_args
+from mars_hf.tools.quickstart.pipeline import run_quickstart, summary
 from mars_hf.tools.quickstart.train import TimeBudget
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -355,7 +356,6 @@ def test_command_line_options_for_the_shipped_model():
     import argparse
 
     from mars_hf.commands import quickstart as command
-    from mars_hf.tools.quickstart.pipeline import config_from_args
 
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 
 from mars_hf.commands.comma_lists import floats
+from mars_hf.tools.quickstart.config import QuickstartConfig, config_from_args
 
 HELP = (
     "Offline MARS demo on the embedded SmolLM2-135M-Instruct: first the MARS model shipped in mars_hf "
@@ -17,8 +18,6 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mars_hf.tools.quickstart.pipeline import QuickstartConfig
-
     defaults = QuickstartConfig()
     help_of = {field.name: field.metadata.get("help", "") for field in dataclasses.fields(QuickstartConfig)}
 
@@ -105,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mars_hf.tools.quickstart.pipeline import config_from_args, run_quickstart, summary
+    from mars_hf.tools.quickstart.pipeline import run_quickstart, summary
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "datasets", "trl", "peft", "accelerate", "httpx"):

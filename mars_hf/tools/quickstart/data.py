@@ -21,7 +21,7 @@ from mars_hf.evaluation.runs import measure_decoding, run_label
 from mars_hf.training.data import self_distill
 
 if TYPE_CHECKING:
-    from mars_hf.tools.quickstart.pipeline import QuickstartConfig
+    from mars_hf.tools.quickstart.config import QuickstartConfig
 
 logger = logging.getLogger(__name__)
 

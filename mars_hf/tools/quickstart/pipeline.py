@@ -28,9 +28,10 @@ Precision and threads are chosen at start-up by measuring what this machine does
 second): bf16 autocast only where a bf16 matmul really is faster than float32; the shipped model is
 evaluated in that precision too (stock and MARS alike, so the speed ratio compares like with like).
 
-This module holds the settings, the precision probe and the pipeline; the steps live in
-:mod:`mars_hf.tools.quickstart.data` (self-distillation and reference, cached), :mod:`mars_hf.tools.quickstart.train`
-(training within a time budget) and :mod:`mars_hf.tools.quickstart.evaluate` (decoding rows, table, plot).
+This module holds the precision probe and the pipeline. The settings live in
+:mod:`mars_hf.tools.quickstart.config`; the steps in :mod:`mars_hf.tools.quickstart.data` (self-distillation
+and reference, cached), :mod:`mars_hf.tools.quickstart.train` (training within a time budget) and
+:mod:`mars_hf.tools.quickstart.evaluate` (decoding rows, table, plot).
 
 Default time split (≤ 30 min on 2 CPU cores in all): shipped model 3 min, self-distillation 5,
 training 12, evaluation of the trained model 5, plus loading, the reference answers and saving.
@@ -39,7 +40,6 @@ training 12, evaluation of the trained model 5, plus loading, the reference answ
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import logging
@@ -53,6 +53,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_hf.evaluation.runs import run_label, summarize_runs, teacher_forced_acceptance
 from mars_hf.models.embedded_model import resolve_model_path
+from mars_hf.models.precision import matmul_rate as _matmul_rate
+from mars_hf.tools.quickstart.config import QuickstartConfig
 from mars_hf.tools.quickstart.data import budgeted_self_distill, cached_reference
 from mars_hf.tools.quickstart.evaluate import (
     OWN_SECTION,
@@ -71,168 +73,10 @@ from mars_hf.training.prompts import held_out_prompts, training_prompts
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("gated_lora", "mask_row", "lora", "full")
-# τ = 1 (exactly the base model with gated_lora / mask_row) and τ = 0.9; verify is added on top.
-QUICKSTART_THRESHOLDS = (1.0, 0.9)
-# The shipped model is evaluated at more τ: its curve is what a user chooses τ from.
-SHIPPED_THRESHOLDS = (1.0, 0.95, 0.9, 0.8)
-
-
-@dataclasses.dataclass
-class QuickstartConfig:
-    """Settings of :func:`run_quickstart`; the defaults are the measured best for 2 CPU cores in ~30 min."""
-
-    model_name_or_path: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "Base model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)."},
-    )
-    output_dir: str = dataclasses.field(default="mars-quickstart", metadata={"help": "Where results go."})
-    num_train_prompts: int = dataclasses.field(
-        default=320, metadata={"help": "Self-distilled training prompts."}
-    )
-    num_eval_prompts: int = dataclasses.field(
-        default=12, metadata={"help": "Held-out evaluation prompts (at most; see eval_minutes)."}
-    )
-    distill_minutes: float | None = dataclasses.field(
-        default=5.0,
-        metadata={
-            "help": "Self-distillation time budget: answer training prompts batch by batch until it is spent "
-            "(at least one batch; cached batches are free). None: all num_train_prompts."
-        },
-    )
-    eval_minutes: float | None = dataclasses.field(
-        default=5.0,
-        metadata={
-            "help": "Evaluation time budget: held-out prompts are evaluated one by one until it is spent (at "
-            "least 4). None: all num_eval_prompts."
-        },
-    )
-    shipped_eval_minutes: float | None = dataclasses.field(
-        default=3.0,
-        metadata={
-            "help": "Time budget for evaluating the shipped MARS model (embedded-mars) first, at batch 1 then "
-            "batch 4 (at least 4 prompts and one batch of 4). None: all num_eval_prompts."
-        },
-    )
-    skip_shipped: bool = dataclasses.field(
-        default=False, metadata={"help": "Do not evaluate the shipped MARS model (embedded-mars)."}
-    )
-    shipped_thresholds: tuple[float, ...] = dataclasses.field(
-        default=SHIPPED_THRESHOLDS, metadata={"help": "τ values evaluated on the shipped model."}
-    )
-    shipped_dtype: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "dtype of the shipped model's evaluation (default: bfloat16 where bf16 was chosen at "
-            "start-up, else float32)."
-        },
-    )
-    max_new_tokens: int = dataclasses.field(
-        default=128, metadata={"help": "Response length limit for self-distillation and evaluation."}
-    )
-    distill_batch_size: int = dataclasses.field(default=16, metadata={"help": "Prompts per generate call."})
-    budget_minutes: float = dataclasses.field(
-        default=12.0, metadata={"help": "Training time budget (minutes)."}
-    )
-    max_steps: int | None = dataclasses.field(
-        default=None, metadata={"help": "Train exactly this many steps instead of a time budget."}
-    )
-    block_size: int = dataclasses.field(default=2, metadata={"help": "MARS block size B."})
-    method: str = dataclasses.field(
-        default="gated_lora",
-        metadata={
-            "help": "'gated_lora': LoRA gated to mask positions + the mask row (real tokens run the base weights "
-            "exactly; saved as an adapter); 'mask_row': train only the mask token's embedding row; 'lora': LoRA "
-            "on all linear layers + the mask row, merged after training (changes one-token decoding); 'full': "
-            "every weight.",
-            "choices": list(METHODS),
-        },
-    )
-    lora_r: int = dataclasses.field(default=32, metadata={"help": "LoRA rank."})
-    lora_alpha: int | None = dataclasses.field(
-        default=None, metadata={"help": "LoRA alpha (default: 2 × rank)."}
-    )
-    lora_target_modules: str = dataclasses.field(
-        default="all-linear",
-        metadata={
-            "help": "LoRA target modules: 'all-linear' or a comma-separated list (e.g. q_proj,v_proj)."
-        },
-    )
-    learning_rate: float | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "Peak learning rate (default per method: gated_lora 2e-3, mask_row 3e-2, lora 1e-3, full 1e-4)."
-        },
-    )
-    mask_targets: str = dataclasses.field(
-        default="hard",
-        metadata={
-            "help": "'hard': the self-distilled token; 'soft': the frozen base model's distribution at each "
-            "target (gated_lora / mask_row only).",
-            "choices": ["hard", "soft"],
-        },
-    )
-    warmup_fraction: float = dataclasses.field(
-        default=0.05, metadata={"help": "Warm-up share of the budget."}
-    )
-    batch_size: int = dataclasses.field(default=8, metadata={"help": "Examples per optimizer step."})
-    max_length: int = dataclasses.field(default=1024, metadata={"help": "Training sequences are cut here."})
-    clean_loss: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "Clean-stream loss 'ce' or 'kl_to_base' (default: kl_to_base for lora/full; unused by mask_row)."
-        },
-    )
-    ar_weight: float | None = dataclasses.field(
-        default=None,
-        metadata={"help": "Weight of the clean-stream loss (default: 10 for lora/full, 0 for mask_row)."},
-    )
-    bf16: bool | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "bf16 autocast during training (default: chosen at start-up, only where a bf16 matmul is "
-            "measurably faster than float32)."
-        },
-    )
-    calibration_holdout: float = dataclasses.field(
-        default=0.1,
-        metadata={
-            "help": "Self-distilled answers held out of training to fit the confidence calibration (a fraction "
-            "< 1 or a count; 0: none)."
-        },
-    )
-    thresholds: tuple[float, ...] = dataclasses.field(
-        default=QUICKSTART_THRESHOLDS, metadata={"help": "τ values evaluated."}
-    )
-    verify: bool = dataclasses.field(
-        default=True,
-        metadata={"help": "Also evaluate verified decoding (mars_acceptance='verify', lossless)."},
-    )
-    seed: int = dataclasses.field(default=0, metadata={"help": "Seed for prompts and training."})
-    num_threads: int | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "torch threads (default: chosen at start-up: all cores unless fewer measure faster)."
-        },
-    )
-    save_checkpoint: bool = dataclasses.field(default=True, metadata={"help": "Save the trained model."})
-    cache_dir: str | None = dataclasses.field(
-        default=None, metadata={"help": "Self-distillation cache (default: $MARS_HF_HOME/quickstart_cache)."}
-    )
-    progress: bool = dataclasses.field(default=True, metadata={"help": "Show progress bars."})
-    track_every: int = dataclasses.field(
-        default=0,
-        metadata={
-            "help": "Every N steps, log teacher-forced acceptance on the held-out answers (0: only at the end)."
-        },
-    )
-
-
 # --------------------------------------------------------------------------------------------------
 # Precision and threads: what this machine does fast
 # --------------------------------------------------------------------------------------------------
 # One probe for the whole package (`mars_hf.models.precision`: also `--dtype auto` of the commands that load a model).
-from mars_hf.models.precision import matmul_rate as _matmul_rate  # noqa: E402
 
 
 def choose_precision_and_threads(config: QuickstartConfig, probe_seconds: float = 0.2) -> dict:
@@ -639,19 +483,3 @@ def summary(results: dict) -> str:
         + (f", checkpoint: {results['checkpoint']}" if results.get("checkpoint") else ""),
     ]
     return "\n".join(lines)
-
-
-def config_from_args(args) -> QuickstartConfig:
-    """Build a :class:`QuickstartConfig` from an argparse namespace with the same field names."""
-    values = {}
-    for field in dataclasses.fields(QuickstartConfig):
-        if hasattr(args, field.name) and getattr(args, field.name) is not None:
-            values[field.name] = getattr(args, field.name)
-    for name in ("thresholds", "shipped_thresholds"):
-        if name in values:
-            values[name] = tuple(values[name])
-    return QuickstartConfig(**values)
-
-
-def copy_config(config: QuickstartConfig, **changes) -> QuickstartConfig:
-    return dataclasses.replace(copy.copy(config), **changes)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mars_hf.tools.quickstart.pipeline import QuickstartConfig
+    from mars_hf.tools.quickstart.config import QuickstartConfig
 
 logger = logging.getLogger(__name__)
 
