@@ -18,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import uvicorn
+
 from mars_hf.serving.app import build_app
 from mars_hf.serving.controller import ControllerConfig, TauController
 from mars_hf.serving.engine import DecoderEngine, Engine
@@ -138,18 +140,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 AFTER_DRAIN_S = 10.0
 
 
-def draining_server(config):
-    """A `uvicorn.Server` subclass instance (uvicorn is imported lazily) that drains before shutting down."""
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with the drain first: still listening, new requests get 503 while running rows finish."""
 
-    class DrainingServer(uvicorn.Server):
-        async def shutdown(self, sockets=None):
-            serving = getattr(getattr(self.config.app, "state", None), "serving", None)
-            if serving is not None:  # still listening: new requests get 503 while running rows finish
-                await asyncio.to_thread(serving.scheduler.drain, serving.shutdown_grace_s)
-            await super().shutdown(sockets=sockets)
-
-    return DrainingServer(config)
+    async def shutdown(self, sockets=None):
+        serving = getattr(getattr(self.config.app, "state", None), "serving", None)
+        if serving is not None:
+            await asyncio.to_thread(serving.scheduler.drain, serving.shutdown_grace_s)
+        await super().shutdown(sockets=sockets)
 
 
 class BackgroundServer:
@@ -161,8 +159,6 @@ class BackgroundServer:
     def __init__(
         self, app, host: str = "127.0.0.1", port: int | None = None, graceful_s: float = AFTER_DRAIN_S
     ):
-        import uvicorn
-
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(
             app,
@@ -172,7 +168,7 @@ class BackgroundServer:
             access_log=False,
             timeout_graceful_shutdown=graceful_s,
         )
-        self.server = draining_server(config)
+        self.server = DrainingServer(config)
         self.thread = threading.Thread(target=self.server.run, name="mars-uvicorn", daemon=True)
 
     @property
@@ -195,8 +191,11 @@ class BackgroundServer:
         self.server.handle_exit(signal.SIGTERM, None)
 
     def stop(self, timeout_s: float = 60.0) -> None:
+        """Shut down (drain, then close) and wait for the thread; raises if it is still running after ``timeout_s``."""
         self.server.should_exit = True
         self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError(f"The server on {self.base_url} did not stop within {timeout_s:g} s.")
 
     def __enter__(self):
         return self.start()
@@ -221,9 +220,7 @@ def serve(model, tokenizer, config: ServerConfig, *, host: str, port: int) -> No
 
 def run_app(app, *, host: str, port: int, log_level: str = "info") -> None:
     """Run ``app`` (from `build_server`) in the foreground until SIGINT/SIGTERM, then drain and exit."""
-    import uvicorn
-
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=AFTER_DRAIN_S
     )
-    draining_server(config).run()
+    DrainingServer(config).run()
