@@ -190,6 +190,7 @@ def quickstart_checkpoint(tmp_path, monkeypatch):
     return folder
 
 
+@pytest.mark.slow  # loads and runs the embedded SmolLM2-135M
 def test_generate_python_block_prints_its_verified_output(capsys):
     (code,) = [b for b in blocks("python") if "AutoMARSModelForCausalLM.from_pretrained" in b]
     namespace = {}
@@ -240,3 +241,15 @@ def test_generate_commands_print_chunks_and_their_counts_and_verify_is_greedy(qu
             assert mode == f"tau={args.tau:g}" and text
         ran.append(args.model)
     assert ran == ["embedded-mars", "mars-quickstart/checkpoint"]
+
+
+def test_the_fast_subset_command_deselects_registered_slow_tests(pytestconfig):
+    (command,) = re.findall(r'`(python -m pytest -q -m "not slow")`', README)
+    assert shlex.split(command)[-2:] == ["-m", "not slow"]
+    assert any(marker.startswith("slow:") for marker in pytestconfig.getini("markers"))
+    marked = [
+        path.name for path in (REPO / "tests").glob("test_*.py") if "@pytest.mark.slow" in path.read_text()
+    ]
+    assert len(marked) >= 5, marked  # the end-to-end tests of several files, not an empty selection
+    ci_pytest = shlex.split(CI_RUN.strip().splitlines()[-1].split(" && ")[-1])
+    assert ci_pytest[:3] == ["python", "-m", "pytest"] and "-m" not in ci_pytest[3:]  # CI deselects nothing
