@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings, RowUpdate
+from mars_hf.decoding.settings import model_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,7 @@ class DecoderEngine:
     """
 
     def __init__(self, model, *, max_rows: int = 8, max_length: int = 2048, cache: str = "cursor"):
-        mars = dict(getattr(model.config, "mars", None) or {})
-        mars.update(getattr(model, "_mars_overrides", None) or {})
+        mars = model_defaults(model)  # config.mars with enable_mars's overrides
         if "block_size" not in mars or "mask_token_id" not in mars:
             raise ValueError(
                 "The model has no MARS metadata (config.mars with block_size and mask_token_id); load it with "
