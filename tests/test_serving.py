@@ -18,7 +18,7 @@ import pytest
 
 from mars_hf.decoding.decoder import RowUpdate
 from mars_hf.serving import BackgroundServer, ControllerConfig, ServerConfig, TauController, build_server
-from mars_hf.serving.protocol import TextAssembler
+from mars_hf.serving.responses import TextAssembler
 from mars_hf.serving.scheduler import Scheduler
 from tests.tiny import tiny_tokenizer
 

@@ -1,9 +1,10 @@
 """OpenAI-compatible serving of MARS models with continuous batching and a load-adaptive τ.
 
 ``mars-hf serve MODEL``: `server` wires the pieces, `app` holds the HTTP routes, `protocol` the request
-validation and response shapes, `scheduler` the step-level continuous batching, `controller` the τ
-controller, `metrics` the Prometheus metrics, `engine` the decoder interface (rows travel as
-`mars_hf.RowSettings`); the load test is `mars_hf.tools.loadtest`. FastAPI, uvicorn and
+validation, `responses` the response shapes, `request` a request as the HTTP side and the scheduler share
+it, `scheduler` the step-level continuous batching, `controller` the τ controller, `metrics` the
+Prometheus metrics, `engine` the decoder interface (rows travel as `mars_hf.RowSettings`); the load test
+and the fault run are `mars_hf.tools.loadtest` and `mars_hf.tools.fault_run`. FastAPI, uvicorn and
 prometheus_client are needed (``pip install mars-hf[serve]``).
 """
 

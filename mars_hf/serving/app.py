@@ -21,21 +21,17 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mars_hf.serving.protocol import (
-    Limits,
-    ParsedRequest,
-    RequestError,
+from mars_hf.serving.protocol import Limits, ParsedRequest, RequestError, error_body, parse_request
+from mars_hf.serving.request import Done, Failed, GenerationRequest, Tokens
+from mars_hf.serving.responses import (
     TextAssembler,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_response,
-    error_body,
     new_id,
-    parse_request,
     usage,
 )
-from mars_hf.serving.request import Done, Failed, GenerationRequest, Tokens
 from mars_hf.serving.scheduler import SHUTDOWN_RETRY_AFTER_S, QueueFull, Scheduler, ServerClosing
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""OpenAI request validation and response shapes.
+"""OpenAI request validation: a request body into the decoder's `RowSettings` (response shapes: `responses`).
 
 Bodies are validated by hand rather than by pydantic models so that every refusal is a 400 whose
 message names the field and the fix (OpenAI's error shape), and so that the extra top-level MARS
@@ -10,8 +10,6 @@ fields that would change it and are not supported (``n > 1``, ``logprobs``, tool
 from __future__ import annotations
 
 import math
-import time
-import uuid
 from dataclasses import dataclass
 
 from mars_hf.decoding.acceptance import ACCEPTANCE_RULES
@@ -267,13 +265,7 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
     _refuse_unsupported(body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("`stream` must be true or false.", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise RequestError("`stream_options` must be an object.", param="stream_options")
-    include_usage = bool(options.get("include_usage", False))
+    stream, include_usage = _stream_fields(body)
     threshold, acceptance, pinned = _mars_fields(body)
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0, default=1.0)
@@ -283,33 +275,8 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
     seed = _integer(body, "seed")
     lookup, ngram = _prompt_lookup(body, acceptance)
     stop = _stop(body)
-
-    prompt_ids = chat_prompt_ids(body, tokenizer) if chat else completion_prompt_ids(body, tokenizer)
-    check_prompt_ids(prompt_ids, limits, param="messages" if chat else "prompt")
-    if len(prompt_ids) > limits.max_prompt_tokens:
-        raise RequestError(
-            f"The prompt has {len(prompt_ids)} tokens; this server accepts at most {limits.max_prompt_tokens} "
-            "(--max-prompt-tokens). Shorten the prompt.",
-            param="messages" if chat else "prompt",
-            code="context_length_exceeded",
-        )
-    room = limits.max_length - len(prompt_ids)
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, name, 1, limits.max_new_tokens)
-    if max_tokens is None:
-        max_tokens = min(limits.default_max_tokens, limits.max_new_tokens, room)
-    if max_tokens > room or room < 1:
-        bound = (
-            f"the model's {limits.max_length} positions ({limits.positions_field})"
-            if limits.model_positions == limits.max_length
-            else f"the server's {limits.max_length}-token rows (--max-length)"
-        )
-        raise RequestError(
-            f"The prompt ({len(prompt_ids)} tokens) plus `{name}` ({max_tokens}) exceeds {bound}. "
-            f"Lower `{name}` or shorten the prompt.",
-            param=name,
-            code="context_length_exceeded",
-        )
+    prompt_ids = _prompt_ids(body, tokenizer, limits, chat=chat)
+    max_tokens = _max_tokens(body, limits, len(prompt_ids), chat=chat)
 
     # Every field is set here, from the request or the server's default: a request without `temperature`
     # decodes greedily, one without `mars_threshold` gets the controller's τ (the scheduler sets it).
@@ -330,125 +297,49 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
     return ParsedRequest(prompt_ids, settings, pinned, stream, include_usage, stop)
 
 
-# ----- responses -----
+def _stream_fields(body: dict) -> tuple[bool, bool]:
+    """``(stream, include_usage)``."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("`stream` must be true or false.", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("`stream_options` must be an object.", param="stream_options")
+    return stream, bool(options.get("include_usage", False))
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def _prompt_ids(body: dict, tokenizer, limits: Limits, *, chat: bool) -> list[int]:
+    """The prompt's token ids, checked against the model (`check_prompt_ids`) and the server's limit."""
+    prompt_ids = chat_prompt_ids(body, tokenizer) if chat else completion_prompt_ids(body, tokenizer)
+    param = "messages" if chat else "prompt"
+    check_prompt_ids(prompt_ids, limits, param=param)
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise RequestError(
+            f"The prompt has {len(prompt_ids)} tokens; this server accepts at most {limits.max_prompt_tokens} "
+            "(--max-prompt-tokens). Shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return prompt_ids
 
 
-def usage(request, acceptance: str) -> dict:
-    """Token counts plus what MARS did for this request (τ used, tokens per forward)."""
-    mean_tau = request.mean_tau
-    tpf = request.tokens_per_forward
-    prompt = len(request.prompt_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": request.completion_tokens,
-        "total_tokens": prompt + request.completion_tokens,
-        "mars_threshold": None if mean_tau is None else round(mean_tau, 4),
-        "mars_acceptance": acceptance,
-        "mars_tokens_per_forward": None if tpf is None else round(tpf, 4),
-        "mars_forwards": request.steps,
-        "mars_drafts": {source: dict(counts) for source, counts in request.drafts.items()},
-    }
-
-
-def chat_response(request_id: str, model: str, text: str, finish_reason: str, usage_: dict) -> dict:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-        ],
-        "usage": usage_,
-    }
-
-
-def completion_response(request_id: str, model: str, text: str, finish_reason: str, usage_: dict) -> dict:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-        "usage": usage_,
-    }
-
-
-def _stream_chunk(request_id, model, kind, choice, usage_, created) -> dict:
-    """One SSE chunk; ``choice`` None gives an empty ``choices`` list (the final usage-only chunk)."""
-    chunk = {
-        "id": request_id,
-        "object": kind,
-        "created": created or int(time.time()),
-        "model": model,
-        "choices": [] if choice is None else [{"index": 0, **choice, "logprobs": None}],
-    }
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
-
-
-def chat_chunk(request_id, model, *, delta=None, finish_reason=None, usage_=None, created=None) -> dict:
-    empty = delta is None and finish_reason is None
-    choice = None if empty else {"delta": delta or {}, "finish_reason": finish_reason}
-    return _stream_chunk(request_id, model, "chat.completion.chunk", choice, usage_, created)
-
-
-def completion_chunk(request_id, model, *, text=None, finish_reason=None, usage_=None, created=None) -> dict:
-    empty = text is None and finish_reason is None
-    choice = None if empty else {"text": text or "", "finish_reason": finish_reason}
-    return _stream_chunk(request_id, model, "text_completion", choice, usage_, created)
-
-
-class TextAssembler:
-    """Incremental detokenisation with stop strings.
-
-    Decodes the whole generated sequence each time (so multi-token characters come out whole), holds
-    back a trailing replacement character (an incomplete UTF-8 sequence) and, with stop strings, the
-    last ``len(longest stop) - 1`` characters, which could be the start of a stop string.
-    """
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
-        self.sent = 0
-        self.stopped = False
-        self.text = ""
-
-    def add(self, tokens: list[int]) -> str:
-        """New text to send after ``tokens``; sets ``stopped`` when a stop string appeared."""
-        if self.stopped:
-            return ""
-        self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for stop in self.stop:
-            at = text.find(stop)
-            if at != -1:
-                self.stopped = True
-                text = text[:at]
-        self.text = text
-        if self.stopped:
-            end = len(text)
-        else:
-            end = len(text) - self.hold
-            if text.endswith("\ufffd"):
-                end = min(end, len(text) - 1)
-        if end <= self.sent:
-            return ""
-        delta, self.sent = text[self.sent : end], end
-        return delta
-
-    def flush(self) -> str:
-        delta, self.sent = self.text[self.sent :], len(self.text)
-        return delta
+def _max_tokens(body: dict, limits: Limits, prompt_length: int, *, chat: bool) -> int:
+    """``max_tokens`` (chat: or ``max_completion_tokens``), default the server's; it must fit the row."""
+    room = limits.max_length - prompt_length
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, name, 1, limits.max_new_tokens)
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens, limits.max_new_tokens, room)
+    if max_tokens > room or room < 1:
+        bound = (
+            f"the model's {limits.max_length} positions ({limits.positions_field})"
+            if limits.model_positions == limits.max_length
+            else f"the server's {limits.max_length}-token rows (--max-length)"
+        )
+        raise RequestError(
+            f"The prompt ({prompt_length} tokens) plus `{name}` ({max_tokens}) exceeds {bound}. "
+            f"Lower `{name}` or shorten the prompt.",
+            param=name,
+            code="context_length_exceeded",
+        )
+    return max_tokens
