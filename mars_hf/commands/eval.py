@@ -75,9 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Model whose greedy output is the agreement reference ('embedded' = the embedded SmolLM2).",
     )
-    parser.add_argument(
-        "--thresholds", type=floats, default=[1.0, 0.95, 0.9, 0.8, 0.7], help="τ values."
-    )
+    parser.add_argument("--thresholds", type=floats, default=[1.0, 0.95, 0.9, 0.8, 0.7], help="τ values.")
     parser.add_argument(
         "--max-new-tokens",
         type=int,
@@ -133,20 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM
-
-    from mars_hf.evaluation.runs import (
-        evaluate_humaneval,
-        format_table,
-        measure_decoding,
-        run_label,
-        summarize_runs,
-    )
-    from mars_hf.models.embedded_model import resolve_model_path
-    from mars_hf.models.mask_token import suppress_mask_token
-    from mars_hf.models.modeling import load_mars_model
-    from mars_hf.training.data import chat_prompt_ids
-    from mars_hf.training.prompts import held_out_prompts
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "datasets", "peft", "httpx"):
@@ -157,78 +141,91 @@ def run(args: argparse.Namespace) -> int:
         if args.held_out or args.base_model:
             raise SystemExit("--held-out / --base-model belong to the built-in loop; drop them with --tasks.")
         return run_tasks(args)
+    return run_builtin(args)
+
+
+def run_builtin(args: argparse.Namespace) -> int:
+    """The built-in loop: HumanEval and/or held-out prompts, stock vs MARS at each τ; optional JSON output."""
     if args.max_new_tokens is None:
         args.max_new_tokens = 256
     if args.no_humaneval and not args.held_out:
         raise SystemExit("Nothing to evaluate: drop --no-humaneval or pass --held-out N.")
-    dtype = resolve_dtype(args.model, args.dtype)  # the base model (agreement reference) loads in the same
-    model, tokenizer = load_mars_model(args.model, merge_adapter="auto", dtype=dtype)
-    model.eval()
-    suppress_mask_token(model)
-    base = None
-    if args.base_model:
-        base_path = resolve_model_path(args.base_model)
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype).eval()
+    model, tokenizer, base = _load_models(args)
     thresholds = [None, *args.thresholds]
     mars_kwargs = {"mars_block_size": args.window} if args.window else None
-    progress = not args.quiet
     results: dict = {
         "model": args.model,
         "base_model": args.base_model,
         "max_new_tokens": args.max_new_tokens,
     }
-
     if not args.no_humaneval:
-        rows = evaluate_humaneval(
-            model,
-            tokenizer,
-            thresholds,
-            limit=args.humaneval_limit,
-            max_new_tokens=args.max_new_tokens,
-            timeout=args.timeout,
-            reference_model=base,
-            mars_kwargs=mars_kwargs,
-            progress=progress,
-        )
-        results["humaneval"] = rows
-        print(
-            f"\nHumanEval ({rows[-1]['num_problems']} problems, greedy, max {args.max_new_tokens} new tokens)"
-        )
-        print(format_table(rows, _columns(extra=[("pass@1", "pass@1", "{:.1%}")])))
-
+        results["humaneval"] = _humaneval_rows(args, model, tokenizer, base, thresholds, mars_kwargs)
     if args.held_out:
-        prompts = held_out_prompts(args.held_out, seed=args.held_out_seed)
-        prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
-        references = None
-        if base is not None:
-            references = measure_decoding(
-                base,
-                tokenizer,
-                prompt_ids,
-                [None],
-                max_new_tokens=args.max_new_tokens,
-                progress=progress,
-                desc="Held-out prompts (base model)",
-            )[run_label(None)].outputs
-        runs = measure_decoding(
-            model,
-            tokenizer,
-            prompt_ids,
-            thresholds,
-            max_new_tokens=args.max_new_tokens,
-            mars_kwargs=mars_kwargs,
-            progress=progress,
-            desc="Held-out prompts",
-        )
-        rows = summarize_runs(runs, references=references)
-        results["held_out"] = {"prompts": prompts, "rows": rows}
-        print(f"\nHeld-out template prompts ({len(prompts)}, greedy, max {args.max_new_tokens} new tokens)")
-        print(format_table(rows, _columns()))
-
+        results["held_out"] = _held_out_rows(args, model, tokenizer, base, thresholds, mars_kwargs)
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2))
         print(f"\nresults: {args.output}")
     return 0
+
+
+def _load_models(args: argparse.Namespace):
+    """``(model, tokenizer, base)``: the MARS checkpoint (mask token suppressed) and, with ``--base-model``,
+    the agreement reference, both in the precision ``--dtype`` resolves to for the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from mars_hf.models.embedded_model import resolve_model_path
+    from mars_hf.models.mask_token import suppress_mask_token
+    from mars_hf.models.modeling import load_mars_model
+
+    dtype = resolve_dtype(args.model, args.dtype)
+    model, tokenizer = load_mars_model(args.model, merge_adapter="auto", dtype=dtype)
+    model.eval()
+    suppress_mask_token(model)
+    base = None
+    if args.base_model:
+        base = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.base_model), dtype=dtype).eval()
+    return model, tokenizer, base
+
+
+def _humaneval_rows(args, model, tokenizer, base, thresholds, mars_kwargs) -> list[dict]:
+    from mars_hf.evaluation.runs import evaluate_humaneval, format_table
+
+    rows = evaluate_humaneval(
+        model,
+        tokenizer,
+        thresholds,
+        limit=args.humaneval_limit,
+        max_new_tokens=args.max_new_tokens,
+        timeout=args.timeout,
+        reference_model=base,
+        mars_kwargs=mars_kwargs,
+        progress=not args.quiet,
+    )
+    print(f"\nHumanEval ({rows[-1]['num_problems']} problems, greedy, max {args.max_new_tokens} new tokens)")
+    print(format_table(rows, _columns(extra=[("pass@1", "pass@1", "{:.1%}")])))
+    return rows
+
+
+def _held_out_rows(args, model, tokenizer, base, thresholds, mars_kwargs) -> dict:
+    from mars_hf.evaluation.runs import format_table, measure_decoding, run_label, summarize_runs
+    from mars_hf.training.data import chat_prompt_ids
+    from mars_hf.training.prompts import held_out_prompts
+
+    prompts = held_out_prompts(args.held_out, seed=args.held_out_seed)
+    prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
+    common = dict(max_new_tokens=args.max_new_tokens, progress=not args.quiet)
+    references = None
+    if base is not None:
+        references = measure_decoding(
+            base, tokenizer, prompt_ids, [None], desc="Held-out prompts (base model)", **common
+        )[run_label(None)].outputs
+    runs = measure_decoding(
+        model, tokenizer, prompt_ids, thresholds, mars_kwargs=mars_kwargs, desc="Held-out prompts", **common
+    )
+    rows = summarize_runs(runs, references=references)
+    print(f"\nHeld-out template prompts ({len(prompts)}, greedy, max {args.max_new_tokens} new tokens)")
+    print(format_table(rows, _columns()))
+    return {"prompts": prompts, "rows": rows}
 
 
 def _columns(extra=()):
