@@ -581,13 +581,17 @@ def test_evaluate_reports_the_mars_loss(tmp_path):
     )
 
 
-def test_chat_template_tail_is_detected():
+def test_chat_template_tail_is_detected(caplog):
     from mars_hf.training.collator import chat_template_eos_tail
 
     tokenizer = tiny_tokenizer()
     assert chat_template_eos_tail(tokenizer) == ()  # the tiny template ends right on EOS
     tokenizer.chat_template = tokenizer.chat_template.replace("<|im_end|> ", "<|im_end|> x ")
     assert chat_template_eos_tail(tokenizer) == (tokenizer.convert_tokens_to_ids("x"),)
+    tokenizer.chat_template = "{{ raise_exception('a system message is required') }}"
+    with caplog.at_level(logging.WARNING, logger="mars_hf.training.collator"):
+        assert chat_template_eos_tail(tokenizer) == ()
+    assert "a system message is required" in caplog.text and "only examples whose very last token" in caplog.text
 
 
 def test_lora_checkpoint_reloads_with_mask_token_and_config(tmp_path):

@@ -6,10 +6,13 @@ it is so it never learns a false end.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 # Largest chat-template tail (e.g. "\n" after "<|im_end|>") still treated as part of a real end.
 _MAX_TEMPLATE_TAIL = 4
@@ -22,7 +25,13 @@ def chat_template_eos_tail(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]
     try:
         ids = tokenizer.apply_chat_template(messages, tokenize=True)
-    except Exception:  # a template that needs more than two plain messages: no tail known
+    except Exception as error:  # a template that needs more than two plain messages: no tail known
+        logger.warning(
+            "The chat template does not render a plain user/assistant pair (%s: %s), so the tokens it puts "
+            "after EOS are unknown: only examples whose very last token is EOS get padded to whole blocks.",
+            type(error).__name__,
+            error,
+        )
         return ()
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
