@@ -119,12 +119,7 @@ def write_random_gated_adapter(base_dir: Path, folder: Path, rank: int, seed: in
 
 def attach_as_hooks(model, checkpoint: Path) -> None:
     """The adapter as it was applied before the lean forward: a hook per layer, index ops per forward."""
-    from safetensors.torch import load_file
-
-    scaling = gated_lora._check_adapter_config(
-        json.loads((checkpoint / "adapter_config.json").read_text()), checkpoint
-    )
-    pairs = gated_lora._adapter_pairs(load_file(checkpoint / "adapter_model.safetensors"), checkpoint)
+    pairs, scaling = gated_lora.read_adapter_weights(checkpoint)
     mask_id = json.loads((checkpoint / "mars_config.json").read_text())["mask_token_id"]
     state = {}
 

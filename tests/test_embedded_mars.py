@@ -16,9 +16,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import mars_hf
+from mars_hf import hub
 from mars_hf.cli import main
 from mars_hf.decoding import gated_lora
-from mars_hf import hub
 from mars_hf.models import embedded_model, precision
 from mars_hf.models.embedded_model import EMBEDDED_MARS_DIR, EMBEDDED_MODEL_NAME, resolve_model_path
 from mars_hf.models.mask_token import add_mask_token, set_mars_config
@@ -176,7 +176,7 @@ def test_the_shipped_folder_is_package_data():
         p.relative_to(REPO_ROOT / "mars_hf").as_posix() for p in EMBEDDED_MARS_DIR.rglob("*") if p.is_file()
     ]
     needed = {"adapter_model.safetensors", "adapter_config.json", "mars_config.json", "README.md"}
-    assert {f"embedded_mars/{name}" for name in needed} <= set(files)
+    assert {f"models/embedded_mars/{name}" for name in needed} <= set(files)
     assert all(any(fnmatch.fnmatch(f, pattern) for pattern in patterns) for f in files)
     size = sum(p.stat().st_size for p in EMBEDDED_MARS_DIR.rglob("*") if p.is_file())
     assert size < 100 * 2**20  # tens of MB at most

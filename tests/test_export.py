@@ -315,8 +315,8 @@ def test_replayed_layout_matches_the_kernel_by_hand():
 def test_gated_adapter_is_refused_or_merged_everywhere_for_a_drafter(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from mars_hf.decoding import gated_lora
     from mars_hf import hub
+    from mars_hf.decoding import gated_lora
 
     tokenizer = tiny_tokenizer(with_mask=False)
     base = tiny_model("qwen2", block_size=None)

@@ -321,20 +321,74 @@ def _adapter_pairs(weights: dict, checkpoint) -> dict[str, dict[str, torch.Tenso
     return pairs
 
 
+def read_adapter_weights(checkpoint, hub_kwargs: dict | None = None) -> tuple[dict, float]:
+    """``({module path: {"A": tensor, "B": tensor}}, scaling)`` of the LoRA adapter saved in ``checkpoint``.
+
+    Raises for an adapter this loader does not implement (see :func:`_check_adapter_config`) or that lacks
+    its config or weights file.
+    """
+    from safetensors.torch import load_file
+
+    hub_kwargs = hub_kwargs or {}
+    config_path = _resolve(checkpoint, ADAPTER_CONFIG_FILE, hub_kwargs)
+    weights_path = _resolve(checkpoint, ADAPTER_WEIGHTS_FILE, hub_kwargs)
+    if config_path is None or weights_path is None:
+        raise OSError(f"{checkpoint} needs both {ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}.")
+    scaling = _check_adapter_config(_read_json(config_path), checkpoint)
+    return _adapter_pairs(load_file(weights_path), checkpoint), scaling
+
+
+# The mask-row file (MARS_MASK_ROWS_FILE) of an adapter checkpoint: the trained rows of the mask token and
+# of any row the base model lacks. Tensors: "ids" (int64 row ids), "num_embeddings" (scalar: the trained
+# model's row count), "input_embeddings" (len(ids) x hidden) and, for an untied head, "output_embeddings";
+# its metadata repeats the adapter gating under GATING_METADATA_KEY.
+def write_mask_rows_file(
+    path, ids, num_embeddings: int, input_rows: torch.Tensor, output_rows=None, gating: str | None = None
+) -> None:
+    """Write a mask-row file (the format above); what it holds is the caller's (the effective trained rows)."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        "ids": torch.as_tensor(ids, dtype=torch.long).cpu(),
+        "num_embeddings": torch.tensor(int(num_embeddings)),
+        "input_embeddings": input_rows.detach().cpu().contiguous(),
+    }
+    if output_rows is not None:
+        tensors["output_embeddings"] = output_rows.detach().cpu().contiguous()
+    metadata = {"format": "pt", **({GATING_METADATA_KEY: str(gating)} if gating else {})}
+    save_file(tensors, str(path), metadata=metadata)
+
+
 @torch.no_grad()
-def _write_mask_rows(model, rows: dict) -> None:
-    """Grow the embeddings to the checkpoint's row count (new rows = mean row) and write its trained rows."""
-    embeddings = model.get_input_embeddings()
-    needed = int(rows["num_embeddings"].item()) if "num_embeddings" in rows else embeddings.weight.shape[0]
-    old_rows = embeddings.weight.shape[0]
-    if needed > old_rows:
-        model.resize_token_embeddings(needed, mean_resizing=False)
-        matrices = [model.get_input_embeddings().weight]
-        output = model.get_output_embeddings()
-        if output is not None and output.weight.data_ptr() != matrices[0].data_ptr():
-            matrices.append(output.weight)
-        for weight in matrices:
-            weight[old_rows:] = weight[:old_rows].mean(dim=0, keepdim=True)
+def grow_embeddings(model, num_rows: int) -> None:
+    """Grow the input (and untied output) embeddings to ``num_rows`` rows; new rows start at the mean row.
+
+    The mean row is how training starts a new mask token, so a row an adapter never trained (e.g. the
+    output row when only the input row was trainable) loads as it was trained. No-op when not larger.
+    """
+    old_rows = model.get_input_embeddings().weight.shape[0]
+    if num_rows <= old_rows:
+        return
+    model.resize_token_embeddings(num_rows, mean_resizing=False)
+    matrices = [model.get_input_embeddings().weight]
+    output = model.get_output_embeddings()
+    if output is not None and output.weight.data_ptr() != matrices[0].data_ptr():
+        matrices.append(output.weight)
+    for weight in matrices:
+        weight[old_rows:] = weight[:old_rows].mean(dim=0, keepdim=True)
+    if output is not None and getattr(output, "bias", None) is not None:
+        output.bias[old_rows:] = output.bias[:old_rows].mean()
+
+
+@torch.no_grad()
+def apply_mask_rows(model, rows: dict, min_rows: int = 0) -> None:
+    """Write the rows of a mask-row file (as ``safetensors.torch.load_file`` reads it) into ``model``.
+
+    The embeddings first grow (:func:`grow_embeddings`) to the file's ``num_embeddings``, or to
+    ``min_rows`` (e.g. the tokenizer's length) when that is larger.
+    """
+    needed = int(rows["num_embeddings"].item()) if "num_embeddings" in rows else 0
+    grow_embeddings(model, max(needed, int(min_rows)))
     weight = model.get_input_embeddings().weight
     ids = rows["ids"].long().to(weight.device)
     weight[ids] = rows["input_embeddings"].to(device=weight.device, dtype=weight.dtype)
@@ -588,13 +642,9 @@ def attach_shipped_adapter(model, checkpoint, *, lora_dtype: torch.dtype | None 
     config_path = _resolve(checkpoint, ADAPTER_CONFIG_FILE, hub_kwargs)
     if config_path is None:
         return False
-    weights_path = _resolve(checkpoint, ADAPTER_WEIGHTS_FILE, hub_kwargs)
-    if weights_path is None:
-        raise OSError(f"{checkpoint} has {ADAPTER_CONFIG_FILE} but no {ADAPTER_WEIGHTS_FILE}.")
     from safetensors.torch import load_file
 
-    scaling = _check_adapter_config(_read_json(config_path), checkpoint)
-    pairs = _adapter_pairs(load_file(weights_path), checkpoint)
+    pairs, scaling = read_adapter_weights(checkpoint, hub_kwargs)
     mars = read_gating_record(checkpoint, hub_kwargs)
     modules = dict(model.named_modules())
     missing = [path for path in pairs if not isinstance(modules.get(path), torch.nn.Linear)]
@@ -605,7 +655,7 @@ def attach_shipped_adapter(model, checkpoint, *, lora_dtype: torch.dtype | None 
         )
     rows_path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
     if rows_path is not None:
-        _write_mask_rows(model, load_file(rows_path))
+        apply_mask_rows(model, load_file(rows_path))
     if mars:
         model.config.mars = {**(getattr(model.config, "mars", None) or {}), **mars}
         mask_id = int(mars["mask_token_id"])

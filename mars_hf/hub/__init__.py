@@ -16,7 +16,8 @@ from mars_hf.hub.card import (
 )
 from mars_hf.hub.custom_generate import CUSTOM_GENERATE_FILES, check_self_contained, write_custom_generate
 from mars_hf.hub.push import HubTokenError, PushResult, push_to_hub, resolve_token
-from mars_hf.hub.save import list_folder, save_mask_rows, save_pretrained
+from mars_hf.hub.save import list_folder, save_pretrained
+from mars_hf.models.adapters import save_mask_rows
 
 # Loading has one definition (it knows every checkpoint format); the Hub helpers name it ``load``.
 from mars_hf.models.modeling import load_mars_model as load

@@ -22,14 +22,16 @@ trained on: its drafts differ from the gated model's, and acceptance may drop. M
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
 import torch
 
+from mars_hf.decoding.gated_lora import MARS_ADAPTER_CONFIG_FILE, read_adapter_weights
+from mars_hf.models.adapters import is_peft_model
 from mars_hf.models.mask_token import get_mars_config
+from mars_hf.models.modeling import load_mars_model, read_checkpoint_json
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +69,13 @@ def export_for_vllm(
         block_size: only for checkpoints that do not record it.
         base_model_name_or_path: base model of a LoRA adapter (default: the adapter config's).
     """
-    from mars_hf.models.modeling import _is_peft_model, load_mars_model
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ExportRefusedError(f"{out} is not empty; pass a new or empty --out folder.")
     checkpoint = str(checkpoint)
-    adapter_config = _read_json(checkpoint, "adapter_config.json", hub_kwargs)
-    is_adapter = adapter_config is not None and _read_json(checkpoint, "config.json", hub_kwargs) is None
+    adapter_config = read_checkpoint_json(checkpoint, "adapter_config.json", hub_kwargs)
+    is_adapter = adapter_config is not None and read_checkpoint_json(checkpoint, "config.json", hub_kwargs) is None
     gated = is_adapter and _adapter_mars(checkpoint, hub_kwargs).get("adapter_gating") == "mask"
     if gated and not drafter_only_merge:
         raise ExportRefusedError(
@@ -91,7 +92,7 @@ def export_for_vllm(
     model, tokenizer = load_mars_model(
         checkpoint, block_size=block_size, merge_adapter="auto" if gated else True, enable=False, **kwargs
     )
-    if _is_peft_model(model):  # pragma: no cover - merge_adapter=True always unwraps an ungated adapter
+    if is_peft_model(model):  # pragma: no cover - merge_adapter=True always unwraps an ungated adapter
         raise ExportRefusedError(f"{checkpoint}: the adapter could not be merged into plain weights.")
     mars = dict(get_mars_config(model))
     if gated:
@@ -193,7 +194,7 @@ def check_target_vocabulary(rows: int, tokenizer, mask_token_id: int, target: st
     sizes with different token ids would load and draft garbage, so every target token must also have
     the same id in the drafter's tokenizer (the mask token excepted: it may be a token only we have).
     """
-    config = _read_json(str(target), "config.json", hub_kwargs)
+    config = read_checkpoint_json(str(target), "config.json", hub_kwargs)
     if config is None:
         raise ExportRefusedError(
             f"Cannot read the target {target!r} (no config.json locally or in the Hugging Face cache); pass the "
@@ -231,9 +232,7 @@ def check_target_vocabulary(rows: int, tokenizer, mask_token_id: int, target: st
 
 
 def _adapter_mars(checkpoint: str, hub_kwargs: dict) -> dict:
-    from mars_hf.models.modeling import MARS_ADAPTER_CONFIG_FILE
-
-    return _read_json(checkpoint, MARS_ADAPTER_CONFIG_FILE, hub_kwargs) or {}
+    return read_checkpoint_json(checkpoint, MARS_ADAPTER_CONFIG_FILE, hub_kwargs) or {}
 
 
 @torch.no_grad()
@@ -243,19 +242,7 @@ def _merge_gated_adapter_everywhere(model, checkpoint: str, hub_kwargs: dict) ->
     The model comes from ``load_mars_model`` with the gate installed; that only wraps forwards and adds
     non-persistent buffers, so the weights are the base's and what is saved is exactly base + delta.
     """
-    from safetensors.torch import load_file
-
-    from mars_hf.decoding.gated_lora import (
-        ADAPTER_CONFIG_FILE,
-        ADAPTER_WEIGHTS_FILE,
-        _adapter_pairs,
-        _check_adapter_config,
-    )
-
-    folder = _local_folder(checkpoint, hub_kwargs)
-    with open(os.path.join(folder, ADAPTER_CONFIG_FILE), encoding="utf-8") as handle:
-        scaling = _check_adapter_config(json.load(handle), checkpoint)
-    pairs = _adapter_pairs(load_file(os.path.join(folder, ADAPTER_WEIGHTS_FILE)), checkpoint)
+    pairs, scaling = read_adapter_weights(checkpoint, hub_kwargs)
     modules = dict(model.named_modules())
     for path, pair in pairs.items():
         weight = modules[path].weight
@@ -267,17 +254,3 @@ def _merge_gated_adapter_everywhere(model, checkpoint: str, hub_kwargs: dict) ->
         checkpoint,
         len(pairs),
     )
-
-
-def _local_folder(checkpoint: str, hub_kwargs: dict) -> str:
-    if os.path.isdir(checkpoint):
-        return checkpoint
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(checkpoint, **{k: v for k, v in hub_kwargs.items() if k != "proxies"})
-
-
-def _read_json(name_or_path: str, filename: str, hub_kwargs: dict) -> dict | None:
-    from mars_hf.models.modeling import _read_json as read
-
-    return read(name_or_path, filename, hub_kwargs)

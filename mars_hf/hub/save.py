@@ -16,13 +16,11 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
-from mars_hf.decoding.gated_lora import GATING_METADATA_KEY
+from mars_hf.decoding.gated_lora import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE
 from mars_hf.hub.card import render_model_card
 from mars_hf.hub.custom_generate import write_custom_generate
+from mars_hf.models.adapters import is_peft_model, save_mask_rows, unwrap_peft
 from mars_hf.models.mask_token import get_mars_config
-from mars_hf.models.modeling import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +57,7 @@ def save_pretrained(
         overwrite: allow a non-empty ``out_dir`` (its contents are removed first).
     """
     out_dir = Path(out_dir)
-    is_adapter = _is_peft_model(model)
+    is_adapter = is_peft_model(model)
     mars = dict(get_mars_config(model))
     mask_token_id = _check_mask_token(model, tokenizer, mars)
     _prepare_empty_folder(out_dir, overwrite)
@@ -80,7 +78,7 @@ def save_pretrained(
         repo_id=repo_id or out_dir.resolve().name,
         mars=mars,
         mask_token=tokenizer.mask_token,
-        architecture=(getattr(config, "architectures", None) or [type(_unwrap(model)).__name__])[0],
+        architecture=(getattr(config, "architectures", None) or [type(unwrap_peft(model)).__name__])[0],
         is_adapter=is_adapter,
         base_model=base_model or _guess_base_model(model, is_adapter),
         datasets=datasets,
@@ -132,68 +130,6 @@ def _check_mask_token(model, tokenizer, mars: dict) -> int:
     if mask_token_id >= rows:
         raise ValueError(f"The mask token id {mask_token_id} does not fit the {rows}-row embedding matrix.")
     return mask_token_id
-
-
-@torch.no_grad()
-def save_mask_rows(model, mask_token_id: int, path: Path) -> None:
-    """The *effective* mask-token rows (LoRA / trainable-token deltas applied), plus any rows the base lacks."""
-    from safetensors.torch import save_file
-
-    input_embeddings = model.get_input_embeddings()
-    num_rows = input_embeddings.weight.shape[0]
-    base_rows = _base_vocab_size(model)
-    ids = sorted({mask_token_id} | set(range(base_rows, num_rows) if base_rows is not None else []))
-    index = torch.tensor(ids, device=input_embeddings.weight.device)
-    tensors = {
-        "ids": index.cpu(),
-        "num_embeddings": torch.tensor(num_rows),
-        "input_embeddings": input_embeddings(index).detach().cpu().contiguous(),
-    }
-    output = model.get_output_embeddings()
-    output_weight = _effective_weight(output)
-    if (
-        output_weight is not None
-        and output_weight.data_ptr() != _effective_weight(input_embeddings).data_ptr()
-    ):
-        tensors["output_embeddings"] = output_weight[index].detach().cpu().contiguous()
-    # The gating is repeated here, so a gated adapter that lost mars_config.json is refused, not run ungated.
-    gating = (getattr(_unwrap(model).config, "mars", None) or {}).get("adapter_gating")
-    metadata = {"format": "pt", **({GATING_METADATA_KEY: str(gating)} if gating else {})}
-    save_file(tensors, str(path), metadata=metadata)
-
-
-def _effective_weight(module):
-    """The weight a (possibly PEFT-wrapped) embedding or head really uses."""
-    if module is None:
-        return None
-    if hasattr(module, "get_merged_weights") and hasattr(module, "active_adapters"):
-        return module.get_merged_weights(module.active_adapters)
-    return getattr(module, "weight", None)
-
-
-def _base_vocab_size(model) -> int | None:
-    """Rows of the adapter's base checkpoint, when its config can be read without a network."""
-    base = getattr(next(iter(model.peft_config.values())), "base_model_name_or_path", None)
-    if not base:
-        return None
-    try:
-        from transformers import AutoConfig
-
-        return int(AutoConfig.from_pretrained(base, local_files_only=True).vocab_size)
-    except Exception:  # noqa: BLE001 - any failure just means "only save the mask row"
-        return None
-
-
-def _is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(model, PeftModel)
-
-
-def _unwrap(model):
-    return model.get_base_model() if _is_peft_model(model) else model
 
 
 def _looks_like_hub_id(name: str | None) -> bool:

@@ -10,6 +10,8 @@ import logging
 
 import torch
 
+from mars_hf.decoding.gated_lora import grow_embeddings
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MASK_TOKEN = "<|mask|>"
@@ -141,8 +143,7 @@ def _record_base_vocab_size(model, rows: int) -> None:
 def _append(model, tokenizer, old_rows: int) -> int:
     """The historical path: grow the embeddings only if the tokenizer outgrew them (new rows = mean)."""
     if len(tokenizer) > old_rows:
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-        _fill_new_rows_with_mean(model, old_rows)
+        grow_embeddings(model, len(tokenizer))
         logger.info("Resized token embeddings from %d to %d rows.", old_rows, len(tokenizer))
     mask_token_id = int(tokenizer.mask_token_id)
     if mask_token_id >= model.get_input_embeddings().weight.shape[0]:  # pragma: no cover - defensive
@@ -165,19 +166,6 @@ def _fill_rows_with_mean(model, ids: list[int]) -> None:
         keep = torch.ones(output.bias.shape[0], dtype=torch.bool, device=output.bias.device)
         keep[ids] = False
         output.bias[ids] = output.bias[keep].mean()
-
-
-@torch.no_grad()
-def _fill_new_rows_with_mean(model, old_rows: int) -> None:
-    """Initialise rows ``old_rows:`` of the input (and untied output) embeddings to the row mean."""
-    matrices = [model.get_input_embeddings().weight]
-    output = model.get_output_embeddings()
-    if output is not None and output.weight.data_ptr() != matrices[0].data_ptr():
-        matrices.append(output.weight)
-    for weight in matrices:
-        weight[old_rows:] = weight[:old_rows].mean(dim=0, keepdim=True)
-    if output is not None and getattr(output, "bias", None) is not None:
-        output.bias[old_rows:] = output.bias[:old_rows].mean()
 
 
 def set_mars_config(model_or_config, *, block_size: int, mask_token_id: int, **extra) -> dict:

@@ -23,21 +23,19 @@ import os
 import re
 from pathlib import Path
 
-import torch
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import cached_file
 
-from mars_hf.models.mask_token import DEFAULT_MASK_TOKEN, _fill_new_rows_with_mean, set_mars_config
+from mars_hf.decoding.gated_lora import MARS_MASK_ROWS_FILE, apply_mask_rows, grow_embeddings
+from mars_hf.models.adapters import is_peft_model
+from mars_hf.models.mask_token import DEFAULT_MASK_TOKEN, set_mars_config
 
 logger = logging.getLogger(__name__)
 
 # model_type of the paper's checkpoints -> the stock transformers model_type with the same weights.
 PAPER_MODEL_TYPES = {"a2d-qwen2": "qwen2", "a2d-qwen3": "qwen3", "a2d-llama": "llama"}
-# Files :func:`mars_hf.hub.save_pretrained` adds next to a PEFT adapter.
-MARS_ADAPTER_CONFIG_FILE = "mars_config.json"
-MARS_MASK_ROWS_FILE = "mars_mask_token.safetensors"
 # Keyword arguments that choose *which files* to read; passed to every file lookup.
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies")
 
@@ -102,9 +100,9 @@ def load_mars_model(
             raise OSError(
                 f"{name_or_path!r} is neither an existing folder nor a Hub repo id. {how_to}"
             ) from error
-    config_dict = _read_json(name_or_path, "config.json", hub_kwargs)
+    config_dict = read_checkpoint_json(name_or_path, "config.json", hub_kwargs)
     adapter_config = (
-        None if config_dict is not None else _read_json(name_or_path, "adapter_config.json", hub_kwargs)
+        None if config_dict is not None else read_checkpoint_json(name_or_path, "adapter_config.json", hub_kwargs)
     )
     if config_dict is None and adapter_config is None:
         raise OSError(f"{name_or_path!r} has neither a config.json nor an adapter_config.json. {how_to}")
@@ -134,7 +132,7 @@ def load_mars_model(
         from mars_hf.decoding.generation import enable_mars
 
         # An unmerged PeftModel delegates generate() to the transformers model it wraps.
-        enable_mars(model.get_base_model() if _is_peft_model(model) else model)
+        enable_mars(model.get_base_model() if is_peft_model(model) else model)
     return model, tokenizer
 
 
@@ -178,7 +176,8 @@ def _checkpoint_name(name_or_path: str) -> str:
     return path.name
 
 
-def _read_json(name_or_path: str, filename: str, hub_kwargs: dict) -> dict | None:
+def read_checkpoint_json(name_or_path: str, filename: str, hub_kwargs: dict) -> dict | None:
+    """``filename`` of a folder or (cached) Hub repo as a dict; None when the checkpoint has no such file."""
     resolved = cached_file(
         name_or_path,
         filename,
@@ -240,14 +239,6 @@ def _ensure_mask_token(tokenizer, mars: dict, name_or_path: str) -> int:
     return mask_token_id
 
 
-def _is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(model, PeftModel)
-
-
 def _load_adapter(
     name_or_path, adapter_config, base_model_name_or_path, merge_adapter, hub_kwargs, model_kwargs
 ):
@@ -283,7 +274,7 @@ def _load_adapter(
         from mars_hf.decoding.gated_lora import MERGE_REFUSED, MergeRefusedError
 
         raise MergeRefusedError(f"{name_or_path}: {MERGE_REFUSED} (pass merge_adapter=False or 'auto')")
-    base_config = _read_json(base, "config.json", hub_kwargs)
+    base_config = read_checkpoint_json(base, "config.json", hub_kwargs)
     if base_config is None:
         raise OSError(
             f"Cannot find the base model {base!r} of the adapter {name_or_path!r} (locally or in the HF cache); "
@@ -297,22 +288,16 @@ def _load_adapter(
         tokenizer = AutoTokenizer.from_pretrained(base, **hub_kwargs)
 
     rows_file = os.path.join(folder, MARS_MASK_ROWS_FILE)
-    rows = load_file(rows_file) if os.path.isfile(rows_file) else {}
-    needed = max(len(tokenizer), int(rows["num_embeddings"].item()) if "num_embeddings" in rows else 0)
-    old_rows = model.get_input_embeddings().weight.shape[0]
-    if old_rows < needed:
-        # Same initialisation as add_mask_token at training time, so rows the adapter never trained
-        # (e.g. the output row when only the input row was a trainable token) come back identical.
-        model.resize_token_embeddings(needed, mean_resizing=False)
-        _fill_new_rows_with_mean(model, old_rows)
-    if rows:
-        _write_rows(model, rows)
-    elif mars:
-        logger.warning(
-            "%s has no %s: the mask token keeps the base model's row (fine only if it was never trained).",
-            name_or_path,
-            MARS_MASK_ROWS_FILE,
-        )
+    if os.path.isfile(rows_file):
+        apply_mask_rows(model, load_file(rows_file), min_rows=len(tokenizer))
+    else:
+        grow_embeddings(model, len(tokenizer))
+        if mars:
+            logger.warning(
+                "%s has no %s: the mask token keeps the base model's row (fine only if it was never trained).",
+                name_or_path,
+                MARS_MASK_ROWS_FILE,
+            )
     if gated:
         # The torch-only gate (what custom_generate/ runs): each adapted linear layer's forward is wrapped
         # on the plain model, and the load checks real positions against the base model once. PEFT's
@@ -334,17 +319,3 @@ def _load_adapter(
         model = model.merge_and_unload()
     model.eval()
     return model, tokenizer, mars
-
-
-@torch.no_grad()
-def _write_rows(model, rows: dict) -> None:
-    ids = rows["ids"].long()
-    embeddings = model.get_input_embeddings().weight
-    embeddings[ids] = rows["input_embeddings"].to(embeddings.dtype)
-    output = model.get_output_embeddings()
-    if (
-        "output_embeddings" in rows
-        and output is not None
-        and output.weight.data_ptr() != embeddings.data_ptr()
-    ):
-        output.weight[ids] = rows["output_embeddings"].to(output.weight.dtype)

@@ -372,7 +372,7 @@ def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
 def write_calibration(checkpoint: str | Path, record: dict) -> Path:
     """Store ``record`` in a saved checkpoint: ``config.json``'s ``mars`` entry, or ``mars_config.json``
     of an adapter folder; a ``custom_generate/`` folder there is refreshed so that it applies it."""
-    from mars_hf.models.modeling import MARS_ADAPTER_CONFIG_FILE
+    from mars_hf.decoding.gated_lora import MARS_ADAPTER_CONFIG_FILE
 
     folder = Path(checkpoint)
     config_file = folder / "config.json"

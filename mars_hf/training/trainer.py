@@ -320,8 +320,8 @@ class MARSTrainer(SFTTrainer):
         if is_peft_model(unwrapped) and self.args.should_save:
             import os
 
-            from mars_hf.hub.save import save_mask_rows
-            from mars_hf.models.modeling import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE
+            from mars_hf.decoding.gated_lora import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE
+            from mars_hf.models.adapters import save_mask_rows
 
             output_dir = output_dir if output_dir is not None else self.args.output_dir
             mars = dict(unwrapped.get_base_model().config.mars)
