@@ -68,28 +68,10 @@ def main(script_args, training_args, model_args):
     from mars_hf.models.embedded_model import resolve_model_path
 
     logger = get_logger(__name__)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and training_args.world_size != launched:
-        # torchrun started several processes, but they did not join one group (no GPU and no
-        # `--use_cpu`): each would train alone on the whole data set.
-        raise ValueError(
-            f"{launched} processes were launched but each sees a world size of {training_args.world_size}. "
-            "On a machine without GPUs pass `--use_cpu` (e.g. `mars-hf train ... --accelerate_config multi_cpu --use_cpu`)."
-        )
-
+    refuse_unjoined_processes(training_args)
     model_path = str(resolve_model_path(model_args.model_name_or_path))  # None / "embedded": SmolLM2
     logger.info(f"Training {model_path} with MARS (block_size={training_args.block_size}).")
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        # MARS needs a backend that takes a custom mask: default to sdpa rather than the library default.
-        attn_implementation=model_args.attn_implementation or "sdpa",
-        dtype=model_args.dtype,
-    )
-    if training_args.model_init_kwargs is not None:
-        model_init_kwargs.update(training_args.model_init_kwargs)
-    training_args.model_init_kwargs = model_init_kwargs
-
+    training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
     tokenizer = AutoTokenizer.from_pretrained(
         model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
     )
@@ -111,15 +93,43 @@ def main(script_args, training_args, model_args):
     trainer.accelerator.print("Training completed.")
     if calibration_rows is not None:
         fit_calibration_after_training(trainer, calibration_rows, logger)
+    save_and_push(trainer, training_args, script_args.dataset_name)
+    trainer.end()
+    return trainer
 
+
+def refuse_unjoined_processes(training_args) -> None:
+    """torchrun started several processes that did not join one group (no GPU and no ``--use_cpu``):
+    each would train alone on the whole data set."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training_args.world_size != launched:
+        raise ValueError(
+            f"{launched} processes were launched but each sees a world size of {training_args.world_size}. "
+            "On a machine without GPUs pass `--use_cpu` (e.g. `mars-hf train ... --accelerate_config multi_cpu --use_cpu`)."
+        )
+
+
+def model_init_kwargs(model_args, training_args) -> dict:
+    """How TRL loads the model: the model options, sdpa attention by default, ``model_init_kwargs`` on top."""
+    kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        # MARS needs a backend that takes a custom mask: default to sdpa rather than the library default.
+        attn_implementation=model_args.attn_implementation or "sdpa",
+        dtype=model_args.dtype,
+    )
+    kwargs.update(training_args.model_init_kwargs or {})
+    return kwargs
+
+
+def save_and_push(trainer, training_args, dataset_name) -> None:
+    """Save the model and the loss curve (also when no checkpoint was saved); push when asked."""
     trainer.save_model(training_args.output_dir)
-    if trainer.is_world_process_zero():  # the loss curve, also when no checkpoint was saved
+    if trainer.is_world_process_zero():
         trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    trainer.end()
-    return trainer
+        trainer.push_to_hub(dataset_name=dataset_name)
 
 
 def hold_out_for_calibration(dataset, script_args, training_args, logger):
