@@ -97,13 +97,19 @@ def test_trainer_collator_pads_only_responses_that_end_with_eos(model_with_frequ
     args = MARSConfig(output_dir=str(tmp_path), block_size=4, max_steps=1, report_to="none", use_cpu=True)
     trainer = MARSTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     examples = [trainer.train_dataset[i] for i in range(len(dataset))]
+    seen = set()
     for example, row in zip(examples, dataset):
         padded = trainer.data_collator.pad_example(dict(example))
         added = len(padded["input_ids"]) - len(row["input_ids"])
         if row["ends_with_eos"] and tokenizer.eos_token_id == row["input_ids"][-1]:
             assert len(padded["input_ids"]) % 4 == 0
+            assert padded["input_ids"][len(row["input_ids"]) :] == [tokenizer.eos_token_id] * added
+            assert padded["labels"][len(row["input_ids"]) :] == [tokenizer.eos_token_id] * added  # supervised
+            seen.add("ended" if added else "ended on a block boundary")
         else:
             assert added == 0
+            seen.add("cut" if not row["ends_with_eos"] else "other eos")
+    assert {"ended", "cut"} <= seen, seen  # both sides of the contract are exercised (a real pad, a cut row)
     batch = trainer.data_collator(examples)
     labels = batch["labels"]
     for i, row in enumerate(dataset):  # prompt tokens are never supervised; response tokens are
