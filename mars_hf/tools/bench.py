@@ -37,6 +37,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+import transformers
+from tqdm.auto import tqdm
 
 from mars_hf.decoding.acceptance import one_token_per_step
 from mars_hf.tools.tables import Column, cost_curve_text, fixed_width_table, fmt, planner_choices
@@ -59,7 +61,9 @@ BUILTIN_PROMPTS = [
 ]
 
 
-GROUNDED_PROMPTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "templates", "grounded_prompts.json")
+GROUNDED_PROMPTS_FILE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "templates", "grounded_prompts.json"
+)
 PROMPT_SETS = ("chat", "grounded")
 
 
@@ -120,10 +124,10 @@ def build_configurations(
     lookup_tokens=(),
 ) -> list[BenchConfiguration]:
     """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
-    (τ ≥ 1 with the probability or margin metric: ``one_token_per_step``) the schemes all do the same work, so only ``one_token_schemes`` run there. Each of
-    ``verify_layouts`` adds verified decoding (cursor scheme) for every window. Each k of
-    ``lookup_tokens`` adds transformers' prompt lookup (stock ``generate``, batch 1 only) and every
-    verify row again with prompt-lookup drafts."""
+    (τ ≥ 1 with the probability or margin metric: ``one_token_per_step``) the schemes all do the same
+    work, so only ``one_token_schemes`` run there. Each of ``verify_layouts`` adds verified decoding
+    (cursor scheme) for every window. Each k of ``lookup_tokens`` adds transformers' prompt lookup
+    (stock ``generate``, batch 1 only) and every verify row again with prompt-lookup drafts."""
     unknown = set(schemes) - set(SCHEMES)
     if unknown:
         raise ValueError(f"Unknown scheme(s) {sorted(unknown)}; choose from {list(SCHEMES)}.")
@@ -407,7 +411,9 @@ class BenchArguments:
     acceptance: str = field(default="probability", metadata={"help": "MARS acceptance metric of the τ rows."})
     verify_layouts: list[str] = field(
         default_factory=lambda: ["auto", "linear", "quadratic"],
-        metadata={"help": "Verified-decoding layouts to add (lossless; auto = the step planner; `[]` for none)."},
+        metadata={
+            "help": "Verified-decoding layouts to add (lossless; auto = the step planner; `[]` for none)."
+        },
     )
     lookup_tokens: list[int] = field(
         default_factory=list,
@@ -426,8 +432,6 @@ def run_benchmark(
     model, tokenizer, prompts: list[str], args: BenchArguments, *, model_name: str = "", progress=True
 ):
     """Run the grid for every batch size; returns a JSON-able dict with ``rows`` and ``costs``."""
-    from tqdm.auto import tqdm
-
     configurations = build_configurations(
         args.taus,
         args.windows,
@@ -442,31 +446,10 @@ def run_benchmark(
         raise ValueError(
             "The benchmark reports ratios against stock `generate`; keep 'stock' in the schemes."
         )
-    generation_config = copy.deepcopy(model.generation_config)
-    generation_config.do_sample = False
-    for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
-        if hasattr(generation_config, name):
-            setattr(generation_config, name, None)
-    generation_config.max_new_tokens = args.max_new_tokens
-    generation_config.max_length = None
-    generation_config.return_dict_in_generate = True
-    if generation_config.pad_token_id is None:
-        generation_config.pad_token_id = tokenizer.pad_token_id
-    if generation_config.eos_token_id is None:
-        generation_config.eos_token_id = tokenizer.eos_token_id
-
+    generation_config = greedy_generation_config(model, args.max_new_tokens, tokenizer=tokenizer)
     result = {
         "model": model_name,
-        "environment": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-            "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
-            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-            "device": str(next(model.parameters()).device),
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        },
+        "environment": bench_environment(model),
         "arguments": asdict(args),
         "num_prompts": len(prompts),
         "rows": [],
@@ -483,25 +466,73 @@ def run_benchmark(
                 _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens)
             # transformers' own prompt lookup (assisted decoding) serves batch size 1 only
             active = [c for c in configurations if batch_size == 1 or not (c.scheme == "stock" and c.lookup)]
-            measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in active}
-            total = len(active) * (args.warmup + args.repeats)
-            bar = tqdm(total=total, desc=f"bench batch={batch_size}", disable=not progress)
-            for repeat in range(args.warmup + args.repeats):
-                for configuration in active:  # interleaved: drift hits everyone alike
-                    measurement = run_once(
-                        model, batches, generation_config, configuration, args.acceptance, counter
-                    )
-                    if repeat >= args.warmup:
-                        measurements[configuration].append(measurement)
-                    bar.update(1)
-            bar.close()
+            measurements = interleaved_runs(
+                model,
+                batches,
+                generation_config,
+                active,
+                args,
+                counter,
+                progress,
+                f"bench batch={batch_size}",
+            )
             rows = summarise_measurements(batch_size, batches, measurements, model_name)
-            costs = _add_cost_model(model, batches[0], rows, args)
+            result["costs"][str(batch_size)] = _add_cost_model(model, batches[0], rows, args)
             result["rows"].extend(rows)
-            result["costs"][str(batch_size)] = costs
     finally:
         counter.remove()
     return result
+
+
+def interleaved_runs(
+    model, batches, generation_config, configurations, args, counter, progress=True, desc="bench"
+) -> dict[BenchConfiguration, list[RunMeasurement]]:
+    """``args.warmup`` untimed then ``args.repeats`` timed runs of every configuration, interleaved (so
+    that drift of a shared machine hits every configuration alike): the timed measurements."""
+    measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in configurations}
+    bar = tqdm(total=len(configurations) * (args.warmup + args.repeats), desc=desc, disable=not progress)
+    for repeat in range(args.warmup + args.repeats):
+        for configuration in configurations:
+            measurement = run_once(model, batches, generation_config, configuration, args.acceptance, counter)
+            if repeat >= args.warmup:
+                measurements[configuration].append(measurement)
+            bar.update(1)
+    bar.close()
+    return measurements
+
+
+def greedy_generation_config(model, max_new_tokens: int, *, tokenizer=None, output_logits: bool = False):
+    """The model's generation config made greedy, of exactly ``max_new_tokens``, with a dict output; pad
+    and EOS from ``tokenizer`` where the model's config has none."""
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample = False
+    for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
+        if hasattr(config, name):
+            setattr(config, name, None)
+    config.max_new_tokens = max_new_tokens
+    config.max_length = None
+    config.return_dict_in_generate = True
+    config.output_logits = output_logits
+    if tokenizer is not None and config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer is not None and config.eos_token_id is None:
+        config.eos_token_id = tokenizer.eos_token_id
+    return config
+
+
+def bench_environment(model) -> dict:
+    """Versions, threads, dtype, device and attention of the run: what the numbers depend on."""
+    parameter = next(model.parameters())
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "dtype": str(parameter.dtype).replace("torch.", ""),
+        "device": str(parameter.device),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+    }
 
 
 def _measure_decoder_costs(model, batch_size: int, windows, max_new_tokens: int) -> None:
@@ -514,7 +545,10 @@ def _measure_decoder_costs(model, batch_size: int, windows, max_new_tokens: int)
     for window in windows:
         for rows in sorted({batch_bucket(n) for n in range(1, batch_size + 1)} | {batch_size}):
             cost_table(
-                model, batch_size=rows, window=min(int(window), max(max_new_tokens, 1)), mask_token_id=mask_token_id
+                model,
+                batch_size=rows,
+                window=min(int(window), max(max_new_tokens, 1)),
+                mask_token_id=mask_token_id,
             )
 
 

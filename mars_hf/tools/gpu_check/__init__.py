@@ -17,7 +17,7 @@ at the deadline. The JSON is rewritten after every item, so a killed run still l
 ``--tiny`` runs the same plan with tiny shapes on the CPU (the test suite runs it).
 
 The rooms: `arguments` (what to measure), `random_models` (the shapes, models and prompts),
-`forced_acceptance`, `generation` (greedy configs, synchronised `generate`), `budget` (the clock and the
+`forced_acceptance`, `generation` (synchronised `generate`), `budget` (the clock and the
 deadline), `estimates` (what an item will cost), `machine` (environment and memory), the three sections
 `decoding`, `exactness` and `training`, `runner` (the plan, item by item) and `report` (the table).
 """

@@ -10,8 +10,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from mars_hf.tools.bench import BenchConfiguration, ForwardCounter, run_once, summarise_measurements
-from mars_hf.tools.gpu_check.generation import SynchronizedGenerate, greedy_generation_config
+from mars_hf.tools.bench import (
+    BenchConfiguration,
+    ForwardCounter,
+    greedy_generation_config,
+    run_once,
+    summarise_measurements,
+)
+from mars_hf.tools.gpu_check.generation import SynchronizedGenerate
 from mars_hf.tools.gpu_check.machine import peak_memory_mb, peak_memory_reset
 from mars_hf.tools.gpu_check.random_models import make_prompts
 

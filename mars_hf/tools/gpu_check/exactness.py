@@ -13,9 +13,9 @@ import statistics
 
 import torch
 
-from mars_hf.tools.bench import count_generated_tokens
+from mars_hf.tools.bench import count_generated_tokens, greedy_generation_config
 from mars_hf.tools.gpu_check.decoding import CheckConfiguration, verify_configurations
-from mars_hf.tools.gpu_check.generation import SynchronizedGenerate, greedy_generation_config
+from mars_hf.tools.gpu_check.generation import SynchronizedGenerate
 from mars_hf.tools.gpu_check.random_models import make_prompts
 
 ALONE_LABEL = "stock, each row alone"

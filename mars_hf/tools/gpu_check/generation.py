@@ -1,24 +1,8 @@
-"""How the check calls `generate`: greedy configs of an exact length, and clocks that see the GPU's work."""
+"""How the check calls `generate`: with clocks that see the GPU's work (greedy configs: `bench`)."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
-
-
-def greedy_generation_config(model, max_new_tokens: int, output_logits: bool = False):
-    """The model's generation config made greedy, of exactly ``max_new_tokens``, with a dict output."""
-    config = copy.deepcopy(model.generation_config)
-    config.do_sample = False
-    for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
-        if hasattr(config, name):
-            setattr(config, name, None)
-    config.max_new_tokens = max_new_tokens
-    config.max_length = None
-    config.return_dict_in_generate = True
-    config.output_logits = output_logits
-    return config
 
 
 class SynchronizedGenerate:

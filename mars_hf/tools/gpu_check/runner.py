@@ -18,13 +18,14 @@ from functools import partial
 
 import torch
 
+from mars_hf.tools.bench import greedy_generation_config
 from mars_hf.tools.gpu_check.arguments import GPUCheckArguments
 from mars_hf.tools.gpu_check.budget import Budget, BudgetExceeded
 from mars_hf.tools.gpu_check.decoding import decode_item
 from mars_hf.tools.gpu_check.estimates import CostEstimates
 from mars_hf.tools.gpu_check.exactness import exactness_item
 from mars_hf.tools.gpu_check.forced_acceptance import ForcedAcceptance
-from mars_hf.tools.gpu_check.generation import SynchronizedGenerate, greedy_generation_config
+from mars_hf.tools.gpu_check.generation import SynchronizedGenerate
 from mars_hf.tools.gpu_check.machine import environment, max_rss_mb
 from mars_hf.tools.gpu_check.random_models import MODEL_SHAPES, build_model, make_prompts
 from mars_hf.tools.gpu_check.training import training_items
