@@ -16,10 +16,11 @@ import logging
 from pathlib import Path
 
 import torch
-from accelerate.utils import is_peft_model
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from trl import SFTTrainer
 
+from mars_hf.decoding.gated_lora import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE, gate_peft_model
+from mars_hf.models.adapters import is_peft_model, save_mask_rows
 from mars_hf.models.mask_token import add_mask_token, set_mars_config, suppress_mask_token
 from mars_hf.training.attention_mask import build_mars_inputs, check_attn_implementation, mars_attention_mask
 from mars_hf.training.collator import MARSDataCollator, chat_template_eos_tail
@@ -182,8 +183,6 @@ class MARSTrainer(SFTTrainer):
             **kwargs,
         )
         if self.args.adapter_gating == "mask":
-            from mars_hf.decoding.gated_lora import gate_peft_model
-
             layers = gate_peft_model(self.model, self.mask_token_id)
             logger.info("Gated %d LoRA layers to mask positions (MARS_SPEC §7).", layers)
         self._mask_row_only = False
@@ -318,15 +317,11 @@ class MARSTrainer(SFTTrainer):
         super()._save(output_dir, state_dict=state_dict)
         unwrapped = self.accelerator.unwrap_model(self.model)
         if is_peft_model(unwrapped) and self.args.should_save:
-            import os
-
-            from mars_hf.decoding.gated_lora import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE
-            from mars_hf.models.adapters import save_mask_rows
-
             output_dir = output_dir if output_dir is not None else self.args.output_dir
             mars = dict(unwrapped.get_base_model().config.mars)
-            with open(os.path.join(output_dir, MARS_ADAPTER_CONFIG_FILE), "w") as handle:
-                handle.write(json.dumps(mars, indent=2, sort_keys=True) + "\n")
+            (Path(output_dir) / MARS_ADAPTER_CONFIG_FILE).write_text(
+                json.dumps(mars, indent=2, sort_keys=True) + "\n"
+            )
             save_mask_rows(unwrapped, self.mask_token_id, Path(output_dir) / MARS_MASK_ROWS_FILE)
 
     def _base_clean_logits(self, model, clean_ids, clean_valid, keep):
