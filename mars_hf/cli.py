@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         module = importlib.import_module(f"mars_hf.commands.{name.replace('-', '_')}")
-        sub = subparsers.add_parser(name, help=module.HELP, description=module.HELP)
+        # argparse %-formats help strings (not descriptions): a literal % in HELP must be doubled there
+        sub = subparsers.add_parser(name, help=module.HELP.replace("%", "%%"), description=module.HELP)
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser

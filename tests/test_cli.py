@@ -1,5 +1,6 @@
 """`mars-hf`: every listed subcommand is registered, and a missing command module fails loudly."""
 
+import importlib
 import pkgutil
 
 import pytest
@@ -26,3 +27,13 @@ def test_a_missing_command_module_is_an_error_not_a_silently_absent_command(monk
     monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, "no-such-command"])
     with pytest.raises(ModuleNotFoundError, match="mars_hf.commands.no_such_command"):
         cli.build_parser()
+
+
+def test_help_lists_every_command_with_its_help_text(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for name in cli.COMMANDS:
+        module = importlib.import_module(f"mars_hf.commands.{name.replace('-', '_')}")
+        assert name in text and " ".join(module.HELP.split())[:40] in text, name
