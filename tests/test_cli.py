@@ -37,3 +37,11 @@ def test_help_lists_every_command_with_its_help_text(capsys):
     for name in cli.COMMANDS:
         module = importlib.import_module(f"mars_hf.commands.{name.replace('-', '_')}")
         assert name in text and " ".join(module.HELP.split())[:40] in text, name
+
+
+@pytest.mark.parametrize("name", cli.COMMANDS)
+def test_every_command_help_renders(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([name, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
