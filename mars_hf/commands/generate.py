@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from mars_hf.models.eos import eos_token_ids, trim_at_eos
 from mars_hf.tools.loading import DEFAULT_BLOCK_SIZE, load_model_and_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -143,14 +144,6 @@ def render_chunks(tokenizer, chunks: list[list[int]], colour: bool = True) -> st
     return ("" if colour else "|").join(pieces)
 
 
-def _row_tokens(new_tokens, eos_ids) -> list[int]:
-    tokens = new_tokens.tolist()
-    for position, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: position + 1]
-    return tokens
-
-
 def run(args) -> int:
     import torch
     from transformers import set_seed
@@ -197,9 +190,8 @@ def run(args) -> int:
     with torch.no_grad():
         output = model.generate(**inputs, **generate_kwargs)
     prompt_length = inputs["input_ids"].shape[1]
-    eos = model.generation_config.eos_token_id
-    eos_ids = set([eos] if isinstance(eos, int) else (eos or [])) | {tokenizer.eos_token_id}
-    rows = [_row_tokens(output.sequences[i, prompt_length:], eos_ids) for i in range(len(args.prompt))]
+    eos_ids = eos_token_ids(model, tokenizer)
+    rows = [trim_at_eos(output.sequences[i, prompt_length:].tolist(), eos_ids) for i in range(len(args.prompt))]
     for index, tokens in enumerate(rows):
         if len(rows) > 1:
             print(f"### {args.prompt[index]}")
