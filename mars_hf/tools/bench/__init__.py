@@ -1,0 +1,67 @@
+"""Side-by-side benchmark of stock `generate` and MARS decoding, with the §4 cost model next to it.
+
+Why a benchmark and not a timed test: speed depends on the machine, the model and the batch, so the
+only honest number is a ratio against stock `generate` measured in the same process, on the same
+prompts, interleaved so that drift of a shared machine hits every configuration alike.
+
+What is reported, per batch size and configuration (stock, or MARS with threshold τ, window W,
+cache scheme and block C):
+
+- ``tokens_per_forward``: generated tokens ÷ (batch × model calls), prompt forwards included. At
+  batch 1 this is generated tokens ÷ forwards; stock `generate` reaches 1.0 only when no row stops
+  early, so at larger batch compare with the stock row. Every batch size decodes the whole prompt
+  set (in batches), so rows of different batch sizes do the same work.
+- ``tokens_per_s`` and ``speedup`` = tokens/s ÷ stock tokens/s (equal to the wall-clock ratio when both
+  produce the same number of tokens, which they do whenever the outputs match).
+- ``efficiency`` = speedup ÷ (tokens_per_forward ÷ stock tokens_per_forward): the share of the saved
+  forwards that turned into saved time (at batch 1: speedup ÷ tokens per forward).
+- ``predicted``: the speedup MARS_SPEC §4's cost model predicts from the measured cost of an
+  (n + W)-token cached forward relative to a 1-token cached forward (see `measure_step_costs`).
+- for verified decoding with the step planner (``v-auto``, the default layout): the cost curve the
+  decoder measured for itself (``mars_hf.decoding.cost_model``) and what the planner chose with it — a
+  histogram of the columns per row each forward fed, and how often a row fed nothing extra, drafts
+  only, a linear or a quadratic mask layout.
+"""
+
+from mars_hf.tools.bench.configurations import SCHEMES, BenchConfiguration, build_configurations
+from mars_hf.tools.bench.measure import (
+    ForwardCounter,
+    RunMeasurement,
+    count_generated_tokens,
+    greedy_generation_config,
+    interleaved_runs,
+    run_once,
+)
+from mars_hf.tools.bench.prompts import (
+    BUILTIN_PROMPTS,
+    PROMPT_SETS,
+    grounded_prompts,
+    load_prompts,
+    prepare_batches,
+    prepare_inputs,
+)
+from mars_hf.tools.bench.report import format_table
+from mars_hf.tools.bench.runner import BenchArguments, run_benchmark
+from mars_hf.tools.bench.summary import summarise_measurements
+
+__all__ = [
+    "BUILTIN_PROMPTS",
+    "PROMPT_SETS",
+    "SCHEMES",
+    "BenchArguments",
+    "BenchConfiguration",
+    "ForwardCounter",
+    "RunMeasurement",
+    "build_configurations",
+    "count_generated_tokens",
+    "format_table",
+    "greedy_generation_config",
+    "grounded_prompts",
+    "interleaved_runs",
+    "load_prompts",
+    "prepare_batches",
+    "prepare_inputs",
+    "run_benchmark",
+    "run_once",
+    "summarise_measurements",
+]

@@ -1,0 +1,92 @@
+"""The benchmark's grid: stock `generate`, and MARS per τ, window, cache scheme and verify layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mars_hf.decoding.acceptance import one_token_per_step
+
+SCHEMES = ("stock", "none", "cursor", "block")
+
+
+@dataclass(frozen=True)
+class BenchConfiguration:
+    """One decoding configuration: stock `generate`, or MARS with a cache scheme; ``lookup`` adds
+    prompt lookup (``prompt_lookup_num_tokens``): transformers' own with stock, or verified drafts."""
+
+    scheme: str
+    tau: float | None = None
+    window: int | None = None
+    cache_block: int | None = None
+    layout: str | None = None  # verified decoding (mars_acceptance="verify", no τ): auto, linear, quadratic
+    lookup: int | None = None
+
+    @property
+    def verify(self) -> bool:
+        return self.layout is not None
+
+    @property
+    def label(self) -> str:
+        if self.scheme == "stock":
+            return f"stock prompt-lookup={self.lookup}" if self.lookup else "stock"
+        label = f"{self.scheme} verify-{self.layout}" if self.verify else f"{self.scheme} tau={self.tau:g}"
+        label += f" W={self.window}" + (f" prompt-lookup={self.lookup}" if self.lookup else "")
+        return label + (f" C={self.cache_block}" if self.cache_block is not None else "")
+
+    def generate_kwargs(self, acceptance: str) -> dict:
+        if self.scheme == "stock":
+            return {"prompt_lookup_num_tokens": self.lookup} if self.lookup else {}
+        kwargs = {"mars_block_size": self.window, "mars_cache": self.scheme}
+        if self.lookup:
+            kwargs["prompt_lookup_num_tokens"] = self.lookup
+        if self.verify:
+            kwargs.update(mars_acceptance="verify", mars_layout=self.layout)
+        else:
+            kwargs.update(mars_threshold=self.tau, mars_acceptance=acceptance)
+        if self.cache_block is not None:
+            kwargs["mars_cache_block"] = self.cache_block
+        return kwargs
+
+
+def build_configurations(
+    taus,
+    windows,
+    schemes=("stock", "none", "cursor", "block"),
+    cache_blocks=("W", 16, 32),
+    acceptance: str = "probability",
+    one_token_schemes=("cursor",),
+    verify_layouts=(),
+    lookup_tokens=(),
+) -> list[BenchConfiguration]:
+    """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
+    (τ ≥ 1 with the probability or margin metric: ``one_token_per_step``) the schemes all do the same
+    work, so only ``one_token_schemes`` run there. Each of ``verify_layouts`` adds verified decoding
+    (cursor scheme) for every window. Each k of ``lookup_tokens`` adds transformers' prompt lookup
+    (stock ``generate``, batch 1 only) and every verify row again with prompt-lookup drafts."""
+    unknown = set(schemes) - set(SCHEMES)
+    if unknown:
+        raise ValueError(f"Unknown scheme(s) {sorted(unknown)}; choose from {list(SCHEMES)}.")
+    configurations = [BenchConfiguration("stock")] if "stock" in schemes else []
+    for tau in taus:
+        for window in windows:
+            for scheme in schemes:
+                if scheme == "stock":
+                    continue
+                if one_token_per_step(acceptance, tau) and scheme not in one_token_schemes:
+                    continue
+                if scheme != "block":
+                    configurations.append(BenchConfiguration(scheme, float(tau), int(window)))
+                    continue
+                blocks = sorted({int(window) if str(c).upper() == "W" else int(c) for c in cache_blocks})
+                for block in blocks:
+                    configurations.append(BenchConfiguration(scheme, float(tau), int(window), block))
+    for window in windows:
+        for layout in verify_layouts:
+            configurations.append(BenchConfiguration("cursor", None, int(window), None, layout))
+    for k in lookup_tokens:
+        if "stock" in schemes:
+            configurations.append(BenchConfiguration("stock", lookup=int(k)))
+        for window in windows:
+            for layout in verify_layouts:
+                configurations.append(BenchConfiguration("cursor", None, int(window), None, layout, int(k)))
+    return list(dict.fromkeys(configurations))

@@ -1,0 +1,180 @@
+"""Measuring one configuration: decode every batch once, timed, and count what really happened.
+
+The forward counter is a hook on the model, independent of what a decoding loop reports about itself; the
+generated tokens are counted up to each row's first EOS.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from mars_hf.tools.bench.configurations import BenchConfiguration
+
+
+def count_generated_tokens(new_tokens: torch.Tensor, eos_token_ids) -> torch.Tensor:
+    """Tokens each row really generated: up to and including its first EOS (padding after it, which
+    may use the EOS id, is not counted)."""
+    if not eos_token_ids:
+        return torch.full((new_tokens.shape[0],), new_tokens.shape[1], dtype=torch.long)
+    is_eos = torch.isin(new_tokens, torch.tensor(list(eos_token_ids), device=new_tokens.device))
+    lengths = []
+    for row in is_eos:
+        hits = row.nonzero()
+        lengths.append(int(hits[0]) + 1 if len(hits) else new_tokens.shape[1])
+    return torch.tensor(lengths, dtype=torch.long)
+
+
+def _eos_ids(generation_config) -> list[int]:
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+class ForwardCounter:
+    """Counts calls of the model's ``forward`` (every call, the prompt's included) and the tokens each
+    call feeds, independently of what a decoding loop reports about itself."""
+
+    def __init__(self, model):
+        self.widths: list[int] = []
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    @property
+    def count(self) -> int:
+        return len(self.widths)
+
+    def reset(self):
+        self.widths = []
+
+    def _hook(self, module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            input_ids = kwargs["inputs_embeds"]
+        self.widths.append(int(input_ids.shape[1]))
+
+    def remove(self):
+        self._handle.remove()
+
+
+@dataclass
+class RunMeasurement:
+    """One configuration decoding every batch once."""
+
+    seconds: float
+    new_tokens: list[list[int]]  # each row's generated tokens, up to and including its EOS
+    forwards_per_batch: list[int]
+    counted_forwards: int
+    accepted_per_row: list[int] | None = None
+    step_tokens: float = 1.0  # mean tokens fed per forward after each prompt's forward
+    width_histogram: dict[int, int] | None = None  # columns per row of MARS forwards -> count
+    plan_counts: dict[str, int] | None = None  # planner choices per row-step (MARS only)
+    cost_curve: dict[int, float] | None = None  # the decoder's cost curve (when a step needed it)
+    drafts_by_source: dict | None = None  # verify: {source: {"proposed", "accepted"}} over the run
+
+    @property
+    def generated_per_row(self) -> list[int]:
+        return [len(tokens) for tokens in self.new_tokens]
+
+    @property
+    def num_forwards(self) -> int:
+        return sum(self.forwards_per_batch)
+
+
+def run_once(model, batches, generation_config, configuration, acceptance, counter) -> RunMeasurement:
+    """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``."""
+    seconds, new_tokens, forwards, widths, accepted = 0.0, [], [], [], []
+    counted = 0
+    histogram, plans, curve, sources = {}, {}, None, {}
+    for inputs in batches:
+        prompt_length = inputs["input_ids"].shape[1]
+        counter.reset()
+        start = time.perf_counter()
+        output = model.generate(
+            **inputs, generation_config=generation_config, **configuration.generate_kwargs(acceptance)
+        )
+        seconds += time.perf_counter() - start
+        new = output.sequences[:, prompt_length:]
+        lengths = count_generated_tokens(new, _eos_ids(generation_config)).tolist()
+        new_tokens.extend(row[:n] for row, n in zip(new.tolist(), lengths))
+        if configuration.scheme == "stock" and configuration.lookup:
+            forwards.append(counter.count)  # prompt lookup: one forward per verified candidate set
+        elif configuration.scheme == "stock":
+            # Stock `generate` makes one forward per new column (the prompt's forward makes the first).
+            forwards.append(new.shape[1])
+        else:
+            forwards.append(int(output.num_forwards))
+        counted += counter.count
+        widths.extend(counter.widths[1:])
+        accepted_counts = getattr(output, "accepted_counts", None)
+        if accepted_counts is not None:
+            accepted.extend(accepted_counts.sum(dim=0).tolist())
+        curve = _add_planner_record(output, histogram, plans) or curve
+        for source, counts in (getattr(output, "drafts_by_source", None) or {}).items():
+            total = sources.setdefault(source, {"proposed": 0, "accepted": 0})
+            total["proposed"] += counts["proposed"]
+            total["accepted"] += counts["accepted"]
+    return RunMeasurement(
+        seconds=seconds,
+        new_tokens=new_tokens,
+        forwards_per_batch=forwards,
+        counted_forwards=counted,
+        accepted_per_row=accepted if configuration.scheme != "stock" else None,
+        step_tokens=statistics.mean(widths) if widths else 1.0,
+        width_histogram=dict(sorted(histogram.items())) if configuration.scheme != "stock" else None,
+        plan_counts=plans if configuration.scheme != "stock" else None,
+        cost_curve=curve,
+        drafts_by_source=sources or None,
+    )
+
+
+def _add_planner_record(output, histogram: dict, plans: dict):
+    """Add one `generate` call's forward widths and planner choices; return its cost curve."""
+    widths = getattr(output, "forward_widths", None)
+    if widths is not None:
+        for width in widths.tolist():
+            histogram[width] = histogram.get(width, 0) + 1
+    for kind, count in (getattr(output, "plan_counts", None) or {}).items():
+        plans[kind] = plans.get(kind, 0) + count
+    return getattr(output, "cost_curve", None)
+
+
+def interleaved_runs(
+    model, batches, generation_config, configurations, args, counter, progress=True, desc="bench"
+) -> dict[BenchConfiguration, list[RunMeasurement]]:
+    """``args.warmup`` untimed then ``args.repeats`` timed runs of every configuration, interleaved (so
+    that drift of a shared machine hits every configuration alike): the timed measurements."""
+    measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in configurations}
+    bar = tqdm(total=len(configurations) * (args.warmup + args.repeats), desc=desc, disable=not progress)
+    for repeat in range(args.warmup + args.repeats):
+        for configuration in configurations:
+            measurement = run_once(model, batches, generation_config, configuration, args.acceptance, counter)
+            if repeat >= args.warmup:
+                measurements[configuration].append(measurement)
+            bar.update(1)
+    bar.close()
+    return measurements
+
+
+def greedy_generation_config(model, max_new_tokens: int, *, tokenizer=None, output_logits: bool = False):
+    """The model's generation config made greedy, of exactly ``max_new_tokens``, with a dict output; pad
+    and EOS from ``tokenizer`` where the model's config has none."""
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample = False
+    for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
+        if hasattr(config, name):
+            setattr(config, name, None)
+    config.max_new_tokens = max_new_tokens
+    config.max_length = None
+    config.return_dict_in_generate = True
+    config.output_logits = output_logits
+    if tokenizer is not None and config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer is not None and config.eos_token_id is None:
+        config.eos_token_id = tokenizer.eos_token_id
+    return config

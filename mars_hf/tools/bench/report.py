@@ -1,0 +1,105 @@
+"""The benchmark's plain-text table: one block per batch size, the planner's choices, the step costs."""
+
+from __future__ import annotations
+
+from mars_hf.tools.tables import Column, cost_curve_text, fixed_width_table, fmt, planner_choices
+
+
+def format_table(result: dict) -> str:
+    """A plain-text table of the rows (one block per batch size) and the measured step costs."""
+    lines = [f"model: {result['model']}  ({_describe_environment(result)})"]
+    lines += fixed_width_table(TABLE_COLUMNS, result["rows"], group=lambda row: row["batch"])
+    lines.append("")
+    lines.append(
+        "tok/fwd = generated tokens / (batch x forwards); speedup = tokens/s vs stock generate (same run, "
+        "medians; (best): from each configuration's fastest repeat); "
+        "effic. = speedup / (tok/fwd relative to stock); step = tokens one forward feeds on its cache "
+        "after the prompt, mean over the run (n + W for cursor; the open block + W for block; the whole "
+        "sequence, uncached, for none); cost = that forward's measured time (fastest of the cost repeats) "
+        "/ a 1-token cached forward; pred. = MARS_SPEC §4 cost-model speedup = relative tok/fwd / cost; "
+        "=stock = share of rows whose output equals stock generate (measured, also for verify); "
+        "tau v-auto / v-line / v-quad = verified decoding (mars_acceptance='verify'): the step planner, "
+        "or the fixed linear / quadratic layout; +pl: with prompt-lookup drafts; plK = transformers' own "
+        "prompt lookup (prompt_lookup_num_tokens=K, stock generate)."
+    )
+    lines += format_planner(result)
+    for batch, costs in result["costs"].items():
+        cached = ", ".join(f"{k}:{v:.2f}" for k, v in costs["cached_step_cost"].items())
+        line = f"batch {batch}: 1-token cached forward {costs['one_token_seconds'] * 1000:.1f} ms at context "
+        line += f"{costs['context_tokens']}; cached k-token forward / 1-token forward: {cached}"
+        if costs["uncached_forward_cost"]:
+            full = ", ".join(f"{k}:{v:.2f}" for k, v in costs["uncached_forward_cost"].items())
+            line += f"; uncached L-token forward / 1-token cached: {full}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_planner(result: dict) -> list[str]:
+    """Per MARS row: columns per row fed by each forward (histogram) and the planner's choices; per
+    batch size, the cost curve the decoder measured (the planner's input)."""
+    lines = ["", "forwards by columns per row (width:count) and planner choices per row-step:"]
+    curves = {}
+    for row in result["rows"]:
+        if row["scheme"] == "stock" or not row.get("width_histogram"):
+            continue
+        widths, plans = planner_choices(row)
+        label = " ".join(column.cell(row) for column in TABLE_COLUMNS[:2] + TABLE_COLUMNS[3:4])
+        lines.append(f"{label} widths {widths}" + (f"; plans: {plans}" if plans else ""))
+        if row.get("drafts_by_source"):
+            kept = ", ".join(
+                f"{source} {c['accepted']}/{c['proposed']} kept, +{row['tokens_per_forward_by_source'][source]:.2f} tok/fwd"
+                for source, c in row["drafts_by_source"].items()
+                if c["proposed"]
+            )
+            lines.append(f"{label} drafts by source: {kept or 'none proposed'}")
+        if row.get("cost_curve"):
+            curves.setdefault(row["batch"], row["cost_curve"])
+    for batch, curve in curves.items():
+        points = cost_curve_text(curve)
+        lines.append(f"batch {batch}: the decoder's cost curve (columns per row: relative cost) {points}")
+    return lines
+
+
+def _rule(row) -> str:
+    """The acceptance column: τ, the verify layout (``v-auto``, with ``+pl`` for prompt-lookup drafts), or
+    transformers' own prompt lookup (``plK``)."""
+    lookup = row.get("prompt_lookup_num_tokens")
+    if row.get("layout"):
+        return f"v-{row['layout'][:4]}" + ("+pl" if lookup else "")
+    if lookup:
+        return f"pl{lookup}"
+    return fmt(row["tau"], ".2f")
+
+
+def _measured(key: str):
+    """A column of the cost model's numbers (NaN until `add_cost_model` has added them)."""
+    return lambda row: row.get(key, float("nan"))
+
+
+TABLE_COLUMNS = [
+    Column("batch", 5, "batch"),
+    Column("tau", 6, _rule),
+    Column("W", 3, "window", "d"),
+    Column("scheme", 7, "scheme", align="<"),
+    Column("C", 3, "cache_block", "d"),
+    Column("tok/fwd", 7, "tokens_per_forward", ".2f"),
+    Column("fwds", 5, "num_forwards"),
+    Column("tok/s", 8, "tokens_per_s", ".1f"),
+    Column("speedup", 7, "speedup", ".2f", "x"),
+    Column("(best)", 6, "speedup_best", ".2f", "x"),
+    Column("effic.", 6, "efficiency", ".2f"),
+    Column("step", 6, _measured("step_tokens"), ".1f"),
+    Column("cost", 5, _measured("step_cost"), ".2f"),
+    Column("pred.", 6, _measured("predicted_speedup"), ".2f", "x"),
+    Column("=stock", 6, "same_as_stock", ".2f"),
+]
+
+
+def _describe_environment(result):
+    env = result["environment"]
+    args = result["arguments"]
+    return (
+        f"{env['dtype']}, {env['device']}, {env['threads']} threads, attn={env['attn_implementation']}, "
+        f"max_new_tokens={args['max_new_tokens']}, median of {args['repeats']}, acceptance={args['acceptance']}, "
+        f"torch {env['torch']}, transformers {env['transformers']}, {env['date']}"
+    )

@@ -1,0 +1,135 @@
+"""Running the grid: every batch size, every configuration interleaved, then rows and step costs."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from dataclasses import asdict, dataclass, field
+
+import torch
+import transformers
+
+from mars_hf.decoding.cost_model import batch_bucket, cost_table
+from mars_hf.decoding.settings import resolve_mask_token
+from mars_hf.tools.bench.configurations import SCHEMES, build_configurations
+from mars_hf.tools.bench.measure import ForwardCounter, greedy_generation_config, interleaved_runs
+from mars_hf.tools.bench.prompts import prepare_batches
+from mars_hf.tools.bench.step_costs import add_cost_model
+from mars_hf.tools.bench.summary import summarise_measurements
+
+
+@dataclass
+class BenchArguments:
+    """What to benchmark. Lists restrict the grid so that a run fits a few minutes."""
+
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8], metadata={"help": "Batch sizes."})
+    taus: list[float] = field(default_factory=lambda: [1.0, 0.9], metadata={"help": "MARS thresholds τ."})
+    windows: list[int] = field(default_factory=lambda: [4], metadata={"help": "MARS windows W."})
+    schemes: list[str] = field(default_factory=lambda: list(SCHEMES), metadata={"help": "Configurations."})
+    cache_blocks: list = field(default_factory=lambda: ["W", 16, 32], metadata={"help": "Block sizes C."})
+    one_token_schemes: list[str] = field(
+        default_factory=lambda: ["cursor"], metadata={"help": "Schemes run at τ ≥ 1 (one-token mode)."}
+    )
+    acceptance: str = field(default="probability", metadata={"help": "MARS acceptance metric of the τ rows."})
+    verify_layouts: list[str] = field(
+        default_factory=lambda: ["auto", "linear", "quadratic"],
+        metadata={
+            "help": "Verified-decoding layouts to add (lossless; auto = the step planner; `[]` for none)."
+        },
+    )
+    lookup_tokens: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "prompt_lookup_num_tokens values: each adds transformers' prompt lookup (stock generate, "
+            "batch 1 only) and the verify rows with prompt-lookup drafts."
+        },
+    )
+    max_new_tokens: int = field(default=64, metadata={"help": "New tokens per row (greedy)."})
+    repeats: int = field(default=3, metadata={"help": "Timed repeats per configuration (median)."})
+    warmup: int = field(default=1, metadata={"help": "Untimed runs per configuration first."})
+    cost_repeats: int = field(default=9, metadata={"help": "Repeats of each forward of the cost model."})
+
+
+def run_benchmark(
+    model, tokenizer, prompts: list[str], args: BenchArguments, *, model_name: str = "", progress=True
+):
+    """Run the grid for every batch size; returns a JSON-able dict with ``rows`` and ``costs``."""
+    configurations = build_configurations(
+        args.taus,
+        args.windows,
+        args.schemes,
+        args.cache_blocks,
+        args.acceptance,
+        args.one_token_schemes,
+        args.verify_layouts,
+        args.lookup_tokens,
+    )
+    if "stock" not in args.schemes:
+        raise ValueError(
+            "The benchmark reports ratios against stock `generate`; keep 'stock' in the schemes."
+        )
+    generation_config = greedy_generation_config(model, args.max_new_tokens, tokenizer=tokenizer)
+    result = {
+        "model": model_name,
+        "environment": bench_environment(model),
+        "arguments": asdict(args),
+        "num_prompts": len(prompts),
+        "rows": [],
+        "costs": {},
+    }
+    counter = ForwardCounter(model)
+    try:
+        for batch_size in args.batch_sizes:
+            batches = [
+                {k: v.to(model.device) for k, v in inputs.items()}
+                for inputs in prepare_batches(tokenizer, prompts, batch_size)
+            ]
+            if len(configurations) > 1:
+                _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens)
+            # transformers' own prompt lookup (assisted decoding) serves batch size 1 only
+            active = [c for c in configurations if batch_size == 1 or not (c.scheme == "stock" and c.lookup)]
+            measurements = interleaved_runs(
+                model,
+                batches,
+                generation_config,
+                active,
+                args,
+                counter,
+                progress,
+                f"bench batch={batch_size}",
+            )
+            rows = summarise_measurements(batch_size, batches, measurements, model_name)
+            result["costs"][str(batch_size)] = add_cost_model(model, batches[0], rows, args)
+            result["rows"].extend(rows)
+    finally:
+        counter.remove()
+    return result
+
+
+def bench_environment(model) -> dict:
+    """Versions, threads, dtype, device and attention of the run: what the numbers depend on."""
+    parameter = next(model.parameters())
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "dtype": str(parameter.dtype).replace("torch.", ""),
+        "device": str(parameter.device),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+    }
+
+
+def _measure_decoder_costs(model, batch_size: int, windows, max_new_tokens: int) -> None:
+    """Let the decoder measure its cost curves before anything is timed or counted: once per process,
+    for every batch bucket a batch passes through as its rows finish (a one-time cost, not a step's)."""
+    mask_token_id = resolve_mask_token(model, None)
+    for window in windows:
+        for rows in sorted({batch_bucket(n) for n in range(1, batch_size + 1)} | {batch_size}):
+            cost_table(
+                model,
+                batch_size=rows,
+                window=min(int(window), max(max_new_tokens, 1)),
+                mask_token_id=mask_token_id,
+            )

@@ -1,0 +1,111 @@
+"""The §4 cost model next to the measurements: what a k-token cached forward costs against a 1-token one,
+and the speed-up that predicts for each row."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+
+@torch.no_grad()
+def measure_step_costs(model, inputs, *, context_tokens: int, step_sizes, full_lengths=(), repeats: int = 5):
+    """Seconds (fastest of ``repeats``) of a cached forward of ``k`` new tokens on a ``context_tokens``-long prefix, for
+    each ``k`` in ``step_sizes``, and of an uncached forward of each length in ``full_lengths``.
+
+    The prefix is the (left-padded) prompt batch extended with filler tokens, the batch the model sees
+    in the benchmark; the cache is cropped back after each timed forward so every ``k`` sees the
+    same prefix.
+    """
+    from transformers import DynamicCache
+
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+    batch = input_ids.shape[0]
+    filler = max(0, context_tokens - input_ids.shape[1])
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prefix = torch.cat([input_ids, torch.randint(0, vocab, (batch, filler), generator=generator)], dim=1)
+    prefix_mask = torch.cat([attention_mask, torch.ones(batch, filler, dtype=attention_mask.dtype)], dim=1)
+    positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prefix, attention_mask=prefix_mask, position_ids=positions, cache=cache, use_cache=True)
+    last = positions[:, -1:]
+    cached = {}
+    for k in sorted({int(size) for size in step_sizes}):
+        mask = torch.cat([prefix_mask, torch.ones(batch, k, dtype=prefix_mask.dtype)], dim=1)
+        new = torch.randint(0, vocab, (batch, k), generator=generator)
+        cached[k] = (new, mask, last + torch.arange(1, k + 1))
+    uncached = {
+        n: torch.randint(0, vocab, (batch, n), generator=generator) for n in sorted(set(full_lengths))
+    }
+    times = {("cached", k): [] for k in cached} | {("full", n): [] for n in uncached}
+    # Interleaved (every size once per round) so that a busy spell of a shared machine hits all sizes;
+    # round 0 is a warm-up.
+    for round_index in range(repeats + 1):
+        for k, (new, mask, position_ids) in cached.items():
+            start = time.perf_counter()
+            model(input_ids=new, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True)
+            elapsed = time.perf_counter() - start
+            cache.crop(-k)
+            if round_index:
+                times[("cached", k)].append(elapsed)
+        for n, ids in uncached.items():
+            start = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            if round_index:
+                times[("full", n)].append(time.perf_counter() - start)
+    # The fastest repeat: a forward of a few milliseconds is easily slowed by a neighbour process on
+    # a shared machine, never sped up, so the minimum is the steadiest estimate of its cost.
+    costs = {k: min(times[("cached", k)]) for k in cached}
+    full_costs = {n: min(times[("full", n)]) for n in uncached}
+    return costs, full_costs
+
+
+def _interpolate(costs: dict[int, float], x: float) -> float:
+    low, high = math.floor(x), math.ceil(x)
+    if low == high or high not in costs:
+        return costs[low if low in costs else high]
+    return costs[low] + (costs[high] - costs[low]) * (x - low)
+
+
+def add_cost_model(model, inputs, rows, args) -> dict:
+    """Measure what the rows' forwards cost and add each row's predicted speedup (MARS_SPEC §4).
+
+    ``step_tokens`` is the mean number of tokens a row's forwards fed after the prompt's (counted by
+    the forward hook): 1 for stock, n + W for the cursor scheme, the uncommitted block plus masks
+    for the block scheme, and the whole sequence, recomputed without cache, for ``none``. The
+    prediction is (tokens per forward relative to stock) ÷ (cost of such a forward ÷ a 1-token one).
+    """
+    stock = rows[0]
+    mean_generated = stock["generated_tokens"] / len(stock["generated_per_row"])
+    context = round(stock["prompt_tokens"] + mean_generated / 2)
+    step_sizes, full_lengths = {1}, set()
+    for row in rows:
+        if row["scheme"] == "none":
+            full_lengths.add(round(row["step_tokens"]))
+        else:
+            step_sizes.update({math.floor(row["step_tokens"]), math.ceil(row["step_tokens"])})
+    costs, full_costs = measure_step_costs(
+        model,
+        inputs,
+        context_tokens=context,
+        step_sizes=step_sizes,
+        full_lengths=full_lengths,
+        repeats=args.cost_repeats,
+    )
+    one = costs[1]
+    for row in rows:
+        if row["scheme"] == "none":
+            relative_cost = full_costs[round(row["step_tokens"])] / one
+        else:
+            relative_cost = _interpolate(costs, row["step_tokens"]) / one
+        relative_tpf = row["tokens_per_forward"] / stock["tokens_per_forward"]
+        row["step_cost"] = relative_cost
+        row["predicted_speedup"] = relative_tpf / relative_cost
+    return {
+        "context_tokens": context,
+        "one_token_seconds": one,
+        "cached_step_cost": {str(k): v / one for k, v in sorted(costs.items())},
+        "uncached_forward_cost": {str(k): v / one for k, v in sorted(full_costs.items())},
+    }
