@@ -3,6 +3,7 @@ GenerationConfig), and a window wider than the tokens to generate is capped, not
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -12,6 +13,7 @@ from transformers import GenerationConfig
 
 import mars_hf.decoding.generation as generation
 from mars_hf.decoding.generation import enable_mars, generate
+from mars_hf.decoding.settings import MARS_KEYWORDS, MARSDecodingSettings
 from tests.tiny import tiny_model, tiny_tokenizer
 
 MAX_NEW = 8
@@ -161,3 +163,29 @@ def test_plain_generation_config_still_decodes_stock(model, inputs):
     config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=2)
     expected = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=2)
     assert torch.equal(model.generate(**inputs, generation_config=config), expected)
+
+
+def test_settings_are_resolved_once_keywords_first_then_generation_config_then_the_model():
+    """One frozen object holds every MARS setting of a call; the decoder's window is capped by the
+    tokens to generate, and one-token decoding under the block scheme runs as cursor decoding."""
+    model = enable_mars(
+        tiny_model("llama", tokenizer=tiny_tokenizer()), acceptance="entropy", cache="block", cache_block=3
+    )
+    unset = dict.fromkeys(MARS_KEYWORDS)
+    config = GenerationConfig(mars_cache="none", mars_threshold=0.7, max_new_tokens=MAX_NEW)
+    settings = MARSDecodingSettings.resolve(
+        model, {**unset, "mars_threshold": [0.5, 2.0], "mars_block_size": 50}, config, batch_size=2, max_new_tokens=5
+    )
+    assert settings.thresholds == (0.5, 2.0)  # the keyword, not the config's 0.7; entropy allows τ > 1
+    assert (settings.window, settings.acceptance, settings.cache, settings.cache_block) == (5, "entropy", "none", 3)
+    assert settings.mask_token_id == model.config.mars["mask_token_id"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.window = 2
+    one_token = MARSDecodingSettings.resolve(
+        model, {**unset, "mars_threshold": 1.0, "mars_acceptance": "margin"}, None, batch_size=1, max_new_tokens=4
+    )
+    assert one_token.one_token_per_step and (one_token.cache, one_token.decoder_cache) == ("block", "cursor")
+    with pytest.raises(ValueError, match=r"`mars_acceptance` must be one of .*got 'bogus'"):
+        MARSDecodingSettings.resolve(
+            model, {**unset, "mars_threshold": 0.5, "mars_acceptance": "bogus"}, None, batch_size=1, max_new_tokens=4
+        )
