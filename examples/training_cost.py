@@ -1,4 +1,4 @@
-"""What a MARS training step costs against a plain SFT step on the same batch (MARS_SPEC §1.5).
+"""What a MARS training step costs against a plain SFT step on the same batch (docs/method.md §1.5).
 
 Measures, on SmolLM2-135M-Instruct (the embedded model by default), one optimisation step
 (forward + backward) of

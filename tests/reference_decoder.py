@@ -1,4 +1,4 @@
-"""A slow, obviously-correct MARS decoder (MARS_SPEC §2), independent of ``mars_hf.decoding.generation``.
+"""A slow, obviously-correct MARS decoder (docs/method.md §2), independent of ``mars_hf.decoding.generation``.
 
 One prompt at a time, no cache, no padding: every step runs the model on the whole accepted
 sequence followed by W mask tokens. Logits are read in float32, like stock ``generate``, so that

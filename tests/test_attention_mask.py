@@ -1,4 +1,4 @@
-"""The two-stream batch and its mask against MARS_SPEC §1.1-1.3, checked by brute force."""
+"""The two-stream batch and its mask against docs/method.md §1.1-1.3, checked by brute force."""
 
 from __future__ import annotations
 

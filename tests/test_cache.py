@@ -1,4 +1,4 @@
-"""`MARSBlockCache`: per-row offsets, in-place growth, no holes, and the size bound of MARS_SPEC §3."""
+"""`MARSBlockCache`: per-row offsets, in-place growth, no holes, and the size bound of docs/method.md §3."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_cache_size_bound_and_no_per_step_copy(scheme, window, tok):
     assert len(records) == out.num_forwards > 2
     generated = int(out.accepted_counts.sum(0).max())
     # no holes: a forward attends over at most the longest row's tokens, one window of masks and the
-    # CPU padding columns (MARS_SPEC §3's bound, without the holes a shared-length cache accumulates)
+    # CPU padding columns (docs/method.md §3's bound, without the holes a shared-length cache accumulates)
     for record in records:
         assert record["entries"] <= prompt_length + generated + window + 4
     assert len({tuple(step.tolist()) for step in out.accepted_counts}) > 1  # rows advanced unevenly

@@ -1,4 +1,4 @@
-"""Mask-gated LoRA (MARS_SPEC §7) and the frozen-clean training path.
+"""Mask-gated LoRA (docs/method.md §7) and the frozen-clean training path.
 
 Exactness is asserted bit for bit (``torch.equal``) where the spec promises the base model's own
 numbers (real positions), and to float64 round-off where two computations are only mathematically

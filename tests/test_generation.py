@@ -1,4 +1,4 @@
-"""MARS decoding (MARS_SPEC §2) against stock ``generate`` and the slow reference decoder."""
+"""MARS decoding (docs/method.md §2) against stock ``generate`` and the slow reference decoder."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`layouts`: what a step feeds, where predictions sit, and the attention each column gets (MARS_SPEC §5-§6).
+"""`layouts`: what a step feeds, where predictions sit, and the attention each column gets (docs/method.md §5-§6).
 
 The packed mask is compared with a definition written out by hand, column by column.
 """

@@ -14,7 +14,8 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.utils_hf import stop_sequences_criteria
 
 from mars_hf.cli import main as cli_main
-from mars_hf.evaluation.lm_eval_harness import MARSLM, TASKS_DIR, StopStringsPerRow
+from mars_hf.evaluation.lm_eval_harness import MARSLM, TASKS_DIR
+from mars_hf.evaluation.runs import StopOnSequences
 from tests.tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = ["the cat sat", "hello world and yes one two three", "one", "is the dog red or blue"]
@@ -120,7 +121,7 @@ def test_stop_criterion_is_stateless_unlike_lm_evals_own():
     tokenizer = tiny_tokenizer()
     prompt = tokenizer(["the"], return_tensors="pt").input_ids
     provisional = torch.cat([prompt, tokenizer(["cat dog"], return_tensors="pt").input_ids], dim=1)
-    ours = StopStringsPerRow(tokenizer, ["dog"], prompt.shape[1])
+    ours = StopOnSequences(tokenizer, ["dog"], prompt.shape[1], skip_special_tokens=False)
     assert ours(provisional).tolist() == [True] and ours(provisional[:, :-1]).tolist() == [False]
     theirs = stop_sequences_criteria(tokenizer, ["dog"], prompt.shape[1], 1)
     theirs(provisional, None)

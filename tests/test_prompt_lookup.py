@@ -1,4 +1,4 @@
-"""Prompt-lookup drafts verified in the MARS step (issue 17 item 1, MARS_SPEC §5-§6).
+"""Prompt-lookup drafts verified in the MARS step (issue 17 item 1, docs/method.md §5-§6).
 
 The n-gram search is transformers' own (compared with its ``PromptLookupCandidateGenerator`` on the
 same inputs); verify + lookup must be stock greedy token for token (tiny float64 models of several
@@ -380,7 +380,7 @@ def test_bench_cli_prompt_lookup_rows(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------
-# assistant_model: a draft model's drafts verified by a MARS target (MARS_SPEC §5)
+# assistant_model: a draft model's drafts verified by a MARS target (docs/method.md §5)
 # ---------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""`MARSTrainer.compute_loss` against a slow definitional computation of MARS_SPEC §1.3-1.4, and the
+"""`MARSTrainer.compute_loss` against a slow definitional computation of docs/method.md §1.3-1.4, and the
 trainer's integration with TRL/PEFT (formats, accumulation, checkpointing, LoRA, saving, errors)."""
 
 from __future__ import annotations

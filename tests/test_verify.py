@@ -1,4 +1,4 @@
-"""Verified (lossless) MARS decoding, MARS_SPEC §6: drafts from the masks, checked by the model itself.
+"""Verified (lossless) MARS decoding, docs/method.md §6: drafts from the masks, checked by the model itself.
 
 Greedy verify must equal the model's own greedy decoding (stock ``generate``) token for token, for both
 layouts and every cache scheme, batched, with EOS / stop strings / max_new_tokens inside drafts; sampled

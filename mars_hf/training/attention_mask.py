@@ -1,4 +1,4 @@
-"""The two-stream MARS training batch and its attention mask (MARS_SPEC §1.1-1.3, §1.5).
+"""The two-stream MARS training batch and its attention mask (docs/method.md §1.1-1.3, §1.5).
 
 One forward pass runs on ``z = [clean ; noisy]``. The clean half is the sequence as is; the noisy half
 replaces every supervised token by ``[MASK]`` and may drop blocks that hold no target (§1.5, exact).

@@ -1,4 +1,4 @@
-"""`MARSDataCollator`: pads each example that really ends with EOS to a whole number of blocks (MARS_SPEC §1.5).
+"""`MARSDataCollator`: pads each example that really ends with EOS to a whole number of blocks (docs/method.md §1.5).
 
 The padding teaches the masks to predict EOS past the end; an example cut at ``max_length`` is left as
 it is so it never learns a false end.
@@ -47,7 +47,7 @@ def chat_template_eos_tail(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...
 class MARSDataCollator:
     """Wrap a collator: pad each example that really ends with EOS to a multiple of ``block_size``.
 
-    The padding tokens are EOS and *supervised* (MARS_SPEC §1.5: the masks learn to predict EOS past
+    The padding tokens are EOS and *supervised* (docs/method.md §1.5: the masks learn to predict EOS past
     the end). "Really ends" means the last token is EOS, optionally followed by the chat template's tail
     (``eos_tail_ids``, e.g. the newline after ``<|im_end|>``); an example cut at ``max_length`` does
     not, so it never learns a false end. Padding is added before ``collator`` pads the batch, so it is

@@ -1,4 +1,4 @@
-"""`MARSConfig`: `trl.SFTConfig` plus the few knobs of MARS training (MARS_SPEC §1)."""
+"""`MARSConfig`: `trl.SFTConfig` plus the few knobs of MARS training (docs/method.md §1)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class MARSConfig(SFTConfig):
             model with its adapter disabled under PEFT, otherwise a frozen copy made at init). It keeps one-token
             decoding close to the starting model while the masks learn.
         adapter_gating (`str`, *optional*):
-            `"mask"` gates the PEFT LoRA adapter (`peft_config=LoraConfig(...)`) to mask positions (MARS_SPEC
+            `"mask"` gates the PEFT LoRA adapter (`peft_config=LoraConfig(...)`) to mask positions (docs/method.md
             §7): its delta applies only where the input token is the mask token, so every real token runs the
             base weights and one-token decoding stays the base model exactly. Saved as `adapter_gating` in
             `config.mars`; such an adapter cannot be merged.

@@ -19,7 +19,7 @@ re-encoding text does not always round-trip), plus the conversation as text for 
 * ``messages``: ``[{"role": "user", ...}, {"role": "assistant", ...}]`` (plus a system message
   when one was given), for humans and for trainers that want text;
 * ``ends_with_eos``: whether the response ended with EOS. A response cut at ``max_new_tokens`` does
-  not end with EOS, so the trainer's collator (MARS_SPEC §1.5) never pads it with a false end.
+  not end with EOS, so the trainer's collator (docs/method.md §1.5) never pads it with a false end.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sums behind MARS_SPEC §1.4's loss, ``(Σ noisy term + ar_weight · Σ clean term) / N``, computed two ways.
+"""The sums behind docs/method.md §1.4's loss, ``(Σ noisy term + ar_weight · Σ clean term) / N``, computed two ways.
 
 `two_stream_sums` runs the clean and noisy streams in one forward under the MARS mask (§1.2).
 `frozen_clean_sums` gives the same sums when nothing trainable touches the clean stream: clean queries

@@ -1,4 +1,4 @@
-"""`MARSTrainer`: `trl.SFTTrainer` whose loss is MARS_SPEC §1.4, and the collator of §1.5.
+"""`MARSTrainer`: `trl.SFTTrainer` whose loss is docs/method.md §1.4, and the collator of §1.5.
 
 Everything else (dataset formats, PEFT, gradient accumulation, checkpointing, logging) is TRL's. The
 trainer only (1) makes sure the model has a mask token and ``config.mars``, (2) screens out rows that
@@ -132,7 +132,7 @@ class MARSTrainer(SFTTrainer):
     The model gets a mask token (reused or added) and `config.mars`; with a LoRA `peft_config` the mask
     token's embedding row is trained through PEFT's `trainable_token_indices`. `compute_loss` takes a
     collated batch (`input_ids`, `attention_mask`, `labels` aligned with `input_ids`, -100 = unsupervised)
-    and returns MARS_SPEC §1.4's loss; it logs `mars/noisy_loss` and `mars/clean_loss` (per target).
+    and returns docs/method.md §1.4's loss; it logs `mars/noisy_loss` and `mars/clean_loss` (per target).
     """
 
     _tag_names = ["trl", "sft", "mars"]
@@ -184,7 +184,7 @@ class MARSTrainer(SFTTrainer):
         )
         if self.args.adapter_gating == "mask":
             layers = gate_peft_model(self.model, self.mask_token_id)
-            logger.info("Gated %d LoRA layers to mask positions (MARS_SPEC §7).", layers)
+            logger.info("Gated %d LoRA layers to mask positions (docs/method.md §7).", layers)
         self._mask_row_only = False
         self._frozen_clean_checked = False
         if self.args.pad_to_block_with_eos:
@@ -341,7 +341,7 @@ class MARSTrainer(SFTTrainer):
                 return unwrapped(**kwargs).logits
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """MARS_SPEC §1.4: ``(Σ noisy CE + ar_weight · Σ clean term) / N`` on an already-collated batch."""
+        """docs/method.md §1.4: ``(Σ noisy CE + ar_weight · Σ clean term) / N`` on an already-collated batch."""
         mode = "train" if self.model.training else "eval"
         unwrapped = self.accelerator.unwrap_model(self.model)
         attn_implementation = check_attn_implementation(unwrapped)

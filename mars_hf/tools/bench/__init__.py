@@ -15,7 +15,7 @@ cache scheme and block C):
   produce the same number of tokens, which they do whenever the outputs match).
 - ``efficiency`` = speedup ÷ (tokens_per_forward ÷ stock tokens_per_forward): the share of the saved
   forwards that turned into saved time (at batch 1: speedup ÷ tokens per forward).
-- ``predicted``: the speedup MARS_SPEC §4's cost model predicts from the measured cost of an
+- ``predicted``: the speedup docs/method.md §4's cost model predicts from the measured cost of an
   (n + W)-token cached forward relative to a 1-token cached forward (see `measure_step_costs`).
 - for verified decoding with the step planner (``v-auto``, the default layout): the cost curve the
   decoder measured for itself (``mars_hf.decoding.cost_model``) and what the planner chose with it — a

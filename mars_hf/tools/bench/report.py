@@ -16,7 +16,7 @@ def format_table(result: dict) -> str:
         "effic. = speedup / (tok/fwd relative to stock); step = tokens one forward feeds on its cache "
         "after the prompt, mean over the run (n + W for cursor; the open block + W for block; the whole "
         "sequence, uncached, for none); cost = that forward's measured time (fastest of the cost repeats) "
-        "/ a 1-token cached forward; pred. = MARS_SPEC §4 cost-model speedup = relative tok/fwd / cost; "
+        "/ a 1-token cached forward; pred. = docs/method.md §4 cost-model speedup = relative tok/fwd / cost; "
         "=stock = share of rows whose output equals stock generate (measured, also for verify); "
         "tau v-auto / v-line / v-quad = verified decoding (mars_acceptance='verify'): the step planner, "
         "or the fixed linear / quadratic layout; +pl: with prompt-lookup drafts; plK = transformers' own "

@@ -70,7 +70,7 @@ def _interpolate(costs: dict[int, float], x: float) -> float:
 
 
 def add_cost_model(model, inputs, rows, args) -> dict:
-    """Measure what the rows' forwards cost and add each row's predicted speedup (MARS_SPEC §4).
+    """Measure what the rows' forwards cost and add each row's predicted speedup (docs/method.md §4).
 
     ``step_tokens`` is the mean number of tokens a row's forwards fed after the prompt's (counted by
     the forward hook): 1 for stock, n + W for the cursor scheme, the uncommitted block plus masks

@@ -111,7 +111,7 @@ class ForcedAcceptance:
         return sum(self.rate**k for k in range(window + 1))
 
     def simulate_steps(self, last_positions: list[int], new_tokens: int, window: int) -> list[int]:
-        """Threshold steps each row needs under this pattern (MARS_SPEC §2 rule, exact): the forwards of
+        """Threshold steps each row needs under this pattern (docs/method.md §2 rule, exact): the forwards of
         the cursor and none schemes are the maximum over the rows."""
         steps = []
         agree = self.agree_cpu.tolist()

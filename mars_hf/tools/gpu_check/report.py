@@ -21,7 +21,7 @@ DECODING_COLUMNS = [
 DECODING_LEGEND = (
     "tok/fwd = generated / (batch x forwards, the prompt's included); pred. = what the forced pattern "
     "implies (exact for cursor/none); speedup = tokens/s vs stock generate; effic. = speedup / "
-    "(tok/fwd / stock tok/fwd), the MARS_SPEC §4 cost factor; =stock = share of rows equal to stock; "
+    "(tok/fwd / stock tok/fwd), the docs/method.md §4 cost factor; =stock = share of rows equal to stock; "
     "drafts = verify's accepted / proposed drafts."
 )
 

@@ -1,7 +1,7 @@
 """The training section: one MARS step through the real `MARSTrainer.compute_loss`, forward + backward.
 
 sdpa first, then flex_attention (CUDA: torch has no flex backward on the CPU), then the mask-gated LoRA's
-frozen clean stream against its two-stream path (MARS_SPEC §7). Each pair is compared (loss and gradient
+frozen clean stream against its two-stream path (docs/method.md §7). Each pair is compared (loss and gradient
 agreement, step-time ratio). TRL, datasets and PEFT are imported only here, when the section runs, so that
 a GPU machine with a broken one of them still runs the decoding items (the section says what is missing).
 """

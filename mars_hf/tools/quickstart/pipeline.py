@@ -19,7 +19,7 @@ SmolLM2-135M-Instruct by default:
    model's curve next to this run's), one table on the terminal with both models' rows (what the
    quickstart's minutes bought next to what the long run bought), and the trained model as a Hub-ready folder (:func:`mars_hf.hub.save_pretrained`).
 
-The default method, ``gated_lora``, trains a LoRA adapter gated to mask positions (MARS_SPEC §7) plus
+The default method, ``gated_lora``, trains a LoRA adapter gated to mask positions (docs/method.md §7) plus
 the mask row: real tokens run the base weights exactly, so stock decoding, τ = 1 and verified decoding
 are the base model's output, and the checkpoint is the adapter (megabytes), not a copy of the model.
 Plain ``lora`` is merged into the weights for evaluation and saving (a plain ``transformers`` folder).

@@ -219,6 +219,6 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
     model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     if config.method == "lora":
         model = model.merge_and_unload()
-    # gated_lora stays a PeftModel: the gated adapter cannot be merged (MARS_SPEC §7).
+    # gated_lora stays a PeftModel: the gated adapter cannot be merged (docs/method.md §7).
     model.eval()  # MARSTrainer has already suppressed the mask token as an output (generation_config)
     return model, info
