@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
+from mars_hf.evaluation.runs import StopOnSequences
 from mars_hf.models.eos import eos_token_ids, trim_at_eos
 
 logger = logging.getLogger(__name__)
@@ -68,24 +69,6 @@ class DecodingStats:
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "tokens_per_forward": self.tokens_per_forward}
-
-
-class StopStringsPerRow(StoppingCriteria):
-    """Stop each row once its generated text (after ``prompt_length``) contains one of ``stop_strings``.
-
-    Stateless: the verdict depends only on the tokens it is shown, so MARS may ask it about any
-    provisional prefix. Decodes like lm-eval's criterion (special tokens kept).
-    """
-
-    def __init__(self, tokenizer, stop_strings, prompt_length: int):
-        self.tokenizer = tokenizer
-        self.stop_strings = [s for s in stop_strings if s]
-        self.prompt_length = prompt_length
-
-    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_length :], skip_special_tokens=False)
-        done = [any(stop in text for stop in self.stop_strings) for text in texts]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 def _stock_counts(generated: torch.Tensor, stop_ids: set[int]) -> list[int]:
@@ -168,7 +151,9 @@ class MARSLM(HFLM):
         if do_sample is False and generation_kwargs["temperature"] == 0.0:
             generation_kwargs.pop("temperature")
         prompt_length = context.shape[1]
-        stopping = StoppingCriteriaList([StopStringsPerRow(self.tokenizer, stop, prompt_length)])
+        # special tokens kept in the text, as lm-eval's own criterion decodes it
+        criterion = StopOnSequences(self.tokenizer, stop, prompt_length, skip_special_tokens=False)
+        stopping = StoppingCriteriaList([criterion])
         use_mars = settings.get("mars_threshold") is not None or settings.get("mars_acceptance") == "verify"
         with torch.autocast(
             device_type=self.device.type,

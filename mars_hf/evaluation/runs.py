@@ -224,18 +224,26 @@ def measure_decoding(
 
 
 class StopOnSequences(StoppingCriteria):
-    """Stop a row once the text generated after the prompt contains one of ``stop_sequences``."""
+    """Stop a row once the text generated after the prompt contains one of ``stop_sequences``.
 
-    def __init__(self, tokenizer, stop_sequences: Sequence[str], prompt_length: int):
+    Stateless: the verdict depends only on the tokens it is shown, so MARS may ask it about any
+    provisional prefix. ``skip_special_tokens=False`` decodes as lm-eval's own criterion does (special
+    tokens kept in the text); empty stop sequences are ignored (they would stop every row at once).
+    """
+
+    def __init__(
+        self, tokenizer, stop_sequences: Sequence[str], prompt_length: int, *, skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
-        self.stop_sequences = list(stop_sequences)
+        self.stop_sequences = [s for s in stop_sequences if s]
         self.prompt_length = prompt_length
+        self.skip_special_tokens = skip_special_tokens
 
     def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
-        done = []
-        for row in input_ids:
-            text = self.tokenizer.decode(row[self.prompt_length :], skip_special_tokens=True)
-            done.append(any(stop in text for stop in self.stop_sequences))
+        texts = self.tokenizer.batch_decode(
+            input_ids[:, self.prompt_length :], skip_special_tokens=self.skip_special_tokens
+        )
+        done = [any(stop in text for stop in self.stop_sequences) for text in texts]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
