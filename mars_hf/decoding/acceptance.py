@@ -1,4 +1,4 @@
-"""How MARS predictions become tokens, and which of them a row keeps (MARS_SPEC §2 steps 3-4, §6).
+"""How MARS predictions become tokens, and which of them a row keeps (docs/method.md §2 steps 3-4, §6).
 
 Two acceptance families:
 
@@ -125,7 +125,7 @@ def passes(value: float, tau: float, metric: str) -> bool:
 
 
 def one_token_per_step(metric: str, tau: float | None) -> bool:
-    """τ >= 1 with the probability or margin metric can only keep prediction 0 (MARS_SPEC §2): such a
+    """τ >= 1 with the probability or margin metric can only keep prediction 0 (docs/method.md §2): such a
     row needs no masks at all. Never true for verify, whose τ is a proposal floor."""
     return metric in ("probability", "margin") and tau is not None and tau >= 1.0
 
@@ -149,7 +149,7 @@ def verify_greedy(drafts: list[int], model_tokens: list[int]) -> int:
 def verify_sampled(
     drafts: list[int], proposal: torch.Tensor | None, target: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[int, int]:
-    """Speculative sampling (MARS_SPEC §6): ``(drafts kept, the token that follows them)``.
+    """Speculative sampling (docs/method.md §6): ``(drafts kept, the token that follows them)``.
 
     ``proposal[j]`` is the distribution draft ``j`` was drawn from, ``target[j]`` the model's processed
     distribution at that position (``len(drafts) + 1`` rows: the last one follows every draft). Draft
@@ -256,7 +256,7 @@ class StepLogits:
 
 
 class ThresholdRule:
-    """Prediction 0 and the masks' predictions; keep while confident (MARS_SPEC §2)."""
+    """Prediction 0 and the masks' predictions; keep while confident (docs/method.md §2)."""
 
     def __init__(self, step: StepLogits):
         self.step = step
@@ -315,7 +315,7 @@ class ThresholdRule:
 
 
 class Verification:
-    """Check last step's drafts against the model's own choices (MARS_SPEC §6); rows that kept a
+    """Check last step's drafts against the model's own choices (docs/method.md §6); rows that kept a
     prefix with a mask group after it get new drafts from ``DraftProposal``."""
 
     def __init__(self, step: StepLogits):

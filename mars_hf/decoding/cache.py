@@ -1,4 +1,4 @@
-"""`MARSBlockCache`: a KV cache whose rows have lengths of their own (MARS_SPEC §3).
+"""`MARSBlockCache`: a KV cache whose rows have lengths of their own (docs/method.md §3).
 
 Every MARS step forwards some real tokens, maybe drafts, and mask tokens; afterwards only a prefix of
 what each row fed is valid (mask entries never are; rejected drafts are not), and rows of a batch keep

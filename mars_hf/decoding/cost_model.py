@@ -1,4 +1,4 @@
-"""What a cached forward of ``n`` new columns per sequence costs, relative to one column (MARS_SPEC §4).
+"""What a cached forward of ``n`` new columns per sequence costs, relative to one column (docs/method.md §4).
 
 Why measured, not assumed: the curve differs by machine, dtype and batch (SmolLM2-135M on one CPU,
 float32: 4 columns cost 1.57× one column, bfloat16 1.10×; a GPU at small batch is nearly flat). A

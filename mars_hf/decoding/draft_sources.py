@@ -1,4 +1,4 @@
-"""Draft sources other than the masks, for verified decoding (MARS_SPEC §5, §6).
+"""Draft sources other than the masks, for verified decoding (docs/method.md §5, §6).
 
 Verified decoding keeps a draft only if it is the model's own choice, so any proposal is safe; a
 source only changes how many tokens a forward yields. ``lookup_drafts`` is prompt lookup with
@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 
 LOOKUP = "lookup"  # the prompt-lookup source's name in statistics (``MARSGenerateOutput``, serving usage)
 MASKS = "masks"  # the masks' own drafts
-ASSISTANT = "assistant"  # a separate draft model's (``assistant_model=``, MARS_SPEC §5)
+ASSISTANT = "assistant"  # a separate draft model's (``assistant_model=``, docs/method.md §5)
 SOURCES = (MASKS, LOOKUP, ASSISTANT)
 DEFAULT_MAX_NGRAM = 2  # transformers' default ``max_matching_ngram_size``
 

@@ -1,4 +1,4 @@
-"""What each row feeds in a MARS step, and the step's width (MARS_SPEC §4-§6).
+"""What each row feeds in a MARS step, and the step's width (docs/method.md §4-§6).
 
 ``StepFeed.plan`` gives every row its ``layouts.RowPlan``: which drafts it checks (the masks', prompt
 lookup's or a draft model's, whichever chain is worth more), how many masks in which layout (fixed, or
@@ -66,7 +66,7 @@ class StepFeed:
         self.cost_given, self.cost_probe = cost_table, bool(cost_probe)
         self.cost_tables: dict = {}  # batch bucket -> CostTable, filled at first need
         self.position_limit = position_limit(model.config)
-        self.assistant = assistant_model  # verify rows also get a draft model's drafts (MARS_SPEC §5)
+        self.assistant = assistant_model  # verify rows also get a draft model's drafts (docs/method.md §5)
         self.assistant_tokens = int(assistant_tokens)
         self.plan_counts: dict[str, int] = {}
 
@@ -206,7 +206,7 @@ class StepFeed:
 
     @torch.no_grad()
     def _assistant_drafts(self, rows, batch: int) -> None:
-        """MARS_SPEC §5: a draft model proposes ``assistant_tokens`` tokens after each row's tokens (one
+        """docs/method.md §5: a draft model proposes ``assistant_tokens`` tokens after each row's tokens (one
         batched stock ``generate`` call, left-padded; greedy rows greedily, sampled rows sampled with
         their distributions kept as the proposals q); a row takes them instead of its masks' drafts
         when they are worth more net of cost (``_draft_value``). The planner then feeds them with mask

@@ -1,4 +1,4 @@
-"""MARS decoding as a transformers decoding strategy (MARS_SPEC §2-§3, §6).
+"""MARS decoding as a transformers decoding strategy (docs/method.md §2-§3, §6).
 
 Three ways in, one decoder (``decoder.MARSBatchDecoder``):
 
@@ -154,7 +154,7 @@ def mars_generate(
             ``enable_mars``, pass it here yourself. It receives the prompt, then only final tokens.
         mars_assistant_model: ``generate(assistant_model=...)`` (moved here by the entry points): a draft
             model with the same tokenizer, verify only; it proposes ``num_assistant_tokens`` drafts per
-            step beside the masks' (MARS_SPEC §5).
+            step beside the masks' (docs/method.md §5).
     """
     generation_config = generation_config if generation_config is not None else model.generation_config
     streamer = streamer if streamer is not None else mars_streamer
@@ -587,7 +587,7 @@ def _stock(model, args, kwargs):
 def _attach_shipped_adapter(model) -> None:
     """In a checkpoint's ``custom_generate/``: apply the gated adapter stored beside it, if any.
 
-    A gated-adapter checkpoint (MARS_SPEC §7) is an adapter on a base model; plain transformers loads
+    A gated-adapter checkpoint (docs/method.md §7) is an adapter on a base model; plain transformers loads
     the base, and this applies the adapter and the trained mask row from the checkpoint (the
     ``custom_generate=`` argument of the running ``generate`` call: transformers runs a *copy* of this
     file from its module cache, so the checkpoint is not this file's parent). Inside the mars_hf

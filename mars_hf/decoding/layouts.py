@@ -1,4 +1,4 @@
-"""What one MARS step feeds for a row, and where that row's predictions sit (MARS_SPEC §2, §5, §6).
+"""What one MARS step feeds for a row, and where that row's predictions sit (docs/method.md §2, §5, §6).
 
 A row feeds, after the entries it already holds in the cache:
 
