@@ -160,7 +160,8 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {ke
 
 
 def _hook_count(model) -> int:
-    """Forward hooks change what a forward costs (a gated adapter's, for one); cheap to count."""
+    """Hooks attached since the curve was measured change what a forward costs; cheap to count. (The gated
+    adapter wraps its layers' forwards instead; it is attached before decoding, so its cost is in every curve.)"""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 

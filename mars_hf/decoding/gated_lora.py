@@ -293,8 +293,8 @@ def _check_adapter_config(config: dict, checkpoint) -> float:
             unsupported.append(f"{key}={config[key]!r}")
     if unsupported:
         raise ValueError(
-            f"The adapter of {checkpoint} uses {', '.join(unsupported)}, which the torch-only loader of "
-            "custom_generate/gated_lora.py does not implement; load it with mars_hf (which uses PEFT) instead."
+            f"The adapter of {checkpoint} uses {', '.join(unsupported)}, which the torch-only loader that "
+            "custom_generate/ and mars_hf share does not implement; retrain the adapter without them."
         )
     r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
