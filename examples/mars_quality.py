@@ -123,6 +123,7 @@ def main() -> None:
         runs = [
             (f"verify-{layout}", {"mars_acceptance": "verify", "mars_layout": layout, **fixed})
             for layout in args.layouts.split(",")
+            if layout
         ]
         runs += [(f"tau={tau}", {"mars_threshold": float(tau), **fixed}) for tau in args.taus.split(",")]
         for name, mars in runs:
