@@ -1,4 +1,4 @@
-"""What the mask gate costs: a gated checkpoint's forward of n rows against the base model's (issue 22 item 4).
+"""What the mask gate costs: a gated checkpoint's forward of n rows against the base model's.
 
 Loads the embedded SmolLM2-135M-Instruct twice, once plain (the base) and once with a mask-gated LoRA
 attached by the shipped loader (``mars_hf.decoding.gated_lora.attach_shipped_adapter``, what a checkpoint's

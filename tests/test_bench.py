@@ -98,7 +98,7 @@ def tiny_result():
         warmup=0,
         cost_repeats=1,
     )
-    # The planner's rows plan on a fixed curve, not this host's measured one (issue 21): a curve under
+    # The planner's rows plan on a fixed curve, not this host's measured one: a curve under
     # which they mix drafts-only steps and groups of several widths, the same on any machine.
     curve = {1: 1.0, 2: 1.02, 3: 1.05, 4: 1.3, 6: 3.0}
 

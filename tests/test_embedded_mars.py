@@ -202,7 +202,7 @@ def test_the_shipped_model_loads_offline_by_name_and_stays_the_base_model(monkey
     common = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     stock = base.generate(ids, **common)
     # verify on a fixed cost curve: in float32 the widths fed are part of what this equality sees, and
-    # a measured curve would make them this host's (issue 21)
+    # a measured curve would make them this host's
     for kwargs in (
         {"mars_threshold": 1.0},
         {"mars_acceptance": "verify", "mars_cost_table": {1: 1.0, 9: 1.4, 10: 4.0}},

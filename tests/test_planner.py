@@ -1,4 +1,4 @@
-"""The step planner and the cost model (issue 22), and MARS near a model's position limit (issue 19).
+"""The step planner and the cost model, and MARS near a model's position limit.
 
 - ``planner.choose`` against a brute-force enumeration of every combination of row plans, with
   expected tokens computed outcome by outcome (not with the planner's cumulative products);
@@ -390,7 +390,7 @@ def test_the_disk_cache_is_keyed_and_reused(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
-# the position limit and W caps (issue 19 item 4)
+# the position limit and W caps
 # ---------------------------------------------------------------------------------------------------
 
 

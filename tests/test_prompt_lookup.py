@@ -1,4 +1,4 @@
-"""Prompt-lookup drafts verified in the MARS step (issue 17 item 1, docs/method.md §5-§6).
+"""Prompt-lookup drafts verified in the MARS step (docs/method.md §5-§6).
 
 The n-gram search is transformers' own (compared with its ``PromptLookupCandidateGenerator`` on the
 same inputs); verify + lookup must be stock greedy token for token (tiny float64 models of several

@@ -45,7 +45,7 @@ def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
 def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch):
     from mars_hf.decoding import cost_model
 
-    # The verify row plans on a fixed cost curve, not this host's measured one (issue 21): in float32
+    # The verify row plans on a fixed cost curve, not this host's measured one: in float32
     # the widths it feeds are part of what the verify == stock agreement check sees.
     fixed = cost_model.CostTable.from_mapping({1: 1.0, 4: 1.2, 5: 3.0})
     monkeypatch.setattr(cost_model, "measure", lambda model, *, batch, **_: fixed)
