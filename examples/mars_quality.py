@@ -30,17 +30,9 @@ from transformers import AutoTokenizer
 
 import mars_hf
 from mars_hf import AutoMARSModelForCausalLM
+from mars_hf.evaluation.metrics import load_metric
 from mars_hf.models.eos import trim_at_eos
 from mars_hf.training.prompts import held_out_prompts
-
-
-def prefix_agreement(output: list[int], reference: list[int]) -> float:
-    same = 0
-    for a, b in zip(output, reference):
-        if a != b:
-            break
-        same += 1
-    return same / max(1, len(reference))
 
 
 @torch.no_grad()
@@ -81,17 +73,19 @@ def decode(model, tokenizer, prompts, batch_size, max_new_tokens, **mars):
     return answers, row_forwards, forwards
 
 
-def summarise(name, decoded, reference, batch_size):
+def summarise(name, decoded, reference, batch_size, agreement_metric):
+    """One table row; prefix agreement and identical answers from the project's `token_agreement` metric."""
     answers, row_forwards, forwards = decoded
     tokens = sum(len(a) for a in answers)
+    agreement = agreement_metric.compute(predictions=answers, references=reference)
     return {
         "run": name,
         "batch": batch_size,
         "tokens": tokens,
         "batch_forwards": forwards,
         "tokens_per_forward": tokens / max(1, sum(row_forwards)),
-        "prefix_agreement": sum(prefix_agreement(a, r) for a, r in zip(answers, reference)) / len(reference),
-        "identical": sum(a == r for a, r in zip(answers, reference)) / len(reference),
+        "prefix_agreement": agreement["prefix_agreement"],
+        "identical": agreement["exact_match"],
     }
 
 
@@ -115,11 +109,12 @@ def main() -> None:
     tokenizer.padding_side = "left"
     prompts = held_out_prompts(args.num_prompts, seed=args.prompt_seed)
     fixed = {"mars_cost_probe": False}
+    agreement_metric = load_metric("token_agreement")
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         stock = decode(model, tokenizer, prompts, batch_size, args.max_new_tokens)
         reference = stock[0]
-        rows.append(summarise("stock", stock, reference, batch_size))
+        rows.append(summarise("stock", stock, reference, batch_size, agreement_metric))
         runs = [
             (f"verify-{layout}", {"mars_acceptance": "verify", "mars_layout": layout, **fixed})
             for layout in args.layouts.split(",")
@@ -128,7 +123,7 @@ def main() -> None:
         runs += [(f"tau={tau}", {"mars_threshold": float(tau), **fixed}) for tau in args.taus.split(",")]
         for name, mars in runs:
             decoded = decode(model, tokenizer, prompts, batch_size, args.max_new_tokens, **mars)
-            rows.append(summarise(name, decoded, reference, batch_size))
+            rows.append(summarise(name, decoded, reference, batch_size, agreement_metric))
             print(json.dumps(rows[-1]), flush=True)
         if args.uncalibrated and "calibration" in model.config.mars:
             calibration = model.config.mars.pop("calibration")
@@ -143,7 +138,9 @@ def main() -> None:
                         mars_threshold=float(tau),
                         **fixed,
                     )
-                    rows.append(summarise(f"tau={tau} uncalibrated", decoded, reference, batch_size))
+                    rows.append(
+                        summarise(f"tau={tau} uncalibrated", decoded, reference, batch_size, agreement_metric)
+                    )
                     print(json.dumps(rows[-1]), flush=True)
             finally:
                 model.config.mars["calibration"] = calibration
