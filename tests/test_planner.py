@@ -25,6 +25,7 @@ from mars_hf.decoding.cost_model import CostTable
 from mars_hf.decoding.generation import enable_mars
 from mars_hf.decoding.planner import (
     AUTO,
+    PROBE_SHARE,
     FIXED,
     THRESHOLD,
     AcceptanceStats,
@@ -32,6 +33,7 @@ from mars_hf.decoding.planner import (
     RowSpec,
     choose,
     plan_width,
+    probe_spacing,
 )
 from tests.test_generation import _batch, peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
@@ -216,6 +218,33 @@ def test_acceptance_stats_learn_and_reprobe():
     assert stats.probe_every == 2 * AcceptanceStats.FIRST_PROBE_EVERY
 
 
+def test_reprobes_spread_out_where_extra_columns_are_dear():
+    """Probes that find nothing cost at most PROBE_SHARE of the time: free on a flat curve, every few
+    dozen steps where two columns cost 1.7x one."""
+    assert probe_spacing(CostTable.from_mapping(FLAT).effective) == 1.0
+    dear = CostTable.from_mapping({1: 1.0, 2: 1.7, 64: 60.0})
+    spacing = probe_spacing(dear.effective)
+    assert spacing == pytest.approx(2 * 0.7 / (PROBE_SHARE * AcceptanceStats.FIRST_PROBE_EVERY))
+    stats = AcceptanceStats(4)
+    for _ in range(AcceptanceStats.FIRST_PROBE_EVERY):
+        stats.observe_step(1, 1.0, fed_masks=False)
+    assert stats.probe_due() and not stats.probe_due(spacing)
+    for _ in range(int(AcceptanceStats.FIRST_PROBE_EVERY * spacing)):
+        stats.observe_step(1, 1.0, fed_masks=False)
+    assert stats.probe_due(spacing)
+
+
+def test_worthless_drafts_on_a_dear_curve_decode_one_token_steps(tok):
+    """An untrained mask row on a curve where a second column costs 1.7x: one-token steps (stock cost)
+    from the first step to the last, no re-probe within 40 tokens; the output is stock's."""
+    model = enable_mars(tiny_model("llama", seed=3))
+    encoded = _batch(tok)
+    stock = model.generate(**encoded, max_new_tokens=40, do_sample=False)
+    out = _verify(model, encoded, {1: 1.0, 2: 1.7, 64: 60.0}, max_new_tokens=40)
+    assert torch.equal(out.sequences, stock)
+    assert out.forward_widths[1:].tolist() == [1] * (out.num_forwards - 1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # each branch on tiny models: the output is stock greedy's
 # ---------------------------------------------------------------------------------------------------
@@ -364,6 +393,9 @@ def test_the_probe_respects_its_budget():
     table = cost_model.measure(model, batch=2, sizes=sizes, mask_token_id=mask, budget_s=0.0)
     assert table.sizes[0] == 1 and table.costs[0] == 1.0 and len(table.sizes) >= 2
     assert table.source == "measured" and all(c > 0 for c in table.costs)
+    # out of time, the narrow widths (the ones steps mostly use) are kept, the wide ones extrapolated
+    assert table.sizes == tuple(sizes[: len(table.sizes)]) and table.sizes[1] == 2
+    assert max(table.sizes) < max(sizes)
 
 
 def test_candidate_widths_cover_every_feed():

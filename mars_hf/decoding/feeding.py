@@ -18,7 +18,7 @@ from .cost_model import batch_bucket
 from .cost_model import cost_table as curve_for
 from .draft_sources import ASSISTANT, LOOKUP, MASKS, lookup_drafts
 from .layouts import RowPlan, idle_plan, plan_row, position_limit
-from .planner import AUTO, FIXED, THRESHOLD, RowChoice, RowSpec, choose
+from .planner import AUTO, FIXED, THRESHOLD, RowChoice, RowSpec, choose, probe_spacing
 from .settings import check_cost_table, check_layout
 
 
@@ -105,6 +105,8 @@ class StepFeed:
         """Fixed rows' plans (None for the planner's rows) and every row's spec; prompt lookup's drafts
         replace the masks' first where they are worth more."""
         plans, specs = [], []
+        known = self.cost_tables.get(batch_bucket(len(rows)))  # none before the first step with masks
+        spacing = probe_spacing(known.effective) if known is not None else 1.0
         for row, decides in zip(rows, deciding):
             if decides and row.lookup_stats is not None:
                 self._pick_drafts(row, len(rows))
@@ -115,7 +117,7 @@ class StepFeed:
                 specs.append(RowSpec(FIXED, len(plan.tokens)))
             else:
                 plans.append(None)
-                specs.append(self._row_spec(row, kind))
+                specs.append(self._row_spec(row, kind, spacing))
         return plans, specs
 
     def _apply_choices(self, rows, deciding, plans, specs, choices) -> None:
@@ -152,7 +154,7 @@ class StepFeed:
         layout = self.layout if (row.verify and self.layout != "auto") else "linear"
         return self._row_plan(row, masks, layout)
 
-    def _row_spec(self, row, kind) -> RowSpec:
+    def _row_spec(self, row, kind, spacing: float) -> RowSpec:
         max_masks, extra = self._room(row)
         stats = row.stats
         if stats.probing and not row.drafts:
@@ -165,7 +167,7 @@ class StepFeed:
             gain=max(1.0, stats.gain),
             max_masks=max_masks,
             max_extra=extra,
-            force_masks=stats.probe_due(),
+            force_masks=stats.probe_due(spacing),
             force_drafts=stats.probing and bool(row.drafts),
         )
 

@@ -197,7 +197,8 @@ class AcceptanceStats:
     prose) is re-estimated within a few dozen steps. ``PRIOR`` (weight ``PRIOR_WEIGHT``) is what an
     unobserved offset is assumed to keep. A row that feeds no masks learns nothing about its drafts, so
     after ``probe_every`` such steps it is made to feed masks once and then every draft they propose
-    (the interval doubles, up to ``MAX_PROBE_EVERY``, while probes find nothing; resets when they do).
+    (the interval doubles, up to ``MAX_PROBE_EVERY``, while probes find nothing; resets when they do;
+    stretched by ``probe_spacing`` where extra columns are dear).
     """
 
     DECAY = 0.9
@@ -275,5 +276,21 @@ class AcceptanceStats:
         self.gain = self.GAIN_DECAY * self.gain + (1 - self.GAIN_DECAY) * rate
         self.idle_steps = 0 if fed_masks else self.idle_steps + 1
 
-    def probe_due(self) -> bool:
-        return self.idle_steps >= self.probe_every
+    def probe_due(self, spacing: float = 1.0) -> bool:
+        """Masks are due again (``spacing``: see ``probe_spacing``)."""
+        return self.idle_steps >= self.probe_every * spacing
+
+
+PROBE_SHARE = 0.025  # re-probes that find nothing may cost at most this share of decoding time
+
+
+def probe_spacing(cost) -> float:
+    """How much further apart than ``AcceptanceStats.probe_every`` steps re-probes go on this cost curve.
+
+    A probe is two wider steps (one mask, then its draft), ``2·(cost(2) − 1)`` more than two plain
+    steps: free on a flat curve (an accelerator), 1.5 steps' worth where two columns cost 1.7× one
+    (a memory-bound CPU in float32). Spaced so that probes finding nothing never cost more than
+    ``PROBE_SHARE`` of the steps between them, worthless drafts decode at stock speed everywhere.
+    """
+    extra = 2.0 * max(0.0, cost(2) - 1.0)
+    return max(1.0, extra / (PROBE_SHARE * AcceptanceStats.FIRST_PROBE_EVERY))
