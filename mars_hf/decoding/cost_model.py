@@ -264,10 +264,11 @@ def measure(
     on a scratch cache of ``context`` tokens; medians of interleaved rounds, relative to width 1.
 
     The user's cache, inputs and random state are untouched (the scratch cache is dropped; nothing is
-    sampled). Under the budget, fewer rounds, then fewer sizes, are timed: the *widest* are dropped and
-    extrapolated from the last measured slope, never the narrow ones. Why: steps are mostly narrow, and
-    the curve is not linear (on one 2-core AVX2 CPU, 2 columns cost 1.7× one, 9 columns 2.0×), so a
-    straight line from 1 to a wide size would call 2 columns nearly free and plan steps slower than stock.
+    sampled). Under the budget, fewer sizes, then fewer rounds, are timed: the middle sizes are dropped
+    (widest first) and interpolated, but 1, 2 and the widest are always timed. Why: the curve is not
+    linear (on one 2-core AVX2 CPU, 2 columns cost 1.7× one, 9 columns 2.0×): a line from 1 to a wide size
+    would call 2 columns nearly free and plan steps slower than stock, and a curve cut short would be
+    extrapolated far above what wide steps (prompt lookup's, quadratic groups) really cost.
     """
     from .cache import MARSBlockCache
 
@@ -298,8 +299,8 @@ def measure(
     timed(1)
     per_round = sum(first + (widest - first) * (n - 1) / max(sizes[-1] - 1, 1) for n in sizes)
     left = budget_s - (time.perf_counter() - started)
-    while len(sizes) > 2 and per_round * 3 > left:  # keep >= 3 rounds: drop the widest size
-        sizes = sizes[:-1]
+    while len(sizes) > 3 and per_round * 3 > left:  # keep >= 3 rounds: drop the widest middle size
+        sizes = sizes[:-2] + sizes[-1:]
         per_round = sum(first + (widest - first) * (n - 1) / max(sizes[-1] - 1, 1) for n in sizes)
     times = {n: [] for n in sizes}
     count = 0
