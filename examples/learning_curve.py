@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from mars_hf.models.eos import trim_at_eos
+
 
 def checkpoints(run_dir: Path) -> list[tuple[int | None, Path]]:
     found = []
@@ -34,16 +36,6 @@ def checkpoints(run_dir: Path) -> list[tuple[int | None, Path]]:
     if (run_dir / "adapter_config.json").exists():
         found.append((None, run_dir))
     return found
-
-
-def prefix_agreement(output: list[int], reference: list[int]) -> float:
-    """Share of the reference reproduced before the first differing token."""
-    same = 0
-    for a, b in zip(output, reference):
-        if a != b:
-            break
-        same += 1
-    return same / max(1, len(reference))
 
 
 @torch.no_grad()
@@ -59,11 +51,7 @@ def decode(model, ids, eos, **kwargs):
         return_dict_in_generate=True,
         **kwargs,
     )
-    tokens = out.sequences[0, input_ids.shape[1] :].tolist()
-    for index, token in enumerate(tokens):
-        if token in eos:
-            tokens = tokens[: index + 1]
-            break
+    tokens = trim_at_eos(out.sequences[0, input_ids.shape[1] :].tolist(), eos)
     return tokens, int(getattr(out, "num_forwards", len(tokens)))
 
 
@@ -71,6 +59,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mars_hf import AutoMARSModelForCausalLM
+    from mars_hf.evaluation.metrics import load_metric
     from mars_hf.evaluation.runs import teacher_forced_acceptance
     from mars_hf.models.embedded_model import embedded_model_dir
     from mars_hf.training.data import chat_prompt_ids
@@ -101,6 +90,7 @@ def main() -> None:
         if args.no_decode
         else [decode(base, ids, eos, max_new_tokens=args.max_new_tokens)[0] for ids in prompt_ids]
     )
+    agreement_metric = None if args.no_decode else load_metric("token_agreement")
     rows = [
         json.loads(line) for line in Path(args.held_out_data).read_text().splitlines()[: args.num_examples]
     ]
@@ -124,17 +114,18 @@ def main() -> None:
         )
         for name, kwargs in runs:
             tokens = forwards = 0
-            agreement, identical = [], 0
-            for ids, reference in zip(prompt_ids, references):
+            outputs = []
+            for ids in prompt_ids:
                 output, count = decode(model, ids, eos, max_new_tokens=args.max_new_tokens, **kwargs)
                 tokens += len(output)
                 forwards += count
-                agreement.append(prefix_agreement(output, reference))
-                identical += int(output == reference)
+                outputs.append(output)
+            # The project's `token_agreement` metric, as in examples/mars_quality.py, so the two agree.
+            agreement = agreement_metric.compute(predictions=outputs, references=references)
             entry[name] = {
                 "tokens_per_forward": tokens / max(1, forwards),
-                "prefix_agreement": sum(agreement) / len(agreement),
-                "identical": identical / len(prompt_ids),
+                "prefix_agreement": agreement["prefix_agreement"],
+                "identical": agreement["exact_match"],
             }
         entry["eval_seconds"] = time.monotonic() - start
         results.append(entry)

@@ -31,6 +31,7 @@ from transformers import AutoTokenizer
 import mars_hf
 from mars_hf import AutoMARSModelForCausalLM
 from mars_hf.evaluation.metrics import load_metric
+from mars_hf.models.chat_inputs import chat_inputs
 from mars_hf.models.eos import trim_at_eos
 from mars_hf.training.prompts import held_out_prompts
 
@@ -45,13 +46,7 @@ def decode(model, tokenizer, prompts, batch_size, max_new_tokens, **mars):
     eos = [eos] if isinstance(eos, int) else list(eos)
     answers, row_forwards, forwards = [], [], 0
     for start in range(0, len(prompts), batch_size):
-        texts = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-            )
-            for p in prompts[start : start + batch_size]
-        ]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = chat_inputs(tokenizer, prompts[start : start + batch_size])
         out = model.generate(
             **batch,
             do_sample=False,
@@ -106,7 +101,6 @@ def main() -> None:
     model = AutoMARSModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     folder = mars_hf.embedded_mars_checkpoint() if args.model == "embedded-mars" else args.model
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.padding_side = "left"
     prompts = held_out_prompts(args.num_prompts, seed=args.prompt_seed)
     fixed = {"mars_cost_probe": False}
     agreement_metric = load_metric("token_agreement")

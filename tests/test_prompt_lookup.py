@@ -32,11 +32,50 @@ REPEATING = [
 CHEAP = {1: 1.0, 12: 1.1, 40: 1.6, 64: 3.0}
 
 
+# one prompt whose n-grams repeat, copied into many rows by the sampling tests
+SAMPLED_PROMPT = "the cat sat on a mat and one two three the cat sat on"
+
+
 @pytest.fixture(scope="module")
 def tok():
     tokenizer = tiny_tokenizer()
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+@pytest.fixture
+def padded(tok):
+    """Every REPEATING prompt in one batch: rows of different lengths, left-padded with pad = EOS."""
+    return tok(REPEATING, return_tensors="pt", padding=True)
+
+
+@pytest.fixture
+def single(tok):
+    """The first REPEATING prompt alone (no padding)."""
+    return tok(REPEATING[:1], return_tensors="pt")
+
+
+def _sampling_rows(tok, rows: int) -> dict:
+    """SAMPLED_PROMPT copied ``rows`` times: one sampled run's rows estimate the output distribution."""
+    prompt = tok([SAMPLED_PROMPT], return_tensors="pt")
+    return {k: v.repeat(rows, 1) for k, v in prompt.items()}
+
+
+def _assert_same_counts(a: torch.Tensor, b: torch.Tensor, where) -> None:
+    """Two-sample chi-square of count vectors over the cells with > 10 draws, with a wide margin (mean +
+    6 sd + 10), so a wrong distribution fails and sampling noise does not."""
+    keep = (a + b) > 10
+    statistic = float(((a - b)[keep] ** 2 / (a + b)[keep]).sum())
+    degrees = max(int(keep.sum()) - 1, 1)
+    assert statistic < degrees + 6 * (2 * degrees) ** 0.5 + 10, (where, statistic, degrees)
+
+
+def _assert_same_token_distribution(stock: torch.Tensor, ours: torch.Tensor, vocab: int) -> None:
+    """Each generated position is distributed alike in the two runs (``[rows, positions]`` token ids)."""
+    for j in range(stock.shape[1]):
+        a = torch.bincount(stock[:, j], minlength=vocab).double()
+        b = torch.bincount(ours[:, j], minlength=vocab).double()
+        _assert_same_counts(a, b, j)
 
 
 def _lookup(model, encoded, **kwargs):
@@ -88,16 +127,15 @@ def test_lookup_drafts_cases_and_errors():
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_verify_with_lookup_equals_stock_greedy(arch, tok):
+def test_verify_with_lookup_equals_stock_greedy(arch, tok, padded):
     model = enable_mars(tiny_model(arch, seed=1))
-    encoded = tok(REPEATING, return_tensors="pt", padding=True)
-    assert encoded.attention_mask[:, 0].eq(0).any() and tok.pad_token_id == model.config.eos_token_id
-    stock = model.generate(**encoded, max_new_tokens=20, do_sample=False)
+    assert padded.attention_mask[:, 0].eq(0).any() and tok.pad_token_id == model.config.eos_token_id
+    stock = model.generate(**padded, max_new_tokens=20, do_sample=False)
     proposed = accepted = 0
     for layout, cache in [("auto", "cursor"), ("linear", "cursor"), ("quadratic", "block"), ("auto", "none")]:
         out = _lookup(
             model,
-            encoded,
+            padded,
             max_new_tokens=20,
             mars_layout=layout,
             mars_cache=cache,
@@ -113,23 +151,22 @@ def test_verify_with_lookup_equals_stock_greedy(arch, tok):
     assert accepted > 10 and proposed > accepted, (proposed, accepted)  # kept and rejected, really
 
 
-def test_lookup_and_masks_share_a_run_and_stops_inside_lookup_drafts(tok):
+def test_lookup_and_masks_share_a_run_and_stops_inside_lookup_drafts(tok, padded):
     """A model with useful masks: both sources' drafts are fed and kept; EOS, a stop criterion and
     max_new_tokens falling inside lookup drafts still give stock output."""
     model = peaked_model("llama")
-    encoded = tok(REPEATING, return_tensors="pt", padding=True)
-    out = _lookup(model, encoded, max_new_tokens=24, mars_cost_table=CHEAP)
-    assert torch.equal(out.sequences, model.generate(**encoded, max_new_tokens=24, do_sample=False))
+    out = _lookup(model, padded, max_new_tokens=24, mars_cost_table=CHEAP)
+    assert torch.equal(out.sequences, model.generate(**padded, max_new_tokens=24, do_sample=False))
     by_source = out.drafts_by_source
     assert by_source["masks"]["accepted"] > 0 and by_source["lookup"]["accepted"] > 0, by_source
     eos = tok.convert_tokens_to_ids("two")
     for max_new in (1, 2, 5, 11):
         for kwargs in ({}, {"eos_token_id": eos}):
-            stock = model.generate(**encoded, max_new_tokens=max_new, do_sample=False, **kwargs)
+            stock = model.generate(**padded, max_new_tokens=max_new, do_sample=False, **kwargs)
             for layout in ("auto", "linear"):
                 run = _lookup(
                     model,
-                    encoded,
+                    padded,
                     max_new_tokens=max_new,
                     mars_layout=layout,
                     mars_cost_table=CHEAP,
@@ -138,13 +175,12 @@ def test_lookup_and_masks_share_a_run_and_stops_inside_lookup_drafts(tok):
                 assert torch.equal(run.sequences, stock), (max_new, kwargs, layout)
 
 
-def test_max_matching_ngram_size_and_lookup_length_are_honoured(tok):
+def test_max_matching_ngram_size_and_lookup_length_are_honoured(single):
     model = enable_mars(tiny_model("qwen2", seed=1))
-    encoded = tok(REPEATING[:1], return_tensors="pt")
-    stock = model.generate(**encoded, max_new_tokens=16, do_sample=False)
+    stock = model.generate(**single, max_new_tokens=16, do_sample=False)
     for k, n in [(1, 1), (3, 3), (10, 2)]:
         out = model.generate(
-            **encoded,
+            **single,
             max_new_tokens=16,
             do_sample=False,
             mars_acceptance="verify",
@@ -182,8 +218,7 @@ def test_one_hot_rule_reproduces_the_target_distribution():
 
 def test_sampled_verify_with_lookup_matches_stock_sampling_statistically(tok):
     model = peaked_model("qwen3")
-    prompt = tok(["the cat sat on a mat and one two three the cat sat on"], return_tensors="pt")
-    copies = {k: v.repeat(400, 1) for k, v in prompt.items()}
+    copies = _sampling_rows(tok, 400)
     kwargs = dict(max_new_tokens=5, do_sample=True, temperature=1.5, top_k=0)
     torch.manual_seed(1)
     stock = model.generate(**copies, **kwargs)[:, -5:]
@@ -193,20 +228,11 @@ def test_sampled_verify_with_lookup_matches_stock_sampling_statistically(tok):
     lookup = out.drafts_by_source["lookup"]
     assert lookup["accepted"] > 100 and lookup["proposed"] - lookup["accepted"] > 30, lookup
     vocab = model.config.vocab_size
-    for j in range(5):
-        a = torch.bincount(stock[:, j], minlength=vocab).double()
-        b = torch.bincount(ours[:, j], minlength=vocab).double()
-        keep = (a + b) > 10
-        statistic = float(((a - b)[keep] ** 2 / (a + b)[keep]).sum())
-        degrees = max(int(keep.sum()) - 1, 1)
-        assert statistic < degrees + 6 * (2 * degrees) ** 0.5 + 10, (j, statistic, degrees)
+    _assert_same_token_distribution(stock, ours, vocab)
     pair = lambda x: x[:, 1] * vocab + x[:, 2]  # noqa: E731
     a = torch.bincount(pair(stock), minlength=vocab * vocab).double()
     b = torch.bincount(pair(ours), minlength=vocab * vocab).double()
-    keep = (a + b) > 10
-    statistic = float(((a - b)[keep] ** 2 / (a + b)[keep]).sum())
-    degrees = max(int(keep.sum()) - 1, 1)
-    assert statistic < degrees + 6 * (2 * degrees) ** 0.5 + 10, (statistic, degrees)
+    _assert_same_counts(a, b, "positions 1-2 jointly")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -214,24 +240,23 @@ def test_sampled_verify_with_lookup_matches_stock_sampling_statistically(tok):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_lookup_keywords_are_checked(tok):
+def test_lookup_keywords_are_checked(single):
     model = enable_mars(tiny_model("llama"))
-    encoded = tok(REPEATING[:1], return_tensors="pt")
     with pytest.raises(ValueError, match="mars_acceptance='verify'"):
-        model.generate(**encoded, max_new_tokens=4, mars_threshold=0.5, prompt_lookup_num_tokens=3)
+        model.generate(**single, max_new_tokens=4, mars_threshold=0.5, prompt_lookup_num_tokens=3)
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
-            _lookup(model, encoded, max_new_tokens=4, **{"prompt_lookup_num_tokens": bad})
+            _lookup(model, single, max_new_tokens=4, **{"prompt_lookup_num_tokens": bad})
     with pytest.raises(ValueError, match="max_matching_ngram_size"):
-        _lookup(model, encoded, max_new_tokens=4, max_matching_ngram_size=0)
+        _lookup(model, single, max_new_tokens=4, max_matching_ngram_size=0)
     # without MARS settings it is transformers' own prompt lookup
-    stock = model.generate(**encoded, max_new_tokens=8, do_sample=False)
+    stock = model.generate(**single, max_new_tokens=8, do_sample=False)
     assert torch.equal(
-        model.generate(**encoded, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3), stock
+        model.generate(**single, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3), stock
     )
 
 
-def test_lookup_through_custom_generate_in_process(tmp_path, tok):
+def test_lookup_through_custom_generate_in_process(tmp_path, tok, padded):
     from transformers import AutoModelForCausalLM
 
     from mars_hf import hub
@@ -242,10 +267,9 @@ def test_lookup_through_custom_generate_in_process(tmp_path, tok):
     hub.save_pretrained(model, tok, folder, base_model="tiny")
     assert (folder / "custom_generate" / "draft_sources.py").is_file()
     plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
-    encoded = tok(REPEATING, return_tensors="pt", padding=True)
-    stock = plain.generate(**encoded, max_new_tokens=12, do_sample=False)
+    stock = plain.generate(**padded, max_new_tokens=12, do_sample=False)
     out = plain.generate(
-        **encoded,
+        **padded,
         max_new_tokens=12,
         do_sample=False,
         custom_generate=str(folder),
@@ -386,15 +410,14 @@ def test_bench_cli_prompt_lookup_rows(tmp_path, capsys):
 
 @pytest.mark.parametrize("target_arch, assistant_arch", [("llama", "qwen3"), ("mistral", "qwen2")])
 def test_verify_with_an_assistant_of_another_architecture_equals_stock_greedy(
-    target_arch, assistant_arch, tok
+    target_arch, assistant_arch, padded
 ):
     model, assistant = peaked_model(target_arch), peaked_model(assistant_arch)
-    encoded = tok(REPEATING, return_tensors="pt", padding=True)
-    stock = model.generate(**encoded, max_new_tokens=16, do_sample=False)
+    stock = model.generate(**padded, max_new_tokens=16, do_sample=False)
     kept = 0
     for layout in ("auto", "quadratic"):
         out = model.generate(
-            **encoded,
+            **padded,
             max_new_tokens=16,
             do_sample=False,
             mars_acceptance="verify",
@@ -410,7 +433,7 @@ def test_verify_with_an_assistant_of_another_architecture_equals_stock_greedy(
     # a random assistant: its drafts are mostly rejected, the output is still the target's
     stranger = tiny_model(assistant_arch, seed=3, block_size=None)
     out = model.generate(
-        **encoded,
+        **padded,
         max_new_tokens=12,
         do_sample=False,
         mars_acceptance="verify",
@@ -420,13 +443,12 @@ def test_verify_with_an_assistant_of_another_architecture_equals_stock_greedy(
     )
     assert torch.equal(out.sequences, stock[:, : out.sequences.shape[1]])
     with pytest.raises(ValueError, match="mars_acceptance='verify'"):
-        model.generate(**encoded, max_new_tokens=4, mars_threshold=0.5, assistant_model=assistant)
+        model.generate(**padded, max_new_tokens=4, mars_threshold=0.5, assistant_model=assistant)
 
 
 def test_sampled_verify_with_an_assistant_matches_stock_sampling_statistically(tok):
     model, assistant = peaked_model("qwen3"), peaked_model("llama")
-    prompt = tok(["the cat sat on a mat and one two three the cat sat on"], return_tensors="pt")
-    copies = {k: v.repeat(1000, 1) for k, v in prompt.items()}  # enough to see a wrong q
+    copies = _sampling_rows(tok, 1000)  # enough to see a wrong q
     kwargs = dict(max_new_tokens=4, do_sample=True, temperature=1.5, top_k=0)
     torch.manual_seed(1)
     stock = model.generate(**copies, **kwargs)[:, -4:]
@@ -443,11 +465,4 @@ def test_sampled_verify_with_an_assistant_matches_stock_sampling_statistically(t
     ours = out.sequences[:, -4:]
     counts = out.drafts_by_source["assistant"]
     assert counts["accepted"] > 100 and counts["proposed"] - counts["accepted"] > 30, counts
-    vocab = model.config.vocab_size
-    for j in range(4):
-        a = torch.bincount(stock[:, j], minlength=vocab).double()
-        b = torch.bincount(ours[:, j], minlength=vocab).double()
-        keep = (a + b) > 10
-        statistic = float(((a - b)[keep] ** 2 / (a + b)[keep]).sum())
-        degrees = max(int(keep.sum()) - 1, 1)
-        assert statistic < degrees + 6 * (2 * degrees) ** 0.5 + 10, (j, statistic, degrees)
+    _assert_same_token_distribution(stock, ours, model.config.vocab_size)

@@ -72,3 +72,22 @@ def test_serve_command_answers_verify_and_tau_requests_and_shuts_down(tmp_path):
             process.kill()
             raise
     assert process.returncode in (0, -signal.SIGTERM)
+
+
+def test_serve_flags_leave_their_defaults_to_the_config_dataclasses():
+    """Every ServerConfig setting has a flag; a flag not given leaves the dataclass default (no copy of it
+    in argparse to drift), a given one reaches its field."""
+    from dataclasses import fields
+
+    from mars_hf.cli import build_parser
+    from mars_hf.commands.serve import CONTROLLER_FLAGS, SERVER_FLAGS, config_kwargs
+    from mars_hf.serving import ControllerConfig, ServerConfig
+
+    assert set(SERVER_FLAGS.values()) == {f.name for f in fields(ServerConfig)} - {"model_id", "controller"}
+    assert set(CONTROLLER_FLAGS.values()) <= {f.name for f in fields(ControllerConfig)}
+    parser = build_parser()
+    args = parser.parse_args(["serve", "m"])
+    assert config_kwargs(args, SERVER_FLAGS) == {} and config_kwargs(args, CONTROLLER_FLAGS) == {}
+    args = parser.parse_args(["serve", "m", "--max-rows", "3", "--request-timeout", "5", "--tau-min", "0.5"])
+    assert config_kwargs(args, SERVER_FLAGS) == {"max_rows": 3, "request_timeout_s": 5.0}
+    assert config_kwargs(args, CONTROLLER_FLAGS) == {"tau_min": 0.5}

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from mars_hf.models.chat_inputs import chat_inputs
 from mars_hf.models.eos import eos_token_ids, trim_at_eos
 from mars_hf.tools.loading import DEFAULT_BLOCK_SIZE, load_model_and_tokenizer
 
@@ -94,23 +95,6 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
         help="Precision to load the model in. auto (default): bfloat16 where this CPU computes bf16 natively "
         "and a short probe measures it faster, float32 elsewhere (the choice is logged).",
     )
-
-
-def chat_inputs(tokenizer, prompts: list[str], system: str | None = None) -> dict:
-    """Chat-template each prompt and left-pad them into one batch."""
-    texts = []
-    for prompt in prompts:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    finally:
-        tokenizer.padding_side = padding_side
-    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
 
 def split_chunks(tokens: list[int], accepted: list[int]) -> list[list[int]]:

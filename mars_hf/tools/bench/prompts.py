@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from mars_hf.models.chat_inputs import chat_inputs
+
 # General chat prompts that ask for answers longer than a typical ``max_new_tokens``, so most rows
 # decode until the limit and timings compare equal amounts of work.
 BUILTIN_PROMPTS = [
@@ -55,21 +57,8 @@ def load_prompts(path: str | os.PathLike) -> list[str]:
 
 
 def prepare_inputs(tokenizer, prompts: list[str], batch_size: int) -> dict:
-    """Chat-template ``batch_size`` prompts (cycling through the list), left-padded."""
-    chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-        )
-        for p in chosen
-    ]
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    finally:
-        tokenizer.padding_side = padding_side
-    return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    """Chat-template ``batch_size`` prompts (cycling through the list), left-padded (`chat_inputs`)."""
+    return chat_inputs(tokenizer, [prompts[i % len(prompts)] for i in range(batch_size)])
 
 
 def prepare_batches(tokenizer, prompts: list[str], batch_size: int) -> list[dict]:
