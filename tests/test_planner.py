@@ -25,8 +25,8 @@ from mars_hf.decoding.cost_model import CostTable
 from mars_hf.decoding.generation import enable_mars
 from mars_hf.decoding.planner import (
     AUTO,
-    PROBE_SHARE,
     FIXED,
+    PROBE_SHARE,
     THRESHOLD,
     AcceptanceStats,
     RowChoice,

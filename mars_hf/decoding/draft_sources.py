@@ -17,7 +17,10 @@ from collections.abc import Collection, Sequence
 LOOKUP = "lookup"  # the prompt-lookup source's name in statistics (``MARSGenerateOutput``, serving usage)
 MASKS = "masks"  # the masks' own drafts
 ASSISTANT = "assistant"  # a separate draft model's (``assistant_model=``, docs/method.md §5)
-SOURCES = (MASKS, LOOKUP, ASSISTANT)
+# the masks' drafts with the draft model's continuation after them (the draft model reads the row's
+# tokens and the mask drafts; docs/method.md §5): one chain, checked left to right like any other
+CHAINED = "masks+assistant"
+SOURCES = (MASKS, LOOKUP, ASSISTANT, CHAINED)
 DEFAULT_MAX_NGRAM = 2  # transformers' default ``max_matching_ngram_size``
 
 
@@ -51,4 +54,3 @@ def lookup_drafts(
                         return chosen[:j]
                 return chosen
     return []
-

@@ -1,9 +1,10 @@
 """What each row feeds in a MARS step, and the step's width (docs/method.md §4-§6).
 
 ``StepFeed.plan`` gives every row its ``layouts.RowPlan``: which drafts it checks (the masks', prompt
-lookup's or a draft model's, whichever chain is worth more), how many masks in which layout (fixed, or
-chosen by ``planner.choose`` from the measured ``cost_model`` curve), and pads the step to the cheapest
-measured width. ``StepFeed.learn`` then updates each row's acceptance statistics from what it kept.
+lookup's, a draft model's, or the masks' continued by a draft model: whichever chain is worth more),
+how many masks in which layout (fixed, or chosen by ``planner.choose`` from the measured
+``cost_model`` curve), and pads the step to the cheapest measured width. ``StepFeed.learn`` then
+updates each row's acceptance statistics from what it kept.
 
 This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
@@ -16,7 +17,7 @@ import torch
 
 from .cost_model import batch_bucket
 from .cost_model import cost_table as curve_for
-from .draft_sources import ASSISTANT, LOOKUP, MASKS, lookup_drafts
+from .draft_sources import ASSISTANT, CHAINED, LOOKUP, MASKS, lookup_drafts
 from .layouts import RowPlan, idle_plan, plan_row, position_limit
 from .planner import AUTO, FIXED, THRESHOLD, RowChoice, RowSpec, choose, probe_spacing
 from .settings import check_cost_table, check_layout
@@ -176,6 +177,9 @@ class StepFeed:
         """Chance that each draft in hand is kept given the ones before it. Prompt lookup's: its
         observed acceptance per offset. Sampled mask drafts: the masks' observed acceptance, not the
         drafts' own probabilities (feeding a sampled draft because of its value would bias the output)."""
+        if row.draft_source == CHAINED:  # mask drafts (calibrated), then the draft model's (observed)
+            follow = row.assistant_stats.future()[: len(row.drafts) - len(row.draft_confidence)]
+            return row.stats.calibrated(row.draft_confidence) + follow
         if row.draft_source != MASKS:
             return row.source_stats(row.draft_source).future()[: len(row.drafts)]
         if row.do_sample:
@@ -205,34 +209,91 @@ class StepFeed:
         mine = self._draft_value(row, row.lookup_stats.future()[: len(found)], table)
         if mine > (self._draft_value(row, self._draft_probs(row), table) if row.drafts else 0.0):
             row.drafts, row.draft_confidence, row.proposal, row.draft_source = found, [], None, LOOKUP
+        else:
+            row.lookup_stats.forget()
 
     @torch.no_grad()
     def _assistant_drafts(self, rows, batch: int) -> None:
-        """docs/method.md §5: a draft model proposes ``assistant_tokens`` tokens after each row's tokens (one
-        batched stock ``generate`` call, left-padded; greedy rows greedily, sampled rows sampled with
-        their distributions kept as the proposals q); a row takes them instead of its masks' drafts
-        when they are worth more net of cost (``_draft_value``). The planner then feeds them with mask
-        groups after them (quadratic: fresh mask drafts after whatever prefix is kept)."""
-        for do_sample in (False, True):
-            group = [r for r in rows if r.do_sample == do_sample and not (r.stats.probing and r.drafts)]
-            rooms = [min(r.settings.max_new_tokens - r.generated - 1, self._room(r)[1]) for r in group]
-            group = [(r, room) for r, room in zip(group, rooms) if room > 0]
-            if not group:
-                continue
-            out, longest = self._assistant_generate([r for r, _ in group], do_sample)
-            new = out.sequences[:, longest:].tolist()
-            table = self.cost_table(batch)
-            for b, (row, room) in enumerate(group):
-                self._offer_assistant_drafts(row, new[b][:room], out.scores if do_sample else None, b, table)
+        """docs/method.md §5: a draft model continues each row (one batched stock ``generate`` call,
+        left-padded). Per row, before anything is drawn, the proposals are valued as the planner values
+        drafts (``_draft_value``: expected drafts kept, less λ × the extra cost of their columns):
 
-    def _assistant_generate(self, rows, do_sample: bool):
-        """The draft model's stock ``generate`` on the rows' tokens, left-padded; and the padded length."""
-        longest = max(len(r.tokens) for r in rows)
+        - the masks' drafts alone (what the row holds from the last step);
+        - the draft model's ``assistant_tokens`` tokens after the row's tokens (*plain*);
+        - greedy rows only: the first ``j`` mask drafts, then the draft model's tokens after the row's
+          tokens *and* those ``j`` drafts (*chained*, for the best ``j``): the mask drafts' calibrated
+          probabilities value the first part, the draft model's observed acceptance the rest, reached
+          only if every mask draft before it is kept.
+
+        The draft model runs only for rows where its proposal is worth more than the masks' drafts
+        alone. Greedy rows compare again once the tokens are known (an EOS shortens a chain);
+        sampled rows take what was chosen (only plain drafts, with their distributions as q): the
+        choice never reads a sampled draft, so speculative sampling stays exact. The planner then
+        feeds a prefix of the chosen drafts with mask groups after them (quadratic: fresh mask
+        drafts after whatever prefix is kept)."""
+        eligible = [r for r in rows if not (r.stats.probing and r.drafts)]  # a re-probe keeps the masks'
+        if not eligible:
+            return
+        table = self.cost_table(batch)
+        for do_sample in (False, True):
+            picked = []
+            for row in eligible:
+                if row.do_sample == do_sample:
+                    option = self._assistant_option(row, table)
+                    if option is not None:
+                        picked.append((row, option))
+            if not picked:
+                continue
+            contexts = [row.tokens + row.drafts[:head] for row, (head, _) in picked]
+            out, longest = self._assistant_generate(contexts, do_sample)
+            new = out.sequences[:, longest:].tolist()
+            for b, (row, (head, count)) in enumerate(picked):
+                scores = out.scores if do_sample else None
+                self._offer_assistant_drafts(row, head, new[b][:count], scores, b, table)
+
+    def _assistant_option(self, row, table) -> tuple[int, int] | None:
+        """``(head, count)``: the draft model's ``count`` tokens after the row's first ``head`` mask drafts
+        (``head = 0``: plain), whichever chain is worth most, or None when the masks' drafts alone (or no
+        drafts) are worth as much. Reads the row's statistics only, never a draft's value."""
+        room = self._draft_room(row)
+        if room <= 0:
+            return None
+        follow = row.assistant_stats.future()
+        masks = self._draft_probs(row) if row.drafts else []
+        best, option = (self._draft_value(row, masks, table) if row.drafts else 0.0), None
+        heads = 0 if row.do_sample else self._chainable(row, room)
+        for head in range(heads + 1):
+            count = min(self.assistant_tokens, room - head)
+            if count <= 0:
+                break
+            value = self._draft_value(row, masks[:head] + follow[:count], table)
+            if value > best:
+                best, option = value, (head, count)
+        return option
+
+    def _draft_room(self, row) -> int:
+        """Drafts a row may check this step: the tokens left but one (the step's own token), and its
+        positions left."""
+        return min(row.settings.max_new_tokens - row.generated - 1, self._room(row)[1])
+
+    @staticmethod
+    def _chainable(row, room: int) -> int:
+        """Mask drafts the draft model may continue after: those before the first EOS (nothing follows a
+        kept EOS), leaving room for at least one of its tokens."""
+        usable = len(row.drafts)
+        for j, token in enumerate(row.drafts):
+            if token in row.eos:
+                usable = j
+                break
+        return max(0, min(usable, room - 1))
+
+    def _assistant_generate(self, contexts, do_sample: bool):
+        """The draft model's stock ``generate`` after each context (a token list), left-padded; and the
+        padded length."""
+        longest = max(len(c) for c in contexts)
         pad = self.pad_token_id
-        ids = torch.tensor([[pad] * (longest - len(r.tokens)) + r.tokens for r in rows], device=self.device)
-        mask = torch.tensor(
-            [[0] * (longest - len(r.tokens)) + [1] * len(r.tokens) for r in rows], device=self.device
-        )
+        ids = torch.tensor([[pad] * (longest - len(c)) + c for c in contexts], device=self.device)
+        mask = torch.tensor([[0] * (longest - len(c)) + [1] * len(c) for c in contexts], device=self.device)
         sampling = {"top_k": 0, "top_p": 1.0, "temperature": 1.0} if do_sample else {}
         out = self.assistant.generate(
             input_ids=ids,
@@ -248,22 +309,45 @@ class StepFeed:
         )
         return out, longest
 
-    def _offer_assistant_drafts(self, row, drafts, scores, b: int, table) -> None:
-        """Row ``b`` of the draft model's output (cut after an EOS) replaces the row's drafts when worth more."""
+    def _offer_assistant_drafts(self, row, head: int, drafts, scores, b: int, table) -> None:
+        """Row ``b`` of the draft model's output (cut after an EOS), after the row's first ``head`` mask
+        drafts, becomes the row's drafts (a greedy row checks first that the chain, shortened by an EOS,
+        is still worth more than the masks' drafts alone)."""
         for j, token in enumerate(drafts):
             if token in row.eos:
                 drafts = drafts[: j + 1]
                 break
-        value = self._draft_value(row, row.assistant_stats.future()[: len(drafts)], table)
-        current = self._draft_value(row, self._draft_probs(row), table) if row.drafts else 0.0
-        if drafts and value > current:
-            proposal = None
-            if scores is not None:
-                proposal = torch.stack([torch.softmax(scores[j][b].float(), -1) for j in range(len(drafts))]).to(
-                    self.device
-                )
+        if not drafts:
+            return
+        if not row.do_sample:
+            masks = self._draft_probs(row) if row.drafts else []
+            follow = row.assistant_stats.future()[: len(drafts)]
+            value = self._draft_value(row, masks[:head] + follow, table)
+            if value <= (self._draft_value(row, masks, table) if row.drafts else 0.0):
+                return
+        proposal = None
+        if scores is not None:
+            proposal = torch.stack([torch.softmax(scores[j][b].float(), -1) for j in range(len(drafts))]).to(
+                self.device
+            )
+        if head:  # the mask drafts keep their confidences: they say where the draft model's part starts
+            row.drafts, row.draft_confidence = row.drafts[:head] + drafts, row.draft_confidence[:head]
+            row.proposal, row.draft_source = None, CHAINED
+        else:
             row.drafts, row.draft_confidence, row.proposal = drafts, [], proposal
             row.draft_source = ASSISTANT
+
+    @staticmethod
+    def _source_outcome(source: str, checked: int, kept: int, fed_confidence) -> tuple[int, int]:
+        """``(checked, kept)`` of a draft source's own part of the chain a row checked: all of it, but for
+        a chained proposal only the draft model's tokens after the mask drafts (``fed_confidence``, one
+        confidence per mask draft), reached only when every mask draft was kept."""
+        if source != CHAINED:
+            return checked, kept
+        head = len(fed_confidence)
+        if kept < head:
+            return 0, 0
+        return checked - head, kept - head
 
     @staticmethod
     def _draft_value(row, probs, table) -> float:
@@ -298,6 +382,8 @@ class StepFeed:
         """Feed only the first ``count`` drafts (the rest are proposals nobody checks: dropping them
         never changes what verify keeps, only how much it can keep)."""
         if count < len(row.drafts):
+            if row.draft_source == CHAINED and count <= len(row.draft_confidence):
+                row.draft_source = MASKS  # only mask drafts of a chained proposal are fed
             row.drafts = row.drafts[:count]
             row.draft_confidence = row.draft_confidence[:count]
             row.proposal = row.proposal[:count] if row.proposal is not None else None
@@ -307,7 +393,9 @@ class StepFeed:
         (prompt lookup's acceptance apart from the masks', whatever the layout)."""
         for i, (row, spec, choice) in enumerate(zip(rows, specs, choices)):
             if i in outcome and sources[i] != MASKS:
-                row.source_stats(sources[i]).observe(checked[i], outcome[i][2])
+                row.source_stats(sources[i]).observe(
+                    *self._source_outcome(sources[i], checked[i], outcome[i][2], fed_confidence[i])
+                )
             if spec.kind == FIXED or i not in outcome:
                 continue
             tokens, _, kept_drafts, _ = outcome[i]
@@ -315,6 +403,9 @@ class StepFeed:
             if spec.kind == AUTO:
                 if sources[i] == MASKS:  # the other sources' acceptance was counted above
                     stats.observe(choice.drafts, kept_drafts, fed_confidence[i])
+                elif sources[i] == CHAINED:  # its mask drafts, as the masks' own
+                    head = len(fed_confidence[i])
+                    stats.observe(min(choice.drafts, head), min(kept_drafts, head), fed_confidence[i])
                 if choice.masks and row.draft_confidence and not row.do_sample:
                     # what this step's masks proposed values fresh drafts, checked or not (greedy only:
                     # a sampled draft's own probability must not steer whether it is fed)

@@ -84,6 +84,19 @@ class SourceStats(AcceptanceStats):
         tail = zip(self.kept[1:], self.reached[1:])
         return [first] + [(kept + w * first) / (reached + w) for kept, reached in tail]
 
+    def forget(self) -> None:
+        """A match was found but not fed: old outcomes weigh less, the estimate drifts back to the prior.
+
+        Why: a source is only observed when fed, so without this one failed chain (its first offset
+        then estimated at 0.4, its chains worth less than their cost where extra columns are dear)
+        would keep a row from ever trying it again, although the text moves on (an answer starts
+        copying a passage of the input after a sentence of its own). A row re-tries after about a
+        dozen declined matches; each failure costs one wide step."""
+        for j in range(len(self.reached)):
+            self.reached[j] *= self.DECAY
+            self.kept[j] *= self.DECAY
+            self.predicted[j] *= self.DECAY
+
 
 class RowState:
     """One row's decoding state."""

@@ -1,0 +1,183 @@
+"""A draft model's tokens after the masks' drafts, verified by a MARS target (docs/method.md §5-§6).
+
+``generate(assistant_model=draft, mars_acceptance="verify")`` offers each greedy row three chains a step:
+the masks' drafts alone, the draft model's tokens after the row's tokens (*plain*), and the first mask
+drafts with the draft model's tokens after them (*chained*: the draft model reads the row's tokens and
+those mask drafts). Whatever is fed, the output must be the target's own greedy output; the chained
+proposals must really be offered, fed and kept (``drafts_by_source["masks+assistant"]``), and their
+continuation must be the draft model's greedy continuation of the row *and* its mask drafts.
+
+Tiny float64 models (``tests/tiny.py``); targets and draft models trained briefly on the synthetic
+language (``peaked_model``), so that masks and draft model are both often right; left-padded batches
+with pad id == EOS id; a flat cost table (``{1: 1.0}``: every width costs one column) makes the widest
+feeds, chained proposals included, the planner's choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mars_hf.decoding.draft_sources import ASSISTANT, CHAINED, MASKS
+from mars_hf.decoding.feeding import StepFeed
+from tests.test_generation import peaked_model
+from tests.test_prompt_lookup import REPEATING
+from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
+
+FLAT = {1: 1.0}  # every width costs one column's: chained proposals are worth feeding
+# each target with a draft model of another architecture
+PAIRS = [(arch, ARCHITECTURES[(i + 2) % len(ARCHITECTURES)]) for i, arch in enumerate(ARCHITECTURES)]
+PROMPTS = REPEATING + ["the dog sat on a", "one two three the cat"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer = tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def padded(tok):
+    """Rows of different lengths, left-padded with pad = EOS."""
+    return tok(PROMPTS, return_tensors="pt", padding=True)
+
+
+def _assisted(model, assistant, encoded, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("num_assistant_tokens", 4)
+    kwargs.setdefault("mars_cost_table", FLAT)
+    return model.generate(
+        **encoded,
+        mars_acceptance="verify",
+        assistant_model=assistant,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("target_arch, assistant_arch", PAIRS)
+def test_chained_proposals_keep_stock_greedy_output(target_arch, assistant_arch, tok, padded):
+    model, assistant = peaked_model(target_arch), peaked_model(assistant_arch)
+    assert padded.attention_mask[:, 0].eq(0).any() and tok.pad_token_id == model.config.eos_token_id
+    stock = model.generate(**padded, max_new_tokens=24, do_sample=False)
+    chained = {"proposed": 0, "accepted": 0}
+    for layout, cache in [("auto", "cursor"), ("linear", "cursor"), ("quadratic", "block"), ("auto", "none")]:
+        out = _assisted(
+            model,
+            assistant,
+            padded,
+            max_new_tokens=24,
+            mars_layout=layout,
+            mars_cache=cache,
+            mars_cache_block=3,
+        )
+        assert torch.equal(out.sequences, stock), (target_arch, layout, cache)
+        counts = out.drafts_by_source[CHAINED]
+        total = sum(c["proposed"] for c in out.drafts_by_source.values())
+        assert total == int(out.drafts_proposed.sum())  # every checked draft is counted under one source
+        chained = {key: chained[key] + counts[key] for key in chained}
+    # chains were fed and kept, and some were rejected: the check really ran on them
+    assert chained["accepted"] > 20 and chained["proposed"] > chained["accepted"], chained
+
+
+def test_stops_and_lengths_inside_chained_drafts(tok, padded):
+    """EOS (a frequent word here, so it falls inside mask drafts and the draft model's tokens), a list
+    of EOS ids and ``max_new_tokens`` inside a chain: still stock greedy."""
+    model, assistant = peaked_model("llama"), peaked_model("qwen3")
+    eos = tok.convert_tokens_to_ids("two")
+    for max_new in (1, 2, 5, 11):
+        for kwargs in ({}, {"eos_token_id": eos}, {"eos_token_id": [eos, tok.convert_tokens_to_ids("mat")]}):
+            stock = model.generate(**padded, max_new_tokens=max_new, do_sample=False, **kwargs)
+            for layout in ("auto", "linear"):
+                out = _assisted(
+                    model, assistant, padded, max_new_tokens=max_new, mars_layout=layout, **kwargs
+                )
+                assert torch.equal(out.sequences, stock), (max_new, kwargs, layout)
+
+
+class _Spy:
+    """Records every proposal the draft model makes (context, chained head, its tokens) and what the
+    row then holds; counts the draft-model parts of chains that verification kept."""
+
+    def __init__(self, monkeypatch):
+        self.offers, self.kept_after_masks = [], 0
+        offer, outcome = StepFeed._offer_assistant_drafts, StepFeed._source_outcome
+
+        def spy_offer(feed, row, head, drafts, scores, b, table):
+            context = row.tokens + row.drafts[:head]
+            offer(feed, row, head, drafts, scores, b, table)
+            self.offers.append((context, head, list(drafts), row.draft_source, list(row.drafts)))
+
+        def spy_outcome(source, checked, kept, fed_confidence):
+            result = outcome(source, checked, kept, fed_confidence)
+            if source == CHAINED:
+                self.kept_after_masks += result[1]
+            return result
+
+        monkeypatch.setattr(StepFeed, "_offer_assistant_drafts", spy_offer)
+        monkeypatch.setattr(StepFeed, "_source_outcome", staticmethod(spy_outcome))
+
+
+def test_chains_are_the_draft_models_continuation_of_the_mask_drafts(monkeypatch, tok, padded):
+    """The chained drafts are the row's mask drafts followed by the draft model's own greedy
+    continuation of the row's tokens *and* those mask drafts, and tokens of that continuation are kept
+    after kept mask drafts (the draft model's part of a chain adds tokens, not only its mask part)."""
+    model, assistant = peaked_model("qwen2"), peaked_model("mistral")
+    spy = _Spy(monkeypatch)
+    out = _assisted(model, assistant, padded, max_new_tokens=24)
+    assert torch.equal(out.sequences, model.generate(**padded, max_new_tokens=24, do_sample=False))
+    chains = [offer for offer in spy.offers if offer[3] == CHAINED]
+    assert chains and any(offer[3] == ASSISTANT for offer in spy.offers)  # both kinds were chosen
+    for context, head, drafts, _, held in chains[:12]:
+        assert 0 < head and held[:head] == context[len(context) - head :]
+        assert held[head:] == drafts[: len(held) - head]  # (cut after an EOS)
+        alone = assistant.generate(
+            input_ids=torch.tensor([context]), max_new_tokens=len(drafts), do_sample=False, eos_token_id=None
+        )
+        assert alone[0, len(context) :].tolist() == drafts, (context, drafts)
+    assert spy.kept_after_masks > 5, spy.kept_after_masks
+    assert out.drafts_by_source[CHAINED]["accepted"] >= spy.kept_after_masks
+
+
+def test_the_chain_counts_fail_when_no_chain_is_offered(monkeypatch, padded):
+    """The mutant that never chains (the draft model always reads the row's tokens alone, today's
+    either/or) gives the same output with no chained drafts: the counts above would fail on it."""
+    model, assistant = peaked_model("llama"), peaked_model("qwen3")
+    monkeypatch.setattr(StepFeed, "_chainable", staticmethod(lambda row, room: 0))
+    out = _assisted(model, assistant, padded, max_new_tokens=24)
+    assert torch.equal(out.sequences, model.generate(**padded, max_new_tokens=24, do_sample=False))
+    assert out.drafts_by_source[CHAINED] == {"proposed": 0, "accepted": 0}
+    assert out.drafts_by_source[ASSISTANT]["accepted"] > 0
+
+
+def test_chains_take_fewer_target_forwards_than_either_alone(tok):
+    """On a pair whose masks and draft model are both useful, batch 1: chained proposals need fewer
+    target forwards in total than the either/or choice (the mutant above)."""
+    model, assistant = peaked_model("llama"), peaked_model("qwen3")
+    forwards = {"chained": 0, "either/or": 0}
+    for prompt in PROMPTS[:4]:
+        encoded = tok([prompt], return_tensors="pt")
+        stock = model.generate(**encoded, max_new_tokens=32, do_sample=False)
+        out = _assisted(model, assistant, encoded, max_new_tokens=32)
+        assert torch.equal(out.sequences, stock)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(StepFeed, "_chainable", staticmethod(lambda row, room: 0))
+            either = _assisted(model, assistant, encoded, max_new_tokens=32)
+        assert torch.equal(either.sequences, stock)
+        forwards["chained"] += out.num_forwards
+        forwards["either/or"] += either.num_forwards
+    assert forwards["chained"] < forwards["either/or"], forwards
+
+
+def test_sampled_rows_never_chain_and_a_stranger_changes_nothing(tok, padded):
+    """Sampled rows keep the either/or choice (their q stays exact; the distribution test is
+    tests/test_prompt_lookup.py's); a random draft model's chains are mostly rejected, output unchanged."""
+    model, assistant = peaked_model("qwen3"), peaked_model("llama")
+    torch.manual_seed(0)
+    out = _assisted(model, assistant, padded, max_new_tokens=12, do_sample=True, temperature=1.5)
+    assert out.drafts_by_source[CHAINED] == {"proposed": 0, "accepted": 0}
+    assert out.drafts_by_source[ASSISTANT]["proposed"] > 0 or out.drafts_by_source[MASKS]["proposed"] > 0
+    stranger = tiny_model("qwen2", seed=3, block_size=None)
+    out = _assisted(model, stranger, padded, max_new_tokens=16)
+    assert torch.equal(out.sequences, model.generate(**padded, max_new_tokens=16, do_sample=False))
