@@ -196,8 +196,7 @@ class StepFeed:
             # occurrences continue into another turn: a first lookup there fails and would cost the
             # source its prior
             return
-        _, extra = self._room(row)
-        room = min(row.settings.max_new_tokens - row.generated - 1, extra)
+        room = self._draft_room(row)
         if room <= 0:
             return
         found = lookup_drafts(
