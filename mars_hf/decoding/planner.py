@@ -288,7 +288,7 @@ def probe_spacing(cost) -> float:
     """How much further apart than ``AcceptanceStats.probe_every`` steps re-probes go on this cost curve.
 
     A probe is two wider steps (one mask, then its draft), ``2·(cost(2) − 1)`` more than two plain
-    steps: free on a flat curve (an accelerator), 1.5 steps' worth where two columns cost 1.7× one
+    steps: free on a flat curve (an accelerator), 1.4 steps' worth where two columns cost 1.7× one
     (a memory-bound CPU in float32). Spaced so that probes finding nothing never cost more than
     ``PROBE_SHARE`` of the steps between them, worthless drafts decode at stock speed everywhere.
     """
