@@ -20,8 +20,9 @@ import torch
 
 from mars_hf.decoding.draft_sources import ASSISTANT, CHAINED, MASKS
 from mars_hf.decoding.feeding import StepFeed
+from tests.reference_decoder import reference_assisted_generate
 from tests.test_generation import peaked_model
-from tests.test_prompt_lookup import REPEATING
+from tests.test_prompt_lookup import REPEATING, _assert_same_token_distribution, _sampling_rows
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
 FLAT = {1: 1.0}  # every width costs one column's: chained proposals are worth feeding
@@ -181,3 +182,80 @@ def test_sampled_rows_never_chain_and_a_stranger_changes_nothing(tok, padded):
     stranger = tiny_model("qwen2", seed=3, block_size=None)
     out = _assisted(model, stranger, padded, max_new_tokens=16)
     assert torch.equal(out.sequences, model.generate(**padded, max_new_tokens=16, do_sample=False))
+
+
+# ---------------------------------------------------------------------------------------------------
+# τ with a draft model: the paper's composition (docs/method.md §5)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _tau_assisted(model, assistant, encoded, tau, **kwargs):
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("num_assistant_tokens", 4)
+    return model.generate(
+        **encoded, mars_threshold=tau, assistant_model=assistant, return_dict_in_generate=True, **kwargs
+    )
+
+
+@pytest.mark.parametrize("target_arch, assistant_arch", PAIRS[:2])
+@pytest.mark.parametrize("tau", [0.5, 0.9])
+def test_tau_with_a_draft_model_equals_the_slow_reference(target_arch, assistant_arch, tau, tok, padded):
+    """Each step keeps the draft model's tokens the target would choose, the target's token after them,
+    then the masks of the group after exactly that prefix while they pass τ: token for token the slow
+    reference (no cache, one prompt), batched and left-padded (pad = EOS) here, in as many target steps."""
+    model, assistant = peaked_model(target_arch), peaked_model(assistant_arch)
+    max_new = 20
+    out = _tau_assisted(model, assistant, padded, tau, max_new_tokens=max_new)
+    eos = [tok.eos_token_id]
+    drafted = 0
+    for b, prompt in enumerate(PROMPTS):
+        ids = tok(prompt)["input_ids"]
+        expected, steps = reference_assisted_generate(
+            model,
+            assistant,
+            ids,
+            tau=tau,
+            window=model.config.mars["block_size"],
+            mask_token_id=model.config.mars["mask_token_id"],
+            max_new_tokens=max_new,
+            num_assistant_tokens=4,
+            eos_token_ids=eos,
+        )
+        got = out.sequences[b, padded["input_ids"].shape[1] :].tolist()
+        assert got[: len(expected)] == expected, (prompt, got, expected)
+        assert all(t == tok.eos_token_id for t in got[len(expected) :])  # padding after the row's EOS
+        drafted += steps
+    counts = out.drafts_by_source[ASSISTANT]
+    assert counts["accepted"] > 10 and counts["proposed"] > counts["accepted"], counts
+    assert out.drafts_by_source[MASKS] == {"proposed": 0, "accepted": 0}
+
+
+def test_tau_1_with_a_draft_model_is_speculative_decoding(tok, padded):
+    """τ = 1 keeps no mask prediction: the composition is exact speculative decoding (stock greedy output,
+    batched; fewer target forwards than stock at batch 1); masks below τ = 1 then add tokens per target
+    forward."""
+    model, assistant = peaked_model("mistral"), peaked_model("qwen2")
+    stock = model.generate(**padded, max_new_tokens=24, do_sample=False)
+    assert torch.equal(_tau_assisted(model, assistant, padded, 1.0, max_new_tokens=24).sequences, stock)
+    forwards = {"stock": 0, "τ = 1": 0, "τ = 0.5": 0}
+    for prompt in PROMPTS:
+        encoded = tok([prompt], return_tensors="pt")
+        forwards["stock"] += 24
+        forwards["τ = 1"] += _tau_assisted(model, assistant, encoded, 1.0, max_new_tokens=24).num_forwards
+        forwards["τ = 0.5"] += _tau_assisted(model, assistant, encoded, 0.5, max_new_tokens=24).num_forwards
+    assert forwards["τ = 0.5"] < forwards["τ = 1"] < forwards["stock"], forwards
+
+
+def test_sampled_tau_1_with_a_draft_model_matches_stock_sampling_statistically(tok):
+    """Sampling: the drafts are checked by the speculative rule, and the token after a rejected draft is
+    drawn from the residual distribution (not afresh), so τ = 1 with a draft model samples like stock."""
+    model, assistant = peaked_model("qwen3"), peaked_model("llama")
+    copies = _sampling_rows(tok, 1000)
+    kwargs = dict(max_new_tokens=4, do_sample=True, temperature=1.5, top_k=0)
+    torch.manual_seed(1)
+    stock = model.generate(**copies, **kwargs)[:, -4:]
+    torch.manual_seed(2)
+    out = _tau_assisted(model, assistant, copies, 1.0, num_assistant_tokens=3, **kwargs)
+    counts = out.drafts_by_source[ASSISTANT]
+    assert counts["accepted"] > 100 and counts["proposed"] - counts["accepted"] > 30, counts
+    _assert_same_token_distribution(stock, out.sequences[:, -4:], model.config.vocab_size)

@@ -256,10 +256,17 @@ class StepLogits:
 
 
 class ThresholdRule:
-    """Prediction 0 and the masks' predictions; keep while confident (docs/method.md §2)."""
+    """Prediction 0 and the masks' predictions; keep while confident (docs/method.md §2).
 
-    def __init__(self, step: StepLogits):
+    ``anchors``: rows that fed a draft model's drafts (§5 with τ, ``DraftsThenThreshold``) map to
+    ``(kept, token, scores, logits)``: their prediction 0 is the check after the first ``kept`` drafts and
+    is ``token`` (what verification chose there), their masks are the group after that prefix; the
+    kept drafts' checks (``scores``, ``logits``) are recorded before the row's own predictions.
+    """
+
+    def __init__(self, step: StepLogits, anchors: dict | None = None):
         self.step = step
+        self.anchors = anchors or {}
 
     def decide(self, rows, plans, members):
         outcome = {}
@@ -270,33 +277,42 @@ class ThresholdRule:
     def _decide_group(self, rows, plans, group, outcome):
         first = rows[group[0]]
         processing, do_sample, metric, generator = first.processing, first.do_sample, first.metric, first.generator
+        kept_of = {i: self.anchors[i][0] if i in self.anchors else 0 for i in group}
 
         def columns(i):
-            plan = plans[i]
-            return plan.check_columns[:1] + (plan.group_columns.get(0, []) if rows[i].window else [])
+            plan, kept = plans[i], kept_of[i]
+            return plan.check_columns[kept : kept + 1] + (plan.group_columns.get(kept, []) if rows[i].window else [])
 
         raw, spans = self.step.gather_spans(group, columns)
+        forced = {start: self.anchors[i][1] for i, (start, _) in zip(group, spans) if i in self.anchors}
         if processing.position_free:
             scores = processing.free(raw)
             tokens = choose(scores, do_sample, generator)
+            for start, token in forced.items():
+                tokens[start] = token
         else:
-            scores, tokens = self._choose_in_order(rows, group, spans, raw, processing, do_sample, generator)
+            scores, tokens = self._choose_in_order(rows, group, spans, raw, processing, do_sample, generator, kept_of, forced)
         # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
         chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
         if self.step.calibration is not None and metric == "probability":
             for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
                 self.step.calibration.apply_span(values, start + 1, count - 1, first_offset=1)
         for i, (start, count) in zip(group, spans):
-            row = rows[i]
+            row, kept = rows[i], kept_of[i]
             chosen = [int(t) for t in chosen_all[start : start + count]]
             passed = [passes(v, row.tau, metric) for v in values[start : start + count]]
-            n = threshold_count(passed, min(count, row.settings.max_new_tokens - row.generated))
-            kept, reason = self.step.stops(row, chosen[:n])
-            self.step.record(row, scores[start : start + len(kept)], raw[start : start + len(kept)])
-            outcome[i] = (kept, len(row.tokens) - row.committed, 0, reason)
+            n = threshold_count(passed, min(count, row.settings.max_new_tokens - row.generated - kept))
+            final, reason = self.step.stops(row, row.drafts[:kept] + chosen[:n])
+            own_scores, own_raw = scores[start : start + count], raw[start : start + count]
+            if kept:  # the kept drafts' checks come first
+                own_scores = torch.cat([self.anchors[i][2][:kept], own_scores])
+                own_raw = torch.cat([self.anchors[i][3][:kept], own_raw])
+            self.step.record(row, own_scores[: len(final)], own_raw[: len(final)])
+            outcome[i] = (final, len(row.tokens) - row.committed + min(kept, len(final)), min(kept, len(final)), reason)
 
-    def _choose_in_order(self, rows, group, spans, raw, processing, do_sample, generator=None):
-        """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1``."""
+    def _choose_in_order(self, rows, group, spans, raw, processing, do_sample, generator, kept_of, forced):
+        """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1`` (after the
+        row's kept drafts)."""
         scores = torch.empty_like(raw)
         tokens = torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
         for j in range(max(count for _, count in spans)):
@@ -305,12 +321,15 @@ class ThresholdRule:
             picked = processing.at_prefixes(
                 raw[flat],
                 [rows[i].batch_index for i, _ in active],
-                [rows[i].column + j for i, _ in active],
+                [rows[i].column + kept_of[i] + j for i, _ in active],
             )
             chosen = choose(picked, do_sample, generator)
+            for position, k in enumerate(flat):
+                if k in forced:
+                    chosen[position] = forced[k]
             scores[flat] = picked
             tokens[flat] = chosen
-            self.step.write(processing, [(rows[i], rows[i].column + j) for i, _ in active], chosen.tolist())
+            self.step.write(processing, [(rows[i], rows[i].column + kept_of[i] + j) for i, _ in active], chosen.tolist())
         return scores, tokens
 
 
@@ -331,21 +350,12 @@ class Verification:
     def _decide_group(self, rows, plans, group, outcome):
         first = rows[group[0]]
         processing, do_sample, generator = first.processing, first.do_sample, first.generator
-        raw, spans = self.step.gather_spans(group, lambda i: plans[i].check_columns)
-        scores = self._processed(rows, group, spans, raw, processing)
-        own = None if do_sample else scores.argmax(-1).tolist()
-        target = torch.softmax(scores, -1) if do_sample else None
         followers = []
-        for i, (start, count) in zip(group, spans):
+        for i, (kept, token, scores, raw) in self.check(rows, plans, group).items():
             row = rows[i]
-            if do_sample:
-                kept, token = verify_sampled(row.drafts, row.proposal, target[start : start + count], generator)
-            else:
-                kept = verify_greedy(row.drafts, own[start : start + count])
-                token = own[start + kept]
             new = (row.drafts[:kept] + [token])[: row.settings.max_new_tokens - row.generated]
             final, reason = self.step.stops(row, new)
-            self.step.record(row, scores[start : start + len(final)], raw[start : start + len(final)])
+            self.step.record(row, scores[: len(final)], raw[: len(final)])
             fed = len(row.tokens) - row.committed  # fresh tokens, all verified
             outcome[i] = (final, fed + min(kept, len(final)), min(kept, len(final)), reason)
             if reason is None and len(final) == len(new) and kept in plans[i].group_columns:
@@ -354,6 +364,27 @@ class Verification:
                 row.drafts, row.proposal, row.draft_confidence = [], None, []
         if followers:
             self.proposal.propose(rows, plans, followers, processing, do_sample, generator, outcome)
+
+    def check(self, rows, plans, group) -> dict:
+        """``{row: (drafts kept, the model's token after them, checks' scores, checks' logits)}`` for rows
+        that share processors and sampling: greedy, the longest prefix equal to the model's own choices;
+        sampling, the speculative rule (``verify_sampled``)."""
+        first = rows[group[0]]
+        processing, do_sample, generator = first.processing, first.do_sample, first.generator
+        raw, spans = self.step.gather_spans(group, lambda i: plans[i].check_columns)
+        scores = self._processed(rows, group, spans, raw, processing)
+        own = None if do_sample else scores.argmax(-1).tolist()
+        target = torch.softmax(scores, -1) if do_sample else None
+        checked = {}
+        for i, (start, count) in zip(group, spans):
+            row = rows[i]
+            if do_sample:
+                kept, token = verify_sampled(row.drafts, row.proposal, target[start : start + count], generator)
+            else:
+                kept = verify_greedy(row.drafts, own[start : start + count])
+                token = own[start + kept]
+            checked[i] = (kept, token, scores[start : start + count], raw[start : start + count])
+        return checked
 
     def _processed(self, rows, group, spans, raw, processing):
         """The checks' scores after the processors; check ``j`` sees the fresh tokens and drafts ``0 … j-1``."""
@@ -367,6 +398,26 @@ class Verification:
             batch_rows += [rows[i].batch_index] * count
             lengths += [rows[i].column + j for j in range(count)]
         return processing.at_prefixes(raw, batch_rows, lengths)
+
+
+class DraftsThenThreshold:
+    """docs/method.md §5 with τ: a threshold row that fed a draft model's drafts keeps the drafts the model
+    itself would choose there and the model's token after them (``Verification.check``: exact, greedy or
+    sampled), then the predictions of the mask group that follows exactly that prefix while they pass τ
+    (``ThresholdRule``) — one forward checks the drafts and extends whatever prefix survives."""
+
+    def __init__(self, step: StepLogits):
+        self.step = step
+
+    def decide(self, rows, plans, members):
+        anchors = {}
+        verification = Verification(self.step)
+        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, id(r.generator))):
+            anchors.update(verification.check(rows, plans, group))
+        outcome = ThresholdRule(self.step, anchors).decide(rows, plans, members)
+        for i in members:
+            rows[i].drafts, rows[i].proposal, rows[i].draft_confidence = [], None, []
+        return outcome
 
 
 class DraftProposal:

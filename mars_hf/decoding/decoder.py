@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from .acceptance import ScoreProcessing, StepLogits, ThresholdRule, Verification, one_token_per_step
+from .acceptance import (
+    DraftsThenThreshold,
+    ScoreProcessing,
+    StepLogits,
+    ThresholdRule,
+    Verification,
+    one_token_per_step,
+)
 from .cache import MARSBlockCache, make_scheme
 from .calibration import calibration_for
 from .draft_sources import MASKS
@@ -179,7 +186,7 @@ class MARSBatchDecoder:
         )
         if settings.max_new_tokens <= 0:
             row.finished = True
-        if self.feed.assistant is not None and verify:
+        if self.feed.assistant is not None:
             row.assistant_stats = SourceStats(self.feed.assistant_tokens)
         self.joining.append(row)
         return row_id
@@ -242,7 +249,7 @@ class MARSBatchDecoder:
             for row in rows
         ]
         plan = self.feed.plan(rows, deciding)
-        checked = [len(r.drafts) if (d and r.verify) else 0 for r, d in zip(rows, deciding)]
+        checked = [len(r.drafts) if d else 0 for r, d in zip(rows, deciding)]
         sources = [r.draft_source for r in rows]
         fed_confidence = [r.draft_confidence for r in rows]  # replaced by the new drafts' below
         logits, where = self._forward(rows, plan.plans, deciding, first, plan.width)
@@ -259,15 +266,18 @@ class MARSBatchDecoder:
             score_records=self.score_records,
             calibration=self.calibration,
         )
-        threshold_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify]
+        threshold_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify and not r.drafts]
+        drafted_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify and r.drafts]
         verify_rows = [i for i, r in enumerate(rows) if deciding[i] and r.verify]
         outcome = {}
         if threshold_rows:
             outcome.update(ThresholdRule(step).decide(rows, plans, threshold_rows))
+        if drafted_rows:  # τ rows that fed a draft model's drafts (docs/method.md §5)
+            outcome.update(DraftsThenThreshold(step).decide(rows, plans, drafted_rows))
         if verify_rows:
             outcome.update(Verification(step).decide(rows, plans, verify_rows))
-            for i in verify_rows:  # any drafts in hand now are the masks' (or none)
-                rows[i].draft_source = MASKS
+        for i in verify_rows + drafted_rows:  # any drafts in hand now are the masks' (or none)
+            rows[i].draft_source = MASKS
         return outcome
 
     def _keep(self, row: RowState, outcome, checked: int, source: str) -> RowUpdate:

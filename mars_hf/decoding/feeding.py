@@ -137,7 +137,7 @@ class StepFeed:
         so its draws would depend on its companions (their distribution would not)."""
         if row.verify:
             return AUTO if (self.layout == "auto" and row.generator is None) else FIXED
-        return THRESHOLD if (self.threshold_planner and row.window) else FIXED
+        return THRESHOLD if (self.threshold_planner and row.window and not row.drafts) else FIXED
 
     def _room(self, row) -> tuple[int, int]:
         """``(masks at most, drafts + masks at most)``: the window, the tokens left (a mask past them
@@ -148,11 +148,15 @@ class StepFeed:
         return max(0, min(row.window, remaining - 1, extra)), max(0, extra)
 
     def _fixed_plan(self, row):
-        """The paper's feed: every draft and full groups of W masks, capped by ``_room``."""
+        """The paper's feed: every draft and full groups of W masks, capped by ``_room``. A τ row's
+        drafts are a draft model's (§5): a group of masks after every draft prefix."""
         max_masks, extra = self._room(row)
-        self._keep_drafts(row, min(len(row.drafts), extra) if row.verify else 0)
+        self._keep_drafts(row, min(len(row.drafts), extra))
         masks = min(max_masks, extra - len(row.drafts))
-        layout = self.layout if (row.verify and self.layout != "auto") else "linear"
+        if row.verify:
+            layout = self.layout if self.layout != "auto" else "linear"
+        else:
+            layout = "quadratic" if row.drafts else "linear"
         return self._row_plan(row, masks, layout)
 
     def _row_spec(self, row, kind, spacing: float) -> RowSpec:
@@ -206,7 +210,7 @@ class StepFeed:
             return
         table = self.cost_table(batch)
         mine = self._draft_value(row, row.lookup_stats.future()[: len(found)], table)
-        if mine > (self._draft_value(row, self._draft_probs(row), table) if row.drafts else 0.0):
+        if mine > self._held_value(row, table):
             row.drafts, row.draft_confidence, row.proposal, row.draft_source = found, [], None, LOOKUP
         else:
             row.lookup_stats.forget()
@@ -233,7 +237,8 @@ class StepFeed:
         eligible = [r for r in rows if not (r.stats.probing and r.drafts)]  # a re-probe keeps the masks'
         if not eligible:
             return
-        table = self.cost_table(batch)
+        # τ rows take the paper's k drafts without valuing them: no cost curve needed for them alone
+        table = self.cost_table(batch) if any(r.verify for r in eligible) else None
         for do_sample in (False, True):
             picked = []
             for row in eligible:
@@ -257,9 +262,11 @@ class StepFeed:
         room = self._draft_room(row)
         if room <= 0:
             return None
+        if not row.verify:  # τ (docs/method.md §5): the paper's fixed k drafts, whatever the machine
+            return 0, min(self.assistant_tokens, room)
         follow = row.assistant_stats.future()
         masks = self._draft_probs(row) if row.drafts else []
-        best, option = (self._draft_value(row, masks, table) if row.drafts else 0.0), None
+        best, option = self._held_value(row, table), None
         heads = 0 if row.do_sample else self._chainable(row, room)
         for head in range(heads + 1):
             count = min(self.assistant_tokens, room - head)
@@ -318,11 +325,11 @@ class StepFeed:
                 break
         if not drafts:
             return
-        if not row.do_sample:
+        if row.verify and not row.do_sample:
             masks = self._draft_probs(row) if row.drafts else []
             follow = row.assistant_stats.future()[: len(drafts)]
             value = self._draft_value(row, masks[:head] + follow, table)
-            if value <= (self._draft_value(row, masks, table) if row.drafts else 0.0):
+            if value <= self._held_value(row, table):
                 return
         proposal = None
         if scores is not None:
@@ -348,6 +355,10 @@ class StepFeed:
             return 0, 0
         return checked - head, kept - head
 
+    def _held_value(self, row, table) -> float:
+        """What the drafts a row holds (the masks' from the last step) are worth fed alone (0: none)."""
+        return self._draft_value(row, self._draft_probs(row), table) if row.drafts else 0.0
+
     @staticmethod
     def _draft_value(row, probs, table) -> float:
         """``max_k [E[kept among the first k drafts] − λ·(cost(base + k) − cost(base))]`` (k = 0: 0):
@@ -368,7 +379,7 @@ class StepFeed:
     def _row_plan(self, row, masks: int, layout: str):
         return plan_row(
             row.tokens[row.committed :],
-            row.drafts if row.verify else [],
+            row.drafts,  # a τ row's are a draft model's (§5), else it has none
             masks,
             self.mask_token_id,
             layout,

@@ -153,8 +153,10 @@ def mars_generate(
             the MARS entry points pass it here; with the callable form on a model without
             ``enable_mars``, pass it here yourself. It receives the prompt, then only final tokens.
         mars_assistant_model: ``generate(assistant_model=...)`` (moved here by the entry points): a draft
-            model with the same tokenizer, verify only; it proposes ``num_assistant_tokens`` drafts per
-            step beside the masks' (docs/method.md §5).
+            model with the same tokenizer (docs/method.md §5). Verify: it proposes ``num_assistant_tokens``
+            drafts per step beside the masks' (the planner picks what to feed). τ: every step checks its
+            ``num_assistant_tokens`` drafts exactly and extends the kept prefix with the masks after it
+            that pass τ (the paper's composition).
     """
     generation_config = generation_config if generation_config is not None else model.generation_config
     streamer = streamer if streamer is not None else mars_streamer
@@ -179,7 +181,6 @@ def mars_generate(
         generation_config,
         batch_size=batch_size,
         max_new_tokens=max_new,
-        assistant=mars_assistant_model is not None,
     )
     _check_supported(model, generation_config, model_kwargs)
     leads = _prompt_leads(model_kwargs.pop("attention_mask", None), input_ids)

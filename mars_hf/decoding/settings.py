@@ -55,7 +55,7 @@ class MARSDecodingSettings:
         layout: ``mars_layout`` (None: the step planner, ``"auto"``).
         planner / cost_table / cost_probe: ``mars_planner``, ``mars_cost_table``, ``mars_cost_probe``.
         prompt_lookup_num_tokens / max_matching_ngram_size: transformers' prompt-lookup settings (verify only).
-        assistant_tokens: ``num_assistant_tokens`` of a draft model (``assistant_model=``, verify only).
+        assistant_tokens: ``num_assistant_tokens`` of a draft model (``assistant_model=``).
     """
 
     thresholds: tuple[float | None, ...]
@@ -74,7 +74,7 @@ class MARSDecodingSettings:
 
     @classmethod
     def resolve(
-        cls, model, keywords: dict, generation_config, *, batch_size: int, max_new_tokens: int, assistant: bool = False
+        cls, model, keywords: dict, generation_config, *, batch_size: int, max_new_tokens: int
     ) -> MARSDecodingSettings:
         """The settings of a call: ``keywords`` (``MARS_KEYWORDS`` → value or None), else
         ``generation_config``'s, else ``enable_mars`` / ``config.mars``; each checked, naming the keyword."""
@@ -93,11 +93,6 @@ class MARSDecodingSettings:
         if cache_block < 1:
             raise ValueError(f"`mars_cache_block` (C) must be >= 1, got {cache_block}.")
         lookup, ngram = prompt_lookup(generation_config, acceptance)
-        if assistant and acceptance != "verify":
-            raise ValueError(
-                "An `assistant_model` proposes drafts that only verified decoding checks; add "
-                "`mars_acceptance='verify'`, or drop the MARS settings for transformers' assisted decoding."
-            )
         layout = values["mars_layout"] or defaults.get("layout")
         check_layout(layout)
         check_cost_table(values["mars_cost_table"])
