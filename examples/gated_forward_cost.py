@@ -8,8 +8,7 @@ checkpoint format; its numbers do not matter, only its cost). ``--variants`` can
 adapter applied as before this change (a forward hook per adapted layer: index_select, two matmuls,
 index_add), so one run gives the before/after; and ``gated-same``: the lean forward with the LoRA
 arithmetic in the model's dtype (``lora_dtype=model dtype``) instead of the CPU default (float32 for a
-bf16 model), to check that default; and ``gated-threads``: the lean forward with the adapter's small
-matmuls on every thread (``SINGLE_THREAD_ADAPTER_ROWS = 0``), to check the one-thread scope for few rows.
+bf16 model), to check that default.
 
 For each dtype (float32, bfloat16) and n in 1, 2, 4, 8, 16: a cached forward of n new rows over a KV
 cache of ``--context`` tokens, as a MARS step feeds it (one real token, then n - 1 masks; n = 1 is one
@@ -169,7 +168,7 @@ def load_variants(base_dir: Path, checkpoint: Path, dtype: torch.dtype, names: l
     for name in names:
         if name == "base":
             models[name] = plain
-        elif name in ("gated", "gated-same", "gated-threads"):
+        elif name in ("gated", "gated-same"):
             model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
             lora_dtype = dtype if name == "gated-same" else None
             # includes the load-time check of real positions against the base model
@@ -180,7 +179,7 @@ def load_variants(base_dir: Path, checkpoint: Path, dtype: torch.dtype, names: l
             attach_as_hooks(model, checkpoint)
             models[name] = model
         else:
-            raise ValueError(f"unknown variant {name!r} (base, gated, gated-same, gated-threads, hooks)")
+            raise ValueError(f"unknown variant {name!r} (base, gated, gated-same, hooks)")
     return models
 
 
@@ -191,17 +190,10 @@ def prefill(model, context_ids):
 
 
 @torch.no_grad()
-def timed_forward(model, cache, ids, all_threads: bool = False) -> float:
-    """One cached forward; ``all_threads`` runs the adapter's small matmuls on every thread (the
-    ``gated-threads`` variant: the lean forward before its one-thread scope for few rows)."""
-    single_thread_rows = gated_lora.SINGLE_THREAD_ADAPTER_ROWS
-    gated_lora.SINGLE_THREAD_ADAPTER_ROWS = 0 if all_threads else single_thread_rows
-    try:
-        start = time.perf_counter()
-        model(input_ids=ids, cache=cache, use_cache=True)
-        elapsed = time.perf_counter() - start
-    finally:
-        gated_lora.SINGLE_THREAD_ADAPTER_ROWS = single_thread_rows
+def timed_forward(model, cache, ids) -> float:
+    start = time.perf_counter()
+    model(input_ids=ids, cache=cache, use_cache=True)
+    elapsed = time.perf_counter() - start
     cache.crop(-ids.shape[1])
     return elapsed
 
@@ -225,7 +217,7 @@ def measure(models: dict, mask_id: int, rows: list[int], context: int, repeats: 
             ids = step_ids(n, mask_id, case == "plain")
             shift = (repeat + n) % len(names)
             for name in names[shift:] + names[:shift]:  # rotate the order: no variant always goes first
-                elapsed = timed_forward(models[name], caches[name], ids, name == "gated-threads")
+                elapsed = timed_forward(models[name], caches[name], ids)
                 if repeat >= warmup:
                     times[(case, name)].append(elapsed)
     return {key: statistics.median(value) for key, value in times.items()}, [case for case, _ in cases]
@@ -240,10 +232,10 @@ def profile(models: dict, mask_id: int, context: int, n: int = 4, top: int = 12)
         cache = prefill(model, context_ids)
         ids = step_ids(n, mask_id, plain=False)
         for _ in range(3):
-            timed_forward(model, cache, ids, name == "gated-threads")
+            timed_forward(model, cache, ids)
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):
-                timed_forward(model, cache, ids, name == "gated-threads")
+                timed_forward(model, cache, ids)
         print(f"\n-- profile: {name}, n = {n}, 5 forwards --")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 

@@ -625,44 +625,6 @@ def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
     assert all(group.x is None and group.parts is None for group in groups.values())  # nothing kept alive
 
 
-def test_adapter_arithmetic_of_a_few_rows_runs_on_one_thread_and_restores_the_callers_count(
-    tokenizer, tmp_path, monkeypatch
-):
-    """Small LoRA matmuls cost more on several CPU threads than on one: a decode step's adapter runs on one
-    thread, a forward of many rows (prefill, training) on all of them; the caller's count always comes back."""
-    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer)
-    seen = []  # the intra-op thread count inside each shared x @ A.T
-    part = gated_lora._SharedInput.part
-
-    def recording(self, x, gate, member):
-        seen.append(torch.get_num_threads())
-        return part(self, x, gate, member)
-
-    monkeypatch.setattr(gated_lora._SharedInput, "part", recording)
-    mask = tokenizer.mask_token_id
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with torch.no_grad():
-            shipped(input_ids=torch.tensor([[5, 6, mask, mask]]))
-            assert torch.get_num_threads() == 2
-            assert seen and set(seen) == {1}
-            seen.clear()
-            many = gated_lora.SINGLE_THREAD_ADAPTER_ROWS + 1
-            shipped(input_ids=torch.tensor([[5] * (many - 1) + [mask]]))
-            assert set(seen) == {2}
-
-            def failing(self, x, gate, member):
-                raise RuntimeError("boom")
-
-            monkeypatch.setattr(gated_lora._SharedInput, "part", failing)
-            with pytest.raises(RuntimeError, match="boom"):
-                shipped(input_ids=torch.tensor([[5, mask]]))
-            assert torch.get_num_threads() == 2  # restored on the way out of an error too
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_shared_projection_is_recomputed_when_siblings_get_different_inputs(tokenizer):
     """The q/k/v grouping is a guess from the names: a module feeding them different tensors stays exact."""
 

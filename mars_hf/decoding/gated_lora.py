@@ -458,34 +458,6 @@ class _Adapter:
         self.base_forward, self.gate, self.group, self.member = base_forward, gate, group, member
 
 
-# On CPU, the adapter's small matmuls (a few rows times rank r) cost 2-4x more on several threads than on
-# one (thread start-up and hand-off dwarf the work; measured on a 2-vCPU AVX2 EPYC: a 4-row x A^T at r = 96
-# 54 µs on 2 threads vs 18 µs on 1). Forwards of up to this many rows run the adapter arithmetic on one
-# thread; above it (prefill, training batches) the matmuls are big enough for all threads.
-SINGLE_THREAD_ADAPTER_ROWS = 48
-
-
-class _OneThread:
-    """Run the block on one intra-op thread when ``narrow`` (restores the caller's count on exit)."""
-
-    __slots__ = ("narrow", "threads")
-
-    def __init__(self, narrow: bool):
-        self.narrow = narrow
-        self.threads = 1
-
-    def __enter__(self):
-        if self.narrow:
-            self.threads = torch.get_num_threads()
-            if self.threads > 1:
-                torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        if self.narrow and self.threads > 1:
-            torch.set_num_threads(self.threads)
-        return False
-
-
 def _adapted_forward(self, x, *args, **kwargs):
     """``y = base(x)``; then, only if this forward holds mask tokens, ``y += (gate · x Aᵀ) (s·B)ᵀ`` in place.
 
@@ -499,16 +471,12 @@ def _adapted_forward(self, x, *args, **kwargs):
         if gate.rows is None:
             gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
         return y
+    xa = adapter.group.part(x, gate, adapter.member)
+    bt = self._buffers["mars_lora_BT"]
     y2 = y.view(-1, y.shape[-1])
-    narrow = y.device.type == "cpu" and y2.shape[0] <= SINGLE_THREAD_ADAPTER_ROWS
-    with _OneThread(narrow):
-        return _add_delta(self, adapter, x, y, y2)
-
-
-def _add_delta(layer, adapter: _Adapter, x, y, y2):
-    xa = adapter.group.part(x, adapter.gate, adapter.member)
-    bt = layer._buffers["mars_lora_BT"]
-    if xa.dtype != y.dtype:  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
+    if (
+        xa.dtype != y.dtype
+    ):  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
         if torch.is_grad_enabled():
             return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
         y2.add_(torch.mm(xa, bt))
