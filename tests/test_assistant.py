@@ -230,6 +230,16 @@ def test_tau_with_a_draft_model_equals_the_slow_reference(target_arch, assistant
     assert out.drafts_by_source[MASKS] == {"proposed": 0, "accepted": 0}
 
 
+def test_tau_with_a_draft_model_is_the_same_under_every_cache_scheme(padded):
+    """The kept drafts' keys/values are real entries: cursor (the reference test's), block and no cache agree."""
+    model, assistant = peaked_model("llama"), peaked_model("qwen3")
+    outs = {
+        cache: _tau_assisted(model, assistant, padded, 0.5, max_new_tokens=20, mars_cache=cache).sequences
+        for cache in ("cursor", "block", "none")
+    }
+    assert torch.equal(outs["block"], outs["cursor"]) and torch.equal(outs["none"], outs["cursor"])
+
+
 def test_tau_1_with_a_draft_model_is_speculative_decoding(tok, padded):
     """τ = 1 keeps no mask prediction: the composition is exact speculative decoding (stock greedy output,
     batched; fewer target forwards than stock at batch 1); masks below τ = 1 then add tokens per target
