@@ -269,3 +269,26 @@ def test_sampled_tau_1_with_a_draft_model_matches_stock_sampling_statistically(t
     counts = out.drafts_by_source[ASSISTANT]
     assert counts["accepted"] > 100 and counts["proposed"] - counts["accepted"] > 30, counts
     _assert_same_token_distribution(stock, out.sequences[:, -4:], model.config.vocab_size)
+
+
+def test_a_mars_draft_model_drafts_with_its_own_masks(tok, padded):
+    """A draft model that is itself a MARS model drafts with its masks when its own generation config says
+    so (``assistant.generation_config.mars_threshold``, as transformers reads ``num_assistant_tokens`` there):
+    the same k drafts from fewer draft-model forwards; verify's output stays the target's greedy output."""
+    model, assistant = peaked_model("llama"), peaked_model("qwen3")
+    calls = []
+    assistant.register_forward_pre_hook(lambda *args: calls.append(1))
+    stock = model.generate(**padded, max_new_tokens=24, do_sample=False)
+    forwards = {}
+    try:
+        assistant.generation_config.mars_cost_table = FLAT  # no cost probe: count drafting forwards only
+        for tau in (None, 0.5):
+            assistant.generation_config.mars_threshold = tau
+            calls.clear()
+            out = _assisted(model, assistant, padded, max_new_tokens=24)
+            assert torch.equal(out.sequences, stock)
+            assert out.drafts_by_source[ASSISTANT]["accepted"] + out.drafts_by_source[CHAINED]["accepted"] > 10
+            forwards[tau] = len(calls)
+    finally:
+        assistant.generation_config.mars_threshold = assistant.generation_config.mars_cost_table = None
+    assert forwards[0.5] < forwards[None], forwards
