@@ -36,6 +36,7 @@ def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
         progress=False,
         skip_shipped=True,  # the shipped-model section has its own tests below
         distill_minutes=None,  # every prompt, however slow the host (budgets are tested with 0 minutes)
+        reference_minutes=None,
         eval_minutes=None,
     )
     return QuickstartConfig(**{**toy, **settings})
@@ -199,15 +200,25 @@ def test_precision_is_chosen_by_measurement(monkeypatch, caplog):
 
 
 def test_distillation_and_evaluation_stay_inside_their_budgets(tiny_model_dir, tmp_path):
-    """A spent budget stops after the first batch / the first 4 prompts; a rerun reuses cached batches."""
+    """A spent budget stops after the first batch / the first 4 prompts, and cuts the evaluated answers to
+    the shortest length (references cut alike); a rerun reuses cached batches and answers."""
+    from mars_hf.tools.quickstart.budget import MIN_NEW_TOKENS
+
+    # A base model whose held-out answers never contain the mask token (the MARS model suppresses it).
+    tokenizer = tiny_tokenizer()
+    tiny_model_dir = tmp_path / "tiny-base-2"
+    tiny_model("llama", seed=2, tokenizer=tokenizer, dtype=torch.float32).save_pretrained(tiny_model_dir)
+    tokenizer.save_pretrained(tiny_model_dir)
     config = _toy_config(
-        tiny_model_dir,
+        str(tiny_model_dir),
         tmp_path,
         num_train_prompts=6,
         distill_batch_size=2,
         distill_minutes=0.0,
-        num_eval_prompts=5,
+        num_eval_prompts=6,
+        reference_minutes=0.0,
         eval_minutes=0.0,
+        max_new_tokens=MIN_NEW_TOKENS + 8,
         max_steps=1,
         method="gated_lora",
         lora_r=4,
@@ -216,12 +227,36 @@ def test_distillation_and_evaluation_stay_inside_their_budgets(tiny_model_dir, t
     results = run_quickstart(config)
     assert results["data"]["train_prompts"] == 2 and results["data"]["train_prompts_requested"] == 6
     assert len(results["samples"]) == 3 and results["data"]["eval_prompts"] == 4
-    assert all(row["num_tokens"] > 0 for row in results["evaluation"])
-    again = run_quickstart(QuickstartConfig(**{**config.__dict__, "distill_minutes": None}))
+    assert results["data"]["eval_max_new_tokens"] == MIN_NEW_TOKENS
+    rows = {row["label"]: row for row in results["evaluation"]}
+    assert all(row["num_tokens"] > 0 for row in rows.values())
+    assert rows["stock"]["num_tokens"] <= 4 * MIN_NEW_TOKENS
+    # The references were answered at full length; cut to the evaluated length, the base model's own
+    # answers (stock, τ = 1, verify: gated adapter) agree with them exactly.
+    reference = json.loads(next((tmp_path / "cache").glob("reference-*.json")).read_text())["outputs"]
+    assert len(reference) == 4 and max(len(answer) for answer in reference) > MIN_NEW_TOKENS
+    assert not any(tokenizer.mask_token_id in answer for answer in reference)
+    for label in ("stock", "mars@1", "verify"):
+        assert rows[label]["prefix_agreement"] == 1.0 and rows[label]["exact_match"] == 1.0, label
+
+    unbudgeted = {**config.__dict__, "distill_minutes": None, "reference_minutes": None}
+    again = run_quickstart(QuickstartConfig(**unbudgeted))
     assert not again["data"]["self_distill_cached"]  # the other two batches were new
-    assert run_quickstart(QuickstartConfig(**{**config.__dict__, "distill_minutes": None}))["data"][
-        "self_distill_cached"
-    ]
+    assert not again["data"]["reference_cached"]  # and the last two held-out prompts
+    assert again["data"]["eval_prompts"] == 4  # the evaluation budget is still spent
+    third = run_quickstart(QuickstartConfig(**{**unbudgeted, "eval_minutes": None}))
+    assert third["data"]["self_distill_cached"] and third["data"]["reference_cached"]
+    assert third["data"]["eval_prompts"] == 6 and third["data"]["eval_max_new_tokens"] == MIN_NEW_TOKENS + 8
+
+
+def test_answer_length_is_fitted_to_the_budget():
+    from mars_hf.tools.quickstart.budget import MIN_NEW_TOKENS, answer_length_that_fits
+
+    assert answer_length_that_fits(60.0, 0.5, 128) == 120  # 120 tokens × 0.5 s fill the minute
+    assert answer_length_that_fits(600.0, 0.5, 128) == 128  # never longer than asked
+    assert answer_length_that_fits(1.0, 0.5, 128) == MIN_NEW_TOKENS  # never shorter than the floor
+    assert answer_length_that_fits(0.0, 0.5, 8) == 8  # ... unless asked for less
+    assert answer_length_that_fits(float("inf"), 0.5, 128) == 128
 
 
 # ---------------------------------------------------------------------------------------------- shipped model
@@ -345,11 +380,36 @@ def test_shipped_budget_spent_still_gives_four_prompts_and_one_batch(shipped_che
     ids = [chat_prompt_ids(tokenizer, prompt) for prompt in held_out_prompts(12, seed=0)]
     result = evaluate_shipped(model, tokenizer, ids, (1.0,), minutes=0.0, max_new_tokens=4)
     assert result["eval_prompts"] == 4 and result["batch_prompts"] == 4
+    assert result["max_new_tokens"] == 4
     assert {(row["batch"], row["label"]) for row in result["rows"]} >= {
         (1, "stock"),
         (4, "stock"),
         (4, "mars@1"),
     }
+
+
+def test_shipped_answers_are_cut_to_fit_a_spent_budget(shipped_checkpoint):
+    """4 prompts × every decoding at full length would overrun a spent budget: the answers are cut to the
+    floor, at batch 1 and 4 alike, and the lossless rows still match stock's (cut) answers exactly."""
+    from mars_hf.models.modeling import load_mars_model
+    from mars_hf.tools.quickstart.budget import MIN_NEW_TOKENS
+    from mars_hf.tools.quickstart.evaluate import evaluate_shipped
+    from mars_hf.training.data import chat_prompt_ids
+    from mars_hf.training.prompts import held_out_prompts
+
+    model, tokenizer = load_mars_model(str(shipped_checkpoint), dtype=torch.float64)
+    ids = [chat_prompt_ids(tokenizer, prompt) for prompt in held_out_prompts(4, seed=0)]
+    full = evaluate_shipped(model, tokenizer, ids, (1.0,), minutes=None, max_new_tokens=MIN_NEW_TOKENS + 8)
+    cut = evaluate_shipped(model, tokenizer, ids, (1.0,), minutes=0.0, max_new_tokens=MIN_NEW_TOKENS + 8)
+    assert full["max_new_tokens"] == MIN_NEW_TOKENS + 8 and cut["max_new_tokens"] == MIN_NEW_TOKENS
+    full_rows = {(row["batch"], row["label"]): row for row in full["rows"]}
+    for row in cut["rows"]:
+        assert row["num_tokens"] <= 4 * MIN_NEW_TOKENS
+        if row["label"] in ("stock", "mars@1", "verify"):
+            assert row["exact_match"] == 1.0, (row["batch"], row["label"])
+    assert full_rows[(1, "stock")]["num_tokens"] > {(r["batch"], r["label"]): r for r in cut["rows"]}[
+        (1, "stock")
+    ]["num_tokens"]
 
 
 def test_command_line_options_for_the_shipped_model():

@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option("output_dir")
     option("budget_minutes", type=float)
     option("distill_minutes", type=float)
+    option("reference_minutes", type=float)
     option("eval_minutes", type=float)
     option("shipped_eval_minutes", type=float)
     option("max_steps", type=int)

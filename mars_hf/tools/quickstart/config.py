@@ -30,24 +30,33 @@ class QuickstartConfig:
         default=12, metadata={"help": "Held-out evaluation prompts (at most; see eval_minutes)."}
     )
     distill_minutes: float | None = dataclasses.field(
-        default=5.0,
+        default=4.0,
         metadata={
             "help": "Self-distillation time budget: answer training prompts batch by batch until it is spent "
             "(at least one batch; cached batches are free). None: all num_train_prompts."
         },
     )
+    reference_minutes: float | None = dataclasses.field(
+        default=1.0,
+        metadata={
+            "help": "Time budget for the base model's reference answers to the held-out prompts, one by one "
+            "(at least 4; cached answers are free); only prompts with a reference are evaluated. None: all "
+            "num_eval_prompts."
+        },
+    )
     eval_minutes: float | None = dataclasses.field(
-        default=5.0,
+        default=4.0,
         metadata={
             "help": "Evaluation time budget: held-out prompts are evaluated one by one until it is spent (at "
-            "least 4). None: all num_eval_prompts."
+            "least 4, with answers cut short where 4 would overrun it). None: all num_eval_prompts."
         },
     )
     shipped_eval_minutes: float | None = dataclasses.field(
         default=3.0,
         metadata={
             "help": "Time budget for evaluating the shipped MARS model (embedded-mars) first, at batch 1 then "
-            "batch 4 (at least 4 prompts and one batch of 4). None: all num_eval_prompts."
+            "batch 4 (at least 4 prompts and one batch of 4, with answers cut short where that would overrun "
+            "it). None: all num_eval_prompts."
         },
     )
     skip_shipped: bool = dataclasses.field(

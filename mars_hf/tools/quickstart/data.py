@@ -11,13 +11,13 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mars_hf.evaluation.runs import measure_decoding, run_label
+from mars_hf.tools.quickstart.budget import Deadline
 from mars_hf.training.data import self_distill
 
 if TYPE_CHECKING:
@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 # Bump when the cached self-distillation format changes.
 CACHE_VERSION = 1
+# Held-out prompts that always get a reference answer, however short the budget (the evaluation's minimum).
+MIN_REFERENCE_PROMPTS = 4
 
 
 def _cache_dir(config: QuickstartConfig) -> Path:
@@ -98,21 +100,22 @@ def budgeted_self_distill(model, tokenizer, prompts, *, model_path, config: Quic
 
     size = max(1, config.distill_batch_size)
     chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
-    budget = math.inf if config.distill_minutes is None else config.distill_minutes * 60
-    start = time.monotonic()
+    deadline = Deadline(config.distill_minutes)
     parts, all_cached = [], True
     for index, chunk in enumerate(chunks):
-        if index and time.monotonic() - start >= budget:
+        if index and not deadline.allows_another():
             logger.info(
-                "Self-distillation budget (%.1f min) spent: %d of %d training prompts answered.",
+                "Self-distillation budget (%.1f min) reached: %d of %d training prompts answered.",
                 config.distill_minutes,
                 sum(len(part) for part in parts),
                 len(prompts),
             )
             break
+        started = time.monotonic()
         part, cached = cached_self_distill(
             model, tokenizer, chunk, model_path=model_path, config=dataclasses.replace(config, progress=False)
         )
+        deadline.record(time.monotonic() - started)
         parts.append(part)
         all_cached &= cached
         if config.progress:
@@ -120,27 +123,46 @@ def budgeted_self_distill(model, tokenizer, prompts, *, model_path, config: Quic
                 "Self-distillation: %d/%d prompts (%.1f min)",
                 sum(len(p) for p in parts),
                 len(prompts),
-                (time.monotonic() - start) / 60,
+                deadline.elapsed() / 60,
             )
     return concatenate_datasets(parts), all_cached
 
 
 def cached_reference(model, tokenizer, prompt_ids, *, model_path, prompts, config: QuickstartConfig):
-    """The base model's greedy answers (batch 1, stock ``generate``) to the held-out prompts, cached."""
+    """The base model's greedy answers (batch 1, stock ``generate``) to the held-out prompts, cached.
+
+    Prompt by prompt until ``config.reference_minutes`` would be overrun (at least the first
+    ``MIN_REFERENCE_PROMPTS``): the evaluation can only use prompts that have a reference, and on a slow
+    machine it never reaches the later ones. Returns ``(answers for the first prompts, all were cached)``;
+    a rerun reuses the cached answers and adds more where its budget allows.
+    """
     key = _cache_key("reference", model_path, prompts, max_new_tokens=config.max_new_tokens)
     target = _cache_dir(config) / f"{key}.json"
-    if target.exists():
-        return json.loads(target.read_text())["outputs"], True
-    runs = measure_decoding(
-        model,
-        tokenizer,
-        prompt_ids,
-        [None],
-        max_new_tokens=config.max_new_tokens,
-        progress=config.progress,
-        desc="Base model answers (reference)",
-    )
-    outputs = runs[run_label(None)].outputs
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
-    return outputs, False
+    outputs = json.loads(target.read_text())["outputs"] if target.exists() else []
+    cached = len(outputs)
+    deadline = Deadline(config.reference_minutes)
+    for index in range(cached, len(prompt_ids)):
+        if index >= MIN_REFERENCE_PROMPTS and not deadline.allows_another():
+            logger.info(
+                "Reference budget (%.1f min) reached: %d of %d held-out prompts answered.",
+                config.reference_minutes,
+                index,
+                len(prompt_ids),
+            )
+            break
+        started = time.monotonic()
+        runs = measure_decoding(
+            model,
+            tokenizer,
+            [prompt_ids[index]],
+            [None],
+            max_new_tokens=config.max_new_tokens,
+            progress=False,
+            warmup=index == cached,
+        )
+        outputs += runs[run_label(None)].outputs
+        deadline.record(time.monotonic() - started)
+    if len(outputs) > cached:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
+    return outputs, len(outputs) == cached

@@ -11,13 +11,13 @@ Two sections share one table:
   reference = the base model's float32 greedy answers), as before.
 
 Every loop here stops *before* it would overrun its budget (the last item's duration predicts the
-next one's), after a minimum amount of work, so the whole quickstart keeps its wall-clock promise.
+next one's), after a minimum amount of work whose answer length is fitted to the budget from a measured
+pace (:mod:`mars_hf.tools.quickstart.budget`), so the whole quickstart keeps its wall-clock promise.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from mars_hf.evaluation.runs import DecodingRun, format_table, measure_decoding, run_label, summarize_runs
+from mars_hf.tools.quickstart.budget import Deadline, answer_length_that_fits
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ OWN_SECTION = "this run"
 SHIPPED_BATCH_SIZE = 4
 # Share of the shipped model's budget spent at batch 1 before the batch-4 groups start.
 SHIPPED_BATCH1_SHARE = 0.6
+# Prompts every batch-1 evaluation decodes, however short its budget.
+MIN_PROMPTS = 4
+# New tokens per decoding when measuring the pace that fits the answer length to a budget.
+PACE_TOKENS = 8
 
 SUMMARY_COLUMNS = [
     ("section", "model", "{}"),
@@ -48,24 +53,6 @@ SUMMARY_COLUMNS = [
     ("tokens_per_second", "tokens/s", "{:.1f}"),
     ("speedup_vs_stock", "vs stock", "{:.2f}x"),
 ]
-
-
-class _Deadline:
-    """Stop before a budget would be overrun: the next item is assumed to take as long as the last one."""
-
-    def __init__(self, minutes: float | None):
-        self.seconds = math.inf if minutes is None else max(0.0, float(minutes)) * 60
-        self.start = time.monotonic()
-        self.last = 0.0
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def allows_another(self) -> bool:
-        return self.elapsed() + self.last <= self.seconds
-
-    def record(self, seconds: float) -> None:
-        self.last = seconds
 
 
 def _warm_up(model, tokenizer, ids, thresholds, with_verify: bool) -> None:
@@ -93,17 +80,19 @@ def evaluate_prompts(
     *,
     verify: bool = True,
     minutes: float | None = None,
-    min_prompts: int = 4,
+    min_prompts: int = MIN_PROMPTS,
     max_new_tokens: int = 128,
     progress: bool = False,
     desc: str = "Evaluating stock, MARS at each τ and verify",
+    warm_up: bool = True,
 ) -> dict[str, DecodingRun]:
     """Batch 1: stock ``generate``, MARS at each τ and verified decoding, interleaved prompt by prompt.
 
     Interleaving keeps the wall-clock comparison fair on a machine whose load changes. Verified
     decoding proposes every mask as a draft (proposal floor 0) and keeps only what the model's own
     next-token prediction confirms, so its output is the model's greedy output. Prompts are evaluated
-    until ``minutes`` would be overrun (at least ``min_prompts``).
+    until ``minutes`` would be overrun (at least ``min_prompts``). ``warm_up=False``: the caller has
+    already paid the first calls' one-off costs (see :func:`fit_answer_length`).
     """
     from tqdm.auto import tqdm
 
@@ -111,8 +100,9 @@ def evaluate_prompts(
     runs: dict[str, DecodingRun] = {}
     if not eval_ids:
         return runs
-    _warm_up(model, tokenizer, eval_ids[0], thresholds, verify)
-    deadline = _Deadline(minutes)
+    if warm_up:
+        _warm_up(model, tokenizer, eval_ids[0], thresholds, verify)
+    deadline = Deadline(minutes)
     bar = tqdm(eval_ids, desc=desc, unit="prompt", disable=not progress)
     for index, ids in enumerate(bar):
         if index >= min_prompts and not deadline.allows_another():
@@ -151,18 +141,75 @@ def evaluate_prompts(
     return runs
 
 
-def evaluate(model, tokenizer, eval_ids, config) -> dict[str, DecodingRun]:
-    """The quickstart's own model at batch 1 (``config.thresholds``, ``config.eval_minutes``)."""
-    return evaluate_prompts(
+def evaluate(model, tokenizer, eval_ids, config) -> tuple[dict[str, DecodingRun], int]:
+    """The quickstart's own model at batch 1 (``config.thresholds``, ``config.eval_minutes``).
+
+    Returns ``(runs, answer length)``: with a budget, the answers are cut to the length at which the
+    minimum work (:data:`MIN_PROMPTS` prompts) fits in it here; compare them with references cut alike.
+    """
+    deadline = Deadline(config.eval_minutes)
+    configurations = _configurations(config.thresholds, config.verify)
+    length = fit_answer_length(
+        model, tokenizer, [([eval_ids[0]], MIN_PROMPTS)] if eval_ids else [], configurations, deadline,
+        config.max_new_tokens,
+    )
+    runs = evaluate_prompts(
         model,
         tokenizer,
         eval_ids,
         config.thresholds,
         verify=config.verify,
-        minutes=config.eval_minutes,
-        max_new_tokens=config.max_new_tokens,
+        minutes=None if config.eval_minutes is None else deadline.left() / 60,
+        max_new_tokens=length,
         progress=config.progress,
+        warm_up=config.eval_minutes is None,  # else paced above
     )
+    return runs, length
+
+
+def _configurations(thresholds: Sequence[float], verify: bool) -> list[tuple[str, float | None, bool]]:
+    """``(label, τ or None for stock, verified)`` for every decoding a section compares."""
+    configurations = [(run_label(None), None, False)]
+    configurations += [(run_label(tau), float(tau), False) for tau in thresholds]
+    if verify:
+        configurations.append((VERIFY_LABEL, 0.0, True))
+    return configurations
+
+
+def pace(model, tokenizer, rows: Sequence[Sequence[int]], configurations, tokens: int = PACE_TOKENS) -> float:
+    """Seconds per new token of ``rows`` decoded together by every configuration, measured here.
+
+    Each configuration first decodes 2 tokens untimed (one-off costs: the decoder's cost probe,
+    allocations), then ``tokens`` timed; the prompt's prefill is counted in, so the pace errs on the
+    slow side.
+    """
+    seconds = 0.0
+    for _, tau, verified in configurations:
+        decode_batch(model, tokenizer, rows, tau, max_new_tokens=2, verify=verified)
+        seconds += decode_batch(model, tokenizer, rows, tau, max_new_tokens=tokens, verify=verified)[2]
+    return seconds / tokens
+
+
+def fit_answer_length(model, tokenizer, work, configurations, deadline: Deadline, max_new_tokens: int) -> int:
+    """The answer length at which a section's minimum ``work`` fits in what ``deadline`` has left.
+
+    ``work``: ``[(rows decoded together, how many such decodes the minimum needs)]``, e.g. one prompt
+    × 4 at batch 1 and one group × 1 at batch 4. Without a budget: ``max_new_tokens``, nothing measured.
+    """
+    if deadline.seconds == float("inf") or not work:
+        return max_new_tokens
+    per_token = sum(count * pace(model, tokenizer, rows, configurations) for rows, count in work)
+    length = answer_length_that_fits(deadline.left(), per_token, max_new_tokens)
+    if length < max_new_tokens:
+        logger.info(
+            "Answers cut to %d new tokens (of %d) so that the minimum work fits the %.1f-min budget here "
+            "(%.2f s per new token measured).",
+            length,
+            max_new_tokens,
+            deadline.seconds / 60,
+            per_token,
+        )
+    return length
 
 
 @torch.no_grad()
@@ -210,6 +257,7 @@ def evaluate_batched(
     minutes: float | None = None,
     min_groups: int = 1,
     max_new_tokens: int = 128,
+    warm_up: bool = True,
 ) -> dict[str, DecodingRun]:
     """Groups of ``batch_size`` prompts decoded together by stock, each τ and verify, interleaved per group.
 
@@ -217,19 +265,16 @@ def evaluate_batched(
     tokens per forward = generated tokens / (rows × batch forwards), as in ``mars-hf bench``: a row
     that ends early idles through the rest of its group's forwards, stock included.
     """
-    configurations = [(run_label(None), None, False)]
-    configurations += [(run_label(tau), float(tau), False) for tau in thresholds]
-    if verify:
-        configurations.append((VERIFY_LABEL, 0.0, True))
+    configurations = _configurations(thresholds, verify)
     runs = {label: DecodingRun(label, tau) for label, tau, _ in configurations}
     groups = [
         list(eval_ids[i : i + batch_size]) for i in range(0, len(eval_ids) - batch_size + 1, batch_size)
     ]
     if not groups:
         return {}
-    for _, tau, verified in configurations:  # warm-up at this batch shape, untimed
+    for _, tau, verified in configurations if warm_up else ():  # warm-up at this batch shape, untimed
         decode_batch(model, tokenizer, [ids[:8] for ids in groups[0]], tau, max_new_tokens=4, verify=verified)
-    deadline = _Deadline(minutes)
+    deadline = Deadline(minutes)
     for index, group in enumerate(groups):
         if index >= min_groups and not deadline.allows_another():
             logger.info("Batch-%d budget reached: %d of %d groups evaluated.", batch_size, index, len(groups))
@@ -264,34 +309,42 @@ def evaluate_shipped(
 ) -> dict:
     """The shipped model at batch 1 then batch 4 within ``minutes`` (about 60 % / 40 %).
 
-    Returns ``{"rows": [...], "eval_prompts": n, "batch_prompts": m}``; each row carries ``section``,
-    ``batch`` and ``dtype``. Agreement is with the stock rows' batch-1 answers (same weights, same dtype).
+    Returns ``{"rows": [...], "eval_prompts": n, "batch_prompts": m, "max_new_tokens": length}``; each
+    row carries ``section``, ``batch`` and ``dtype``. Agreement is with the stock rows' batch-1 answers
+    (same weights, same dtype). With a budget, the answer length is fitted so that the minimum work
+    (4 prompts at batch 1, one group of 4) fits in it on this machine.
     """
-    start = time.monotonic()
-    budget = math.inf if minutes is None else minutes * 60
+    deadline = Deadline(minutes)
+    configurations = _configurations(thresholds, verify)
+    work = [([eval_ids[0]], MIN_PROMPTS)] if eval_ids else []
+    if len(eval_ids) >= SHIPPED_BATCH_SIZE:
+        work.append((list(eval_ids[:SHIPPED_BATCH_SIZE]), 1))
+    length = fit_answer_length(model, tokenizer, work, configurations, deadline, max_new_tokens)
+    paced = minutes is not None
     batch1 = evaluate_prompts(
         model,
         tokenizer,
         eval_ids,
         thresholds,
         verify=verify,
-        minutes=None if minutes is None else minutes * SHIPPED_BATCH1_SHARE,
-        min_prompts=SHIPPED_BATCH_SIZE,
-        max_new_tokens=max_new_tokens,
+        minutes=None if minutes is None else deadline.left() * SHIPPED_BATCH1_SHARE / 60,
+        min_prompts=max(MIN_PROMPTS, SHIPPED_BATCH_SIZE),
+        max_new_tokens=length,
         progress=progress,
         desc="Shipped embedded-mars: stock, τ, verify at batch 1",
+        warm_up=not paced,
     )
     reference = batch1["stock"].outputs
     evaluated = len(reference)
-    left = None if minutes is None else max(0.0, budget - (time.monotonic() - start)) / 60
     batch4 = evaluate_batched(
         model,
         tokenizer,
         eval_ids[:evaluated],
         thresholds,
         verify=verify,
-        minutes=left,
-        max_new_tokens=max_new_tokens,
+        minutes=None if minutes is None else deadline.left() / 60,
+        max_new_tokens=length,
+        warm_up=not paced,
     )
     dtype = _dtype_name(model)
     rows = []
@@ -302,7 +355,13 @@ def evaluate_shipped(
         for row in summarize_runs(runs, references=reference[:decoded]):
             rows.append({"section": SHIPPED_SECTION, "batch": batch, "dtype": dtype, **row})
     batch_prompts = len(batch4["stock"].outputs) if batch4 else 0
-    return {"rows": rows, "eval_prompts": evaluated, "batch_prompts": batch_prompts, "dtype": dtype}
+    return {
+        "rows": rows,
+        "eval_prompts": evaluated,
+        "batch_prompts": batch_prompts,
+        "dtype": dtype,
+        "max_new_tokens": length,
+    }
 
 
 def own_rows(rows: list[dict], section: str, dtype: str = "float32") -> list[dict]:

@@ -33,8 +33,9 @@ This module holds the precision probe and the pipeline. The settings live in
 and reference, cached), :mod:`mars_hf.tools.quickstart.train` (training within a time budget) and
 :mod:`mars_hf.tools.quickstart.evaluate` (decoding rows, table, plot).
 
-Default time split (≤ 30 min on 2 CPU cores in all): shipped model 3 min, self-distillation 5,
-training 12, evaluation of the trained model 5, plus loading, the reference answers and saving.
+Default time split (≤ 30 min on 2 CPU cores in all, install included): shipped model 3 min,
+self-distillation 4, reference answers 1, training 12, evaluation of the trained model 4, plus loading
+and saving. Every budget holds on a slow machine too (:mod:`mars_hf.tools.quickstart.budget`).
 """
 
 from __future__ import annotations
@@ -194,6 +195,7 @@ def save_checkpoint(
     config: QuickstartConfig,
     training: dict,
     num_prompts: int | None = None,
+    max_new_tokens: int | None = None,
 ):
     """Hub-ready folder through :func:`mars_hf.hub.save_pretrained` (plain ``save_pretrained`` without it)."""
     try:
@@ -205,6 +207,7 @@ def save_checkpoint(
         tokenizer.save_pretrained(folder)
         return
     num_prompts = config.num_eval_prompts if num_prompts is None else num_prompts
+    max_new_tokens = config.max_new_tokens if max_new_tokens is None else max_new_tokens
     hub.save_pretrained(
         model,
         tokenizer,
@@ -229,7 +232,7 @@ def save_checkpoint(
         },
         results=hub_rows(rows),
         results_description=(
-            f"Greedy decoding of {num_prompts} held-out template prompts (max {config.max_new_tokens} "
+            f"Greedy decoding of {num_prompts} held-out template prompts (max {max_new_tokens} "
             "new tokens, batch 1, CPU); quality = token agreement with the base model's greedy output."
         ),
         quality_metric="agreement with base greedy",
@@ -275,9 +278,9 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     data = _base_answers(config, base, timings)
     trained, training = _train(config, base, data, timings)
     with _timed(timings, "evaluate"):
-        runs, rows = _evaluate_own(config, base, data, trained)
+        runs, rows, length = _evaluate_own(config, base, data, trained)
     timings["total"] = time.monotonic() - total_start
-    results = _results(config, machine, base, data, training, runs, rows, shipped, timings)
+    results = _results(config, machine, base, data, training, runs, rows, shipped, timings, length)
     _write_report(results, trained, base.tokenizer, config, timings, total_start)
     return results
 
@@ -339,8 +342,15 @@ def _base_answers(config: QuickstartConfig, base: _Base, timings: dict) -> _Base
         reference, reference_cached = cached_reference(
             base.model, base.tokenizer, eval_ids, model_path=base.path, prompts=eval_prompts, config=config
         )
+    evaluable = len(reference)  # a budget may have answered only the first prompts
     return _BaseAnswers(
-        train_prompts, eval_prompts, eval_ids, dataset, distill_cached, reference, reference_cached
+        train_prompts,
+        eval_prompts[:evaluable],
+        eval_ids[:evaluable],
+        dataset,
+        distill_cached,
+        reference,
+        reference_cached,
     )
 
 
@@ -362,18 +372,21 @@ def _train(config: QuickstartConfig, base: _Base, data: _BaseAnswers, timings: d
 
 
 def _evaluate_own(config: QuickstartConfig, base: _Base, data: _BaseAnswers, trained):
-    """The trained model at batch 1 against the base model's reference: ``(runs, summary rows)``."""
+    """The trained model at batch 1 against the base model's reference: ``(runs, summary rows, answer length)``."""
     if config.method == "gated_lora":
         # Evaluate what ships: the saved adapter on the base model, gated by forward hooks (as
         # custom_generate/ and hub.load apply it); PEFT's wrapper decodes several times slower.
         trained = _reload_gated(trained, base.tokenizer, base.path)
-    runs = evaluate(trained, base.tokenizer, data.eval_ids, config)
+    runs, length = evaluate(trained, base.tokenizer, data.eval_ids, config)
     evaluated = len(runs["stock"].outputs)
-    return runs, summarize_runs(runs, references=data.reference[:evaluated])
+    # A budget may have cut the answers: the first `length` tokens of a greedy answer are the greedy
+    # answer of that length, so the references are cut alike.
+    references = [answer[:length] for answer in data.reference[:evaluated]]
+    return runs, summarize_runs(runs, references=references), length
 
 
 def _results(
-    config, machine, base: _Base, data: _BaseAnswers, training, runs, rows, shipped, timings
+    config, machine, base: _Base, data: _BaseAnswers, training, runs, rows, shipped, timings, length: int
 ) -> dict:
     """Everything measured, JSON-able: settings, machine, data, training, evaluation, samples."""
     evaluated = len(runs["stock"].outputs)
@@ -390,6 +403,7 @@ def _results(
             "train_tokens": int(sum(sum(1 for t in labels if t != -100) for labels in dataset["labels"])),
             "ended_with_eos": int(sum(dataset["ends_with_eos"])),
             "eval_prompts": evaluated,
+            "eval_max_new_tokens": length,
             "self_distill_cached": data.distill_cached,
             "reference_cached": data.reference_cached,
         },
@@ -437,6 +451,7 @@ def _write_report(results: dict, trained, tokenizer, config: QuickstartConfig, t
             config,
             results["training"],
             num_prompts=results["data"]["eval_prompts"],
+            max_new_tokens=results["data"]["eval_max_new_tokens"],
         )
     timings["total"] = time.monotonic() - total_start
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
@@ -450,14 +465,15 @@ def summary(results: dict) -> str:
     header = [
         "",
         f"MARS quickstart: held-out prompts never trained on, greedy; {OWN_SECTION}: the model trained "
-        f"just now, {results['data']['eval_prompts']} prompts at batch 1 against the base model's float32 "
-        "greedy answers.",
+        f"just now, {results['data']['eval_prompts']} prompts at batch 1 (≤ {results['data']['eval_max_new_tokens']} "
+        "new tokens) against the base model's float32 greedy answers.",
     ]
     if shipped:
         header.append(
             f"{SHIPPED_SECTION}: the MARS model shipped in mars_hf (trained by a long run; see its model card "
             f"{Path(shipped['checkpoint']) / 'README.md'}), {shipped['eval_prompts']} prompts at batch 1 and "
-            f"{shipped['batch_prompts']} at batch 4 (left-padded), in {shipped['dtype']}, against stock "
+            f"{shipped['batch_prompts']} at batch 4 (left-padded, ≤ {shipped['max_new_tokens']} new tokens), "
+            f"in {shipped['dtype']}, against stock "
             "generate's batch-1 answers in the same dtype."
         )
         header.append(
