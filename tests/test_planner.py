@@ -380,7 +380,8 @@ def test_the_probe_is_bounded_cached_and_changes_nothing(tok):
         calls.clear()
         second = _verify(model, encoded, None, max_new_tokens=10)
         assert len(calls) == second.num_forwards  # the table was kept
-        assert second.cost_curve == first.cost_curve
+        # (decoding's own forwards may have corrected or added widths since: never removed one)
+        assert set(first.cost_curve) <= set(second.cost_curve)
         assert torch.equal(first.sequences, stock) and torch.equal(second.sequences, stock)
     finally:
         handle.remove()
@@ -395,6 +396,62 @@ def test_the_probe_respects_its_budget():
     assert table.source == "measured" and all(c > 0 for c in table.costs)
     # out of time: 1, 2 (where a straight line would err most) and the widest are still timed
     assert table.sizes == (1, 2, max(sizes))
+
+
+def test_decoding_forwards_correct_the_probes_curve():
+    """A width's cost becomes the median of its last observed forwards over the recent one-column ones,
+    once seen three times (a busy spell does not move it), for the rest of the process; a given curve
+    is the user's and is never corrected."""
+    model = tiny_model("llama", seed=5)
+    probe = CostTable((1, 2, 9), (1.0, 1.75, 2.8), "measured", 4, unit_seconds=0.1)
+    cost_model._TABLES[model] = {"key": probe}  # where cost_table() keeps the probe's reading
+    table = probe
+    for seconds in (0.1, 0.1, 0.12, 0.5):  # one-column forward, one more, then two 2-column ones
+        table = cost_model.observe(model, table, 1 if seconds == 0.1 else 2, seconds)
+    assert table is probe  # two observations of 2 columns: not trusted yet
+    table = cost_model.observe(model, table, 2, 0.12)
+    assert table.source == "observed" and table.batch == 4 and table.unit_seconds == 0.1
+    assert table.cost(2) == pytest.approx(1.2) and table.cost(9) == 2.8  # 9 columns: not seen
+    assert cost_model._TABLES[model]["key"] is table
+    given = CostTable.from_mapping({1: 1.0, 2: 1.75})
+    for _ in range(5):
+        assert cost_model.observe(model, given, 2, 0.01) is given
+
+
+def test_the_decoder_learns_the_curve_from_its_own_forwards(tok, monkeypatch):
+    """The probe reads a flat curve (wide steps look free) but every real forward costs its width in
+    seconds: once a wide width has been run three times the curve says so, and worthless masks go back
+    to one-token steps. The output stays stock greedy's."""
+    from mars_hf.decoding import decoder as decoder_module
+
+    model = enable_mars(tiny_model("llama", seed=3))
+    encoded = _batch(tok)
+    stock = model.generate(**encoded, max_new_tokens=30, do_sample=False)
+    flat_reading = lambda model, *, batch, **_: CostTable((1,), (1.0,), "measured", batch, 1.0)  # noqa: E731
+    monkeypatch.setattr(cost_model, "measure", flat_reading)
+    widths = []
+
+    def record_width(module, args, kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+
+    class Clock:  # a forward takes as many seconds as it has columns
+        @staticmethod
+        def perf_counter():
+            return float(sum(widths))
+
+    monkeypatch.setattr(decoder_module, "time", Clock)
+    handle = model.register_forward_pre_hook(record_width, with_kwargs=True)
+    try:
+        out = _verify(model, encoded, None, max_new_tokens=30)
+    finally:
+        handle.remove()
+    assert torch.equal(out.sequences, stock)
+    decode = out.forward_widths[1:].tolist()
+    widest = max(decode)
+    assert widest > 1 and decode.count(widest) >= 3  # the flat reading sent wide steps
+    assert out.cost_curve[widest] == pytest.approx(widest)
+    learned_at = [i for i, w in enumerate(decode) if w == widest][2]
+    assert decode[learned_at + 1 :].count(1) > len(decode[learned_at + 1 :]) // 2
 
 
 def test_candidate_widths_cover_every_feed():

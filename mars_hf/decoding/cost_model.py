@@ -13,7 +13,12 @@ so the decoder asks this module, which measures the curve where decoding runs:
 - overridable: ``generate(..., mars_cost_table={1: 1.0, 2: 1.05, ...})`` uses the given curve
   (missing sizes interpolated), ``mars_cost_probe=False`` assumes a **flat** curve (every width costs
   what one column costs: the accelerator-at-small-batch assumption, under which the planner goes as
-  wide as the window allows — the paper's fixed-window behaviour).
+  wide as the window allows — the paper's fixed-window behaviour);
+- corrected by decoding's own forwards on a CPU (:func:`observe`): the probe is short and runs on a
+  scratch cache, and on a slow CPU its one or two rounds can misread a width by half (one 2-core AVX2
+  machine: 2 columns read 1.75× at batch 4, 1.1–1.3× when timed at length). Each width the decoder
+  really runs, once seen a few times, takes the median of its observed cost over the recent one-column
+  forwards, for the rest of the process. Given and flat curves are the user's choice: never corrected.
 
 This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
@@ -21,6 +26,8 @@ This file depends on torch and transformers only (it ships in a checkpoint's ``c
 from __future__ import annotations
 
 import bisect
+import collections
+import dataclasses
 import functools
 import hashlib
 import json
@@ -31,7 +38,6 @@ import platform
 import statistics
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +53,7 @@ MAX_PROBED_WIDTH = 64  # wider steps are extrapolated (and never planned)
 _EXACT_UP_TO = 10  # every width up to this is probed; wider ones on a geometric grid
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CostTable:
     """Relative cost of a forward of ``n`` columns per sequence (``cost(1) == 1``) at one batch size.
 
@@ -57,8 +63,9 @@ class CostTable:
 
     sizes: tuple[int, ...]
     costs: tuple[float, ...]
-    source: str  # "measured", "disk", "given" or "flat"
+    source: str  # "measured", "disk", "observed" (measured, then corrected by decoding), "given" or "flat"
     batch: int = 1
+    unit_seconds: float | None = None  # what one column took when measured (None: not measured here)
 
     @classmethod
     def from_mapping(cls, mapping, source: str = "given", batch: int = 1) -> CostTable:
@@ -245,6 +252,71 @@ def _write(path: str, table: CostTable) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Learning from decoding's own forwards
+# --------------------------------------------------------------------------------------------------
+
+OBSERVED_RECENT = 5  # observations kept per width (medians of the most recent)
+OBSERVED_MIN = 3  # observations of a width before they replace the probe's reading of it
+REFINABLE = ("measured", "disk", "observed")  # a given or flat curve is the user's: never corrected
+
+_OBSERVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: ObservedCosts}
+
+
+class ObservedCosts:
+    """Decoding's own forwards of one model and batch bucket: each wider forward's time over the median
+    of the recent one-column forwards (the context grows while decoding, so a ratio to *recent* one-column
+    forwards, not to the first ones)."""
+
+    def __init__(self, unit_seconds: float | None = None):
+        # the probe's one-column time stands in until decoding runs one-column forwards itself (a planner
+        # that believes wide steps are cheap may never run one)
+        self.ones: collections.deque = collections.deque([unit_seconds] if unit_seconds else [], OBSERVED_RECENT)
+        self.ratios: dict[int, collections.deque] = {}
+
+    def record(self, width: int, seconds: float) -> bool:
+        """Add one forward; True when the width's observed cost is now trusted (worth a new table)."""
+        if width == 1:
+            self.ones.append(seconds)
+            return False
+        if not self.ones:
+            return False
+        ratios = self.ratios.setdefault(width, collections.deque(maxlen=OBSERVED_RECENT))
+        ratios.append(seconds / statistics.median(self.ones))
+        return len(ratios) >= OBSERVED_MIN
+
+    def refine(self, table: CostTable) -> CostTable:
+        """``table`` with every trusted width's observed cost (never below one column's)."""
+        points = table.as_dict()
+        for width, ratios in self.ratios.items():
+            if len(ratios) >= OBSERVED_MIN:
+                points[width] = max(1.0, statistics.median(ratios))
+        refined = CostTable.from_mapping(points, "observed", table.batch)
+        return dataclasses.replace(refined, unit_seconds=table.unit_seconds)
+
+
+def observe(model, table: CostTable, width: int, seconds: float) -> CostTable:
+    """Record that a forward of ``width`` columns per sequence took ``seconds`` where ``table`` was the
+    curve in use; returns the curve to use from now on (the same one until the width is trusted).
+
+    The refined curve replaces the probe's for the rest of the process (later ``generate`` calls start
+    from it). Only curves this module measured or read are refined.
+    """
+    if table.source not in REFINABLE:
+        return table
+    per_model = _TABLES.setdefault(model, {})
+    key = next((k for k, known in per_model.items() if known is table), None)
+    if key is None:  # not this process's curve for the model (e.g. handed over by a caller): no memory
+        return table
+    observations = _OBSERVATIONS.setdefault(model, {})
+    observed = observations.get(key) or observations.setdefault(key, ObservedCosts(table.unit_seconds))
+    if not observed.record(width, seconds):
+        return table
+    refined = observed.refine(table)
+    per_model[key] = refined
+    return refined
+
+
+# --------------------------------------------------------------------------------------------------
 # The probe
 # --------------------------------------------------------------------------------------------------
 
@@ -310,7 +382,7 @@ def measure(
         count += 1
     medians = {n: statistics.median(values) for n, values in times.items()}
     one = medians[1]
-    table = CostTable(tuple(sizes), tuple(medians[n] / one for n in sizes), "measured", batch)
+    table = CostTable(tuple(sizes), tuple(medians[n] / one for n in sizes), "measured", batch, one)
     logger.info(
         "MARS cost curve (batch %d, %.1f ms per 1-column forward, %d rounds, %.2f s): %s",
         batch,

@@ -17,6 +17,8 @@ This file depends on torch and transformers only (it ships in a checkpoint's ``c
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .acceptance import (
@@ -117,6 +119,9 @@ class MARSBatchDecoder:
         self._next_id = 0
         self._dtype = next(model.parameters()).dtype
         self.calibration = calibration_for(model, window)  # None: raw confidences (no config.mars calibration)
+        # A CPU forward ends when its call returns, so its wall time is its cost: the measured curve learns
+        # from it. (On an accelerator, timing would need a synchronisation per step; its curve is flat.)
+        self._times_forwards = self.device.type == "cpu" and self.kv is not None
 
     @property
     def plan_counts(self) -> dict[str, int]:
@@ -252,7 +257,10 @@ class MARSBatchDecoder:
         checked = [len(r.drafts) if d else 0 for r, d in zip(rows, deciding)]
         sources = [r.draft_source for r in rows]
         fed_confidence = [r.draft_confidence for r in rows]  # replaced by the new drafts' below
+        started = time.perf_counter()
         logits, where = self._forward(rows, plan.plans, deciding, first, plan.width)
+        if self._times_forwards and all(r.prefilled for r in rows):  # a decode step, not a prefill
+            self.feed.observe_forward(len(rows), self.forward_widths[-1], time.perf_counter() - started)
         outcome = self._decide(rows, plan.plans, deciding, logits, where)
         self.feed.learn(rows, plan.specs, plan.choices, outcome, fed_confidence, plan.cost, checked, sources)
         return [self._keep(row, outcome.get(i), checked[i], sources[i]) for i, row in enumerate(rows)]

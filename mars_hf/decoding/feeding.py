@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cost_model import batch_bucket
+from .cost_model import batch_bucket, observe
 from .cost_model import cost_table as curve_for
 from .draft_sources import ASSISTANT, CHAINED, LOOKUP, MASKS, lookup_drafts
 from .layouts import RowPlan, idle_plan, plan_row, position_limit
@@ -433,6 +433,14 @@ class StepFeed:
         instead of at the first step that needs each (about 2 s at most per bucket, once per process)."""
         for rows in sorted({batch_bucket(n) for n in range(1, max_rows + 1)}):
             self.cost_table(rows)
+
+    def observe_forward(self, rows: int, width: int, seconds: float) -> None:
+        """A decode step of ``rows`` rows ran ``width`` columns in ``seconds``: the batch's measured curve
+        learns from it (``cost_model.observe``), once one is in use."""
+        bucket = batch_bucket(rows)
+        table = self.cost_tables.get(bucket)
+        if table is not None:
+            self.cost_tables[bucket] = observe(self.model, table, width, seconds)
 
     def cost_table(self, rows: int):
         """The cost curve of a batch of ``rows`` rows (its bucket's), measured or read at first need."""
