@@ -275,9 +275,28 @@ class ThresholdRule:
         return outcome
 
     def _decide_group(self, rows, plans, group, outcome):
+        kept_of = {i: self.anchors[i][0] if i in self.anchors else 0 for i in group}
+        raw, scores, spans, chosen_all, values = self._predictions(rows, plans, group, kept_of)
+        metric = rows[group[0]].metric
+        for i, (start, count) in zip(group, spans):
+            row, kept = rows[i], kept_of[i]
+            chosen = [int(t) for t in chosen_all[start : start + count]]
+            passed = [passes(v, row.tau, metric) for v in values[start : start + count]]
+            n = threshold_count(passed, min(count, row.settings.max_new_tokens - row.generated - kept))
+            final, reason = self.step.stops(row, row.drafts[:kept] + chosen[:n])
+            own_scores, own_raw = scores[start : start + count], raw[start : start + count]
+            if kept:  # the kept drafts' checks come first
+                own_scores = torch.cat([self.anchors[i][2][:kept], own_scores])
+                own_raw = torch.cat([self.anchors[i][3][:kept], own_raw])
+            self.step.record(row, own_scores[: len(final)], own_raw[: len(final)])
+            outcome[i] = (final, len(row.tokens) - row.committed + min(kept, len(final)), min(kept, len(final)), reason)
+
+    def _predictions(self, rows, plans, group, kept_of):
+        """Each row's prediction 0 and its masks' predictions, chosen (an anchored row's prediction 0 is
+        forced to verification's token), with their confidences (calibrated where the model has a
+        calibration): ``(logits, scores, spans, tokens, confidences)``, the last two as host lists."""
         first = rows[group[0]]
         processing, do_sample, metric, generator = first.processing, first.do_sample, first.metric, first.generator
-        kept_of = {i: self.anchors[i][0] if i in self.anchors else 0 for i in group}
 
         def columns(i):
             plan, kept = plans[i], kept_of[i]
@@ -297,18 +316,7 @@ class ThresholdRule:
         if self.step.calibration is not None and metric == "probability":
             for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
                 self.step.calibration.apply_span(values, start + 1, count - 1, first_offset=1)
-        for i, (start, count) in zip(group, spans):
-            row, kept = rows[i], kept_of[i]
-            chosen = [int(t) for t in chosen_all[start : start + count]]
-            passed = [passes(v, row.tau, metric) for v in values[start : start + count]]
-            n = threshold_count(passed, min(count, row.settings.max_new_tokens - row.generated - kept))
-            final, reason = self.step.stops(row, row.drafts[:kept] + chosen[:n])
-            own_scores, own_raw = scores[start : start + count], raw[start : start + count]
-            if kept:  # the kept drafts' checks come first
-                own_scores = torch.cat([self.anchors[i][2][:kept], own_scores])
-                own_raw = torch.cat([self.anchors[i][3][:kept], own_raw])
-            self.step.record(row, own_scores[: len(final)], own_raw[: len(final)])
-            outcome[i] = (final, len(row.tokens) - row.committed + min(kept, len(final)), min(kept, len(final)), reason)
+        return raw, scores, spans, chosen_all, values
 
     def _choose_in_order(self, rows, group, spans, raw, processing, do_sample, generator, kept_of, forced):
         """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1`` (after the

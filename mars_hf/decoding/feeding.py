@@ -266,7 +266,7 @@ class StepFeed:
             return 0, min(self.assistant_tokens, room)
         follow = row.assistant_stats.future()
         masks = self._draft_probs(row) if row.drafts else []
-        best, option = self._held_value(row, table), None
+        best, option = self._held_value(row, table, masks), None
         heads = 0 if row.do_sample else self._chainable(row, room)
         for head in range(heads + 1):
             count = min(self.assistant_tokens, room - head)
@@ -329,7 +329,7 @@ class StepFeed:
             masks = self._draft_probs(row) if row.drafts else []
             follow = row.assistant_stats.future()[: len(drafts)]
             value = self._draft_value(row, masks[:head] + follow, table)
-            if value <= self._held_value(row, table):
+            if value <= self._held_value(row, table, masks):
                 return
         proposal = None
         if scores is not None:
@@ -355,9 +355,12 @@ class StepFeed:
             return 0, 0
         return checked - head, kept - head
 
-    def _held_value(self, row, table) -> float:
-        """What the drafts a row holds (the masks' from the last step) are worth fed alone (0: none)."""
-        return self._draft_value(row, self._draft_probs(row), table) if row.drafts else 0.0
+    def _held_value(self, row, table, probs=None) -> float:
+        """What the drafts a row holds (the masks' from the last step) are worth fed alone (0: none);
+        ``probs``: their ``_draft_probs`` when the caller has them already."""
+        if not row.drafts:
+            return 0.0
+        return self._draft_value(row, self._draft_probs(row) if probs is None else probs, table)
 
     @staticmethod
     def _draft_value(row, probs, table) -> float:
