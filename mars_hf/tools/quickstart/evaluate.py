@@ -149,10 +149,8 @@ def evaluate(model, tokenizer, eval_ids, config) -> tuple[dict[str, DecodingRun]
     """
     deadline = Deadline(config.eval_minutes)
     configurations = _configurations(config.thresholds, config.verify)
-    length = fit_answer_length(
-        model, tokenizer, [([eval_ids[0]], MIN_PROMPTS)] if eval_ids else [], configurations, deadline,
-        config.max_new_tokens,
-    )
+    work = [([eval_ids[0]], MIN_PROMPTS)] if eval_ids else []
+    length = fit_answer_length(model, tokenizer, work, configurations, deadline, config.max_new_tokens)
     runs = evaluate_prompts(
         model,
         tokenizer,
