@@ -11,14 +11,17 @@ from mars_hf.tools.quickstart.train import TimeBudget
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
-@pytest.fixture
-def tiny_model_dir(tmp_path):
+def _save_tiny_base(folder, seed: int) -> str:
+    """A tiny float32 llama and its tokenizer saved as a base-model folder."""
     tokenizer = tiny_tokenizer()
-    model = tiny_model("llama", seed=1, tokenizer=tokenizer, dtype=torch.float32)
-    folder = tmp_path / "tiny-base"
-    model.save_pretrained(folder)
+    tiny_model("llama", seed=seed, tokenizer=tokenizer, dtype=torch.float32).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    return _save_tiny_base(tmp_path / "tiny-base", seed=1)
 
 
 def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
@@ -205,12 +208,10 @@ def test_distillation_and_evaluation_stay_inside_their_budgets(tiny_model_dir, t
     from mars_hf.tools.quickstart.budget import MIN_NEW_TOKENS
 
     # A base model whose held-out answers never contain the mask token (the MARS model suppresses it).
-    tokenizer = tiny_tokenizer()
-    tiny_model_dir = tmp_path / "tiny-base-2"
-    tiny_model("llama", seed=2, tokenizer=tokenizer, dtype=torch.float32).save_pretrained(tiny_model_dir)
-    tokenizer.save_pretrained(tiny_model_dir)
+    tiny_model_dir = _save_tiny_base(tmp_path / "tiny-base-2", seed=2)
+    mask_token_id = tiny_tokenizer().mask_token_id
     config = _toy_config(
-        str(tiny_model_dir),
+        tiny_model_dir,
         tmp_path,
         num_train_prompts=6,
         distill_batch_size=2,
@@ -235,7 +236,7 @@ def test_distillation_and_evaluation_stay_inside_their_budgets(tiny_model_dir, t
     # answers (stock, τ = 1, verify: gated adapter) agree with them exactly.
     reference = json.loads(next((tmp_path / "cache").glob("reference-*.json")).read_text())["outputs"]
     assert len(reference) == 4 and max(len(answer) for answer in reference) > MIN_NEW_TOKENS
-    assert not any(tokenizer.mask_token_id in answer for answer in reference)
+    assert not any(mask_token_id in answer for answer in reference)
     for label in ("stock", "mars@1", "verify"):
         assert rows[label]["prefix_agreement"] == 1.0 and rows[label]["exact_match"] == 1.0, label
 
@@ -402,14 +403,12 @@ def test_shipped_answers_are_cut_to_fit_a_spent_budget(shipped_checkpoint):
     full = evaluate_shipped(model, tokenizer, ids, (1.0,), minutes=None, max_new_tokens=MIN_NEW_TOKENS + 8)
     cut = evaluate_shipped(model, tokenizer, ids, (1.0,), minutes=0.0, max_new_tokens=MIN_NEW_TOKENS + 8)
     assert full["max_new_tokens"] == MIN_NEW_TOKENS + 8 and cut["max_new_tokens"] == MIN_NEW_TOKENS
-    full_rows = {(row["batch"], row["label"]): row for row in full["rows"]}
-    for row in cut["rows"]:
+    full_rows, cut_rows = ({(row["batch"], row["label"]): row for row in r["rows"]} for r in (full, cut))
+    for (batch, label), row in cut_rows.items():
         assert row["num_tokens"] <= 4 * MIN_NEW_TOKENS
-        if row["label"] in ("stock", "mars@1", "verify"):
-            assert row["exact_match"] == 1.0, (row["batch"], row["label"])
-    assert full_rows[(1, "stock")]["num_tokens"] > {(r["batch"], r["label"]): r for r in cut["rows"]}[
-        (1, "stock")
-    ]["num_tokens"]
+        if label in ("stock", "mars@1", "verify"):
+            assert row["exact_match"] == 1.0, (batch, label)
+    assert full_rows[(1, "stock")]["num_tokens"] > cut_rows[(1, "stock")]["num_tokens"]
 
 
 def test_command_line_options_for_the_shipped_model():
