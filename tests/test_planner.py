@@ -357,10 +357,15 @@ def test_no_probe_means_a_flat_curve(tok):
     assert torch.equal(out.forward_widths, flat.forward_widths)
 
 
-def test_the_probe_is_bounded_cached_and_changes_nothing(tok):
+def test_the_probe_is_bounded_cached_and_changes_nothing(tok, monkeypatch):
     """A fresh model: the first verify call measures (its forwards are not the user's: the output
     equals stock and `num_forwards` counts only decoding); the second reuses the table; one-token
-    decoding never measures."""
+    decoding never measures. (The correction by observed forwards is off here: it would make the second
+    call's plan, and so which batch sizes it needs a curve for, depend on this machine's timings; it has
+    its own tests below.)"""
+    from mars_hf.decoding import feeding
+
+    monkeypatch.setattr(feeding, "observe", lambda model, table, width, seconds: table)
     model = enable_mars(tiny_model("llama", seed=5))
     encoded = _batch(tok)
     calls = []
@@ -380,8 +385,7 @@ def test_the_probe_is_bounded_cached_and_changes_nothing(tok):
         calls.clear()
         second = _verify(model, encoded, None, max_new_tokens=10)
         assert len(calls) == second.num_forwards  # the table was kept
-        # (decoding's own forwards may have corrected or added widths since: never removed one)
-        assert set(first.cost_curve) <= set(second.cost_curve)
+        assert second.cost_curve == first.cost_curve
         assert torch.equal(first.sequences, stock) and torch.equal(second.sequences, stock)
     finally:
         handle.remove()
