@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' tiny models and tokenizer
 
-from mars_hf.decoding.feeding import StepFeed  # noqa: E402
+from mars_hf.decoding.draft_choice import DraftChooser  # noqa: E402
 from tests.test_generation import peaked_model  # noqa: E402
 from tests.tiny import tiny_tokenizer  # noqa: E402
 
@@ -117,12 +117,12 @@ def main(argv=None) -> int:
     never_chain = staticmethod(lambda row, room: 0)
 
     def either_or(encoded, layout):
-        original = StepFeed.__dict__["_chainable"]
-        StepFeed._chainable = never_chain  # the draft model reads the row's tokens alone: before chaining
+        original = DraftChooser.__dict__["chainable"]
+        DraftChooser.chainable = never_chain  # the draft model reads the row's tokens alone: before chaining
         try:
             return mars(model, encoded, max_new, layout, assistant, k)
         finally:
-            StepFeed._chainable = original
+            DraftChooser.chainable = original
 
     def chained(encoded, layout):
         return mars(model, encoded, max_new, layout, assistant, k)

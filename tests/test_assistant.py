@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mars_hf.decoding.draft_choice import DraftChooser
 from mars_hf.decoding.draft_sources import ASSISTANT, CHAINED, MASKS
-from mars_hf.decoding.feeding import StepFeed
 from tests.reference_decoder import reference_assisted_generate
 from tests.test_generation import peaked_model
 from tests.test_prompt_lookup import REPEATING, _assert_same_token_distribution, _sampling_rows
@@ -103,7 +103,7 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.offers, self.kept_after_masks = [], 0
-        offer, outcome = StepFeed._offer_assistant_drafts, StepFeed._source_outcome
+        offer, outcome = DraftChooser.offer_assistant_drafts, DraftChooser.source_outcome
 
         def spy_offer(feed, row, head, drafts, scores, b, table):
             context = row.tokens + row.drafts[:head]
@@ -116,8 +116,8 @@ class _Spy:
                 self.kept_after_masks += result[1]
             return result
 
-        monkeypatch.setattr(StepFeed, "_offer_assistant_drafts", spy_offer)
-        monkeypatch.setattr(StepFeed, "_source_outcome", staticmethod(spy_outcome))
+        monkeypatch.setattr(DraftChooser, "offer_assistant_drafts", spy_offer)
+        monkeypatch.setattr(DraftChooser, "source_outcome", staticmethod(spy_outcome))
 
 
 def test_chains_are_the_draft_models_continuation_of_the_mask_drafts(monkeypatch, tok, padded):
@@ -145,7 +145,7 @@ def test_the_chain_counts_fail_when_no_chain_is_offered(monkeypatch, padded):
     """The mutant that never chains (the draft model always reads the row's tokens alone, today's
     either/or) gives the same output with no chained drafts: the counts above would fail on it."""
     model, assistant = peaked_model("llama"), peaked_model("qwen3")
-    monkeypatch.setattr(StepFeed, "_chainable", staticmethod(lambda row, room: 0))
+    monkeypatch.setattr(DraftChooser, "chainable", staticmethod(lambda row, room: 0))
     out = _assisted(model, assistant, padded, max_new_tokens=24)
     assert torch.equal(out.sequences, model.generate(**padded, max_new_tokens=24, do_sample=False))
     assert out.drafts_by_source[CHAINED] == {"proposed": 0, "accepted": 0}
@@ -163,7 +163,7 @@ def test_chains_take_fewer_target_forwards_than_either_alone(tok):
         out = _assisted(model, assistant, encoded, max_new_tokens=32)
         assert torch.equal(out.sequences, stock)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(StepFeed, "_chainable", staticmethod(lambda row, room: 0))
+            patch.setattr(DraftChooser, "chainable", staticmethod(lambda row, room: 0))
             either = _assisted(model, assistant, encoded, max_new_tokens=32)
         assert torch.equal(either.sequences, stock)
         forwards["chained"] += out.num_forwards

@@ -18,8 +18,8 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 
 from mars_hf.decoding.acceptance import verify_sampled
 from mars_hf.decoding.cost_model import CostTable
+from mars_hf.decoding.draft_choice import DraftChooser
 from mars_hf.decoding.draft_sources import lookup_drafts
-from mars_hf.decoding.feeding import StepFeed
 from mars_hf.decoding.generation import enable_mars
 from mars_hf.decoding.planner import AcceptanceStats
 from mars_hf.decoding.rows import SourceStats
@@ -478,11 +478,11 @@ def test_a_row_whose_first_lookup_failed_tries_again_after_declined_matches():
     table = CostTable.from_mapping({1: 1.0, 2: 2.14, 9: 2.36})
     row = SimpleNamespace(tokens=[1] * 20, committed=19, prefilled=True, lead=0, stats=AcceptanceStats(2))
     lookup = SourceStats(10)
-    assert StepFeed._draft_value(row, lookup.future(), table) > 0  # a first match is tried
+    assert DraftChooser.draft_value(row, lookup.future(), table) > 0  # a first match is tried
     lookup.observe(10, 0)  # ... and fails at its first token
-    assert StepFeed._draft_value(row, lookup.future(), table) == 0.0  # the next matches are declined
+    assert DraftChooser.draft_value(row, lookup.future(), table) == 0.0  # the next matches are declined
     declined = 0
-    while StepFeed._draft_value(row, lookup.future(), table) == 0.0:
+    while DraftChooser.draft_value(row, lookup.future(), table) == 0.0:
         lookup.forget()
         declined += 1
         assert declined < 30

@@ -28,6 +28,7 @@ CUSTOM_GENERATE_FILES = {
     "cost_model.py": "cost_model.py",
     "planner.py": "planner.py",
     "draft_sources.py": "draft_sources.py",
+    "draft_choice.py": "draft_choice.py",
     "settings.py": "settings.py",
     "rows.py": "rows.py",
     "feeding.py": "feeding.py",
