@@ -5,7 +5,10 @@ For every ``checkpoint-N`` folder of a ``mars-hf train`` run (and the final fold
 * teacher-forced (cheap proxy, one two-stream forward per answer): top-1 accuracy of each mask offset
   and the share of masks confident at 0.9, on held-out self-distilled answers;
 * real decoding on held-out template prompts (batch 1, greedy, float32): tokens per forward of
-  verified decoding and of τ = 0.9, and τ = 0.9's prefix agreement with the base model's greedy output.
+  verified decoding (a fixed ``--layout``, the cost probe off, so the counts do not depend on the
+  machine's speed) and of τ = 0.9, and τ = 0.9's prefix agreement with the base model's greedy output.
+  ``checkpoint-N`` folders carry no calibration (``mars-hf train`` fits it at the end), so their τ is
+  the raw confidence's; the final folder's is calibrated.
 
 Usage::
 
@@ -74,7 +77,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8, help="Held-out prompts decoded.")
     parser.add_argument("--prompt-seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--only", default=None, help="Comma-separated checkpoint steps to evaluate.")
+    parser.add_argument(
+        "--only", default=None, help="Comma-separated checkpoint steps to evaluate ('final': the run's own folder)."
+    )
+    parser.add_argument(
+        "--layout", default="quadratic", choices=["linear", "quadratic"], help="Verified decoding's fixed layout."
+    )
     parser.add_argument("--no-decode", action="store_true", help="Teacher-forced numbers only (fast).")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
@@ -96,10 +104,10 @@ def main() -> None:
     ]
     results = json.loads(args.output.read_text()) if args.output.exists() else []
     done = {entry["checkpoint"] for entry in results}
-    only = {int(step) for step in args.only.split(",")} if args.only else None
+    only = set(args.only.split(",")) if args.only else None
     for step, folder in checkpoints(args.run_dir):
         label = step if step is not None else "final"
-        if label in done or (only is not None and step not in only):
+        if label in done or (only is not None and str(label) not in only):
             continue
         start = time.monotonic()
         model = AutoMARSModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -110,7 +118,11 @@ def main() -> None:
         runs = (
             ()
             if args.no_decode
-            else (("verify", {"mars_acceptance": "verify"}), ("tau0.9", {"mars_threshold": 0.9}))
+            # fixed feeds, cost probe off: counts that do not depend on this machine's speed
+            else (
+                ("verify", {"mars_acceptance": "verify", "mars_layout": args.layout, "mars_cost_probe": False}),
+                ("tau0.9", {"mars_threshold": 0.9, "mars_cost_probe": False}),
+            )
         )
         for name, kwargs in runs:
             tokens = forwards = 0
