@@ -3,8 +3,8 @@
 ``StepFeed.plan`` gives every row its ``layouts.RowPlan``: which drafts it checks (chosen by
 ``draft_choice.DraftChooser``: the masks', prompt lookup's, a draft model's, or the masks' continued
 by a draft model, whichever chain is worth more), how many masks in which layout (fixed, or chosen by
-``planner.choose`` from the measured ``cost_model`` curve), and pads the step to the cheapest measured width. ``StepFeed.learn`` then
-updates each row's acceptance statistics from what it kept.
+``planner.choose`` from the measured ``cost_model`` curve), and pads the step to the cheapest measured
+width. ``StepFeed.learn`` then updates each row's acceptance statistics from what it kept.
 
 This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
