@@ -191,8 +191,8 @@ class MARSBatchDecoder:
         )
         if settings.max_new_tokens <= 0:
             row.finished = True
-        if self.feed.assistant is not None:
-            row.assistant_stats = SourceStats(self.feed.assistant_tokens)
+        if self.feed.drafts.assistant is not None:
+            row.assistant_stats = SourceStats(self.feed.drafts.assistant_tokens)
         self.joining.append(row)
         return row_id
 

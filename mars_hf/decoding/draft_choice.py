@@ -79,10 +79,11 @@ class DraftChooser:
             row.lookup_stats.forget()
 
     @torch.no_grad()
-    def from_assistant(self, rows, batch: int) -> None:
-        """docs/method.md §5: a draft model continues each row (one batched stock ``generate`` call,
-        left-padded). Per row, before anything is drawn, the proposals are valued as the planner values
-        drafts (``draft_value``: expected drafts kept, less λ × the extra cost of their columns):
+    def from_assistant(self, rows, deciding) -> None:
+        """docs/method.md §5: the draft model (if any) continues each deciding row that uses it (one
+        batched stock ``generate`` call, left-padded). Per row, before anything is drawn, the proposals
+        are valued as the planner values drafts (``draft_value``: expected drafts kept, less λ × the
+        extra cost of their columns):
 
         - the masks' drafts alone (what the row holds from the last step);
         - the draft model's ``assistant_tokens`` tokens after the row's tokens (*plain*);
@@ -97,11 +98,17 @@ class DraftChooser:
         choice never reads a sampled draft, so speculative sampling stays exact. The planner then
         feeds a prefix of the chosen drafts with mask groups after them (quadratic: fresh mask
         drafts after whatever prefix is kept)."""
-        eligible = [r for r in rows if not (r.stats.probing and r.drafts)]  # a re-probe keeps the masks'
+        if self.assistant is None:
+            return
+        eligible = [
+            r
+            for r, d in zip(rows, deciding)
+            if d and r.assistant_stats is not None and not (r.stats.probing and r.drafts)
+        ]  # a re-probe keeps the masks'
         if not eligible:
             return
         # τ rows take the paper's k drafts without valuing them: no cost curve needed for them alone
-        table = self.cost_table(batch) if any(r.verify for r in eligible) else None
+        table = self.cost_table(len(rows)) if any(r.verify for r in eligible) else None
         for do_sample in (False, True):
             picked = []
             for row in eligible:

@@ -66,8 +66,7 @@ class StepFeed:
         self.cost_given, self.cost_probe = cost_table, bool(cost_probe)
         self.cost_tables: dict = {}  # batch bucket -> CostTable, filled at first need
         self.position_limit = position_limit(model.config)
-        self.assistant = assistant_model  # verify rows also get a draft model's drafts (docs/method.md §5)
-        self.assistant_tokens = int(assistant_tokens)
+        # verify rows may also get prompt lookup's or a draft model's drafts (docs/method.md §5)
         self.drafts = DraftChooser(
             cost_table=self.cost_table,
             positions_left=lambda row: self._room(row)[1],
@@ -87,9 +86,7 @@ class StepFeed:
         decoding stays stock decoding, column for column. A step that carries masks runs at the
         cheapest measured width at least as wide as it needs (the padding replaces a fixed minimum).
         """
-        if self.assistant is not None:
-            assisted = [r for r, d in zip(rows, deciding) if d and r.assistant_stats is not None]
-            self.drafts.from_assistant(assisted, len(rows))
+        self.drafts.from_assistant(rows, deciding)
         plans, specs = self._fixed_plans_and_specs(rows, deciding)
         wants_table = any(s.kind != FIXED and (s.max_masks > 0 or s.draft_probs) for s in specs) or any(
             p is not None and p.group_columns for p in plans
