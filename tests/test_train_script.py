@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -184,10 +186,33 @@ def test_bundled_accelerate_configs_load(name):
         assert config.distributed_type == "FSDP" and config.fsdp_config["fsdp_version"] == 2
 
 
-def run_train(argv, tmp_path, name):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def launch_train(argv, tmp_path, name, extra_env=None, timeout=300):
+    """`mars-hf train ARGV` in a subprocess (seconds of work here); a hang fails with every process's stack.
+
+    On timeout the launcher and its workers (torchrun starts each in its own session) get SIGABRT, on which
+    Python's faulthandler prints all their threads' tracebacks into the captured stderr.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1", **(extra_env or {})}
     command = [sys.executable, "-m", "mars_hf.cli", "train", *argv]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        launched = psutil.Process(process.pid)
+        everyone = [*launched.children(recursive=True), launched]
+        for member in everyone:
+            member.send_signal(signal.SIGABRT)
+        psutil.wait_procs(everyone, timeout=30)
+        for member in everyone:
+            if member.is_running():
+                member.kill()
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{name}: still running after {timeout} s; stacks on SIGABRT:\n{stderr[-12000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run_train(argv, tmp_path, name):
+    result = launch_train(argv, tmp_path, name)
     assert result.returncode == 0, f"{name}: {result.stderr[-4000:]}"
     return result
 
@@ -228,10 +253,8 @@ def test_processes_that_do_not_join_one_group_are_refused(model_dir, jsonl, tmp_
     The GPUs are hidden (``CUDA_VISIBLE_DEVICES=""``), so this is that machine wherever the test runs.
     """
     recipe = write_recipe(tmp_path / "recipe.yaml", model_dir, jsonl, max_steps=1)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, "-m", "mars_hf.cli", "train", "--config", str(recipe), "--output_dir", str(tmp_path / "o"),
-               "--accelerate_config", "multi_cpu"]  # fmt: skip
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    argv = ["--config", str(recipe), "--output_dir", str(tmp_path / "o"), "--accelerate_config", "multi_cpu"]
+    result = launch_train(argv, tmp_path, "no --use_cpu", extra_env={"CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode != 0 and "--use_cpu" in result.stderr
 
 

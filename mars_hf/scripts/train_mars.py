@@ -94,6 +94,9 @@ def main(script_args, training_args, model_args):
     if calibration_rows is not None:
         fit_calibration_after_training(trainer, calibration_rows, logger)
     save_and_push(trainer, training_args, script_args.dataset_name)
+    # Only the main process writes files, so the others reach `end()` first; tearing down a gloo group while a
+    # peer is still busy can hang (pytorch/pytorch#75097). Every process destroys it together instead.
+    trainer.accelerator.wait_for_everyone()
     trainer.end()
     return trainer
 
