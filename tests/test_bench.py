@@ -48,6 +48,22 @@ def test_build_configurations_grid():
         assert {c.scheme for c in grid if c.scheme != "stock"} == schemes, acceptance
 
 
+def test_every_mars_row_runs_once_per_kernel_mode():
+    grid = build_configurations(
+        [0.9], [4], schemes=["stock", "cursor"], verify_layouts=["auto"], cpu_kernels=["auto", "stock"]
+    )
+    assert [(c.scheme, c.layout, c.cpu_kernels) for c in grid] == [
+        ("stock", None, "auto"),
+        ("cursor", None, "auto"),
+        ("cursor", None, "stock"),
+        ("cursor", "auto", "auto"),
+        ("cursor", "auto", "stock"),
+    ]
+    assert "mars_cpu_kernels" not in grid[3].generate_kwargs("probability")  # "auto" is the decoder's default
+    assert grid[4].generate_kwargs("probability")["mars_cpu_kernels"] == "stock"
+    assert grid[4].label.endswith("kernels=stock") and "kernels" not in grid[3].label
+
+
 def test_count_generated_tokens_stops_at_first_eos():
     new = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
     assert count_generated_tokens(new, [2]).tolist() == [3, 5, 1]
@@ -273,6 +289,8 @@ def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
             "--cost-repeats",
             "1",
             "--no-progress",
+            "--cpu-kernels",
+            "auto,packed",
             "--output",
             str(output_file),
         ]
@@ -281,15 +299,14 @@ def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
     out = capsys.readouterr().out
     json_line = next(line for line in out.splitlines() if line.startswith("JSON: "))
     result = json.loads(json_line[len("JSON: ") :])
-    assert [(r["scheme"], r["tau"], r["layout"]) for r in result["rows"]] == [
-        ("stock", None, None),
-        ("cursor", 1.0, None),
-        ("cursor", 0.5, None),
-        ("block", 0.5, None),
-        ("cursor", None, "auto"),
-        ("cursor", None, "linear"),
-        ("cursor", None, "quadratic"),
+    mars_rows = [(s, t, la) for s, t, la in [("cursor", 1.0, None), ("cursor", 0.5, None), ("block", 0.5, None),
+                 ("cursor", None, "auto"), ("cursor", None, "linear"), ("cursor", None, "quadratic")]]  # fmt: skip
+    assert [(r["scheme"], r["tau"], r["layout"], r["cpu_kernels"]) for r in result["rows"]] == [
+        ("stock", None, None, "auto"),
+        *[(*row, mode) for row in mars_rows for mode in ("auto", "packed")],
     ]
+    assert all(r["same_as_stock"] == 1.0 for r in result["rows"] if r["tau"] in (None, 1.0))
+    assert "cursor+packed" in out and result["environment"]["cpu_kernels_auto"] in ("packed", "stock")
     assert "the decoder's cost curve" in out and "plans: " in out
     assert result["num_prompts"] == len(PROMPTS)
     assert "stock" in output_file.read_text() and '"rows"' in output_file.read_text()

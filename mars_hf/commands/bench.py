@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the step planner on the measured cost curve); 'none' for none.",
     )
     parser.add_argument(
+        "--cpu-kernels",
+        type=words,
+        default=["auto"],
+        help="mars_cpu_kernels modes, comma-separated: every MARS row runs once per mode (auto: packed oneDNN "
+        "multi-row linears where they measure faster on a float32 CPU model; packed; stock).",
+    )
+    parser.add_argument(
         "--prompt-lookup",
         type=ints,
         default=[],
@@ -134,6 +141,7 @@ def run(args) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
         cost_repeats=args.cost_repeats,
+        cpu_kernels=args.cpu_kernels,
     )
     name = args.model or "SmolLM2-135M-Instruct (embedded)"
     if not trained:

@@ -41,6 +41,7 @@ import weakref
 
 import torch
 
+from .cpu_kernels import active as packed_linears_active
 from .layouts import position_limit
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,8 @@ def _device_name(device: torch.device) -> str:
 
 def _key(model, device, batch: int, sizes: tuple[int, ...]) -> tuple:
     dtype = next(model.parameters()).dtype
-    return (str(device), str(dtype), torch.get_num_threads(), batch, sizes, _hook_count(model))
+    kernels = "packed" if packed_linears_active(model) else "stock"
+    return (str(device), str(dtype), torch.get_num_threads(), batch, sizes, _hook_count(model), kernels)
 
 
 def _disk_path(model, key: tuple) -> str | None:

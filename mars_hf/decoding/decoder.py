@@ -31,6 +31,7 @@ from .acceptance import (
 )
 from .cache import MARSBlockCache, make_scheme
 from .calibration import calibration_for
+from .cpu_kernels import packed_linears
 from .draft_sources import MASKS
 from .feeding import StepFeed
 from .layouts import pack
@@ -59,6 +60,8 @@ class MARSBatchDecoder:
             fixed window; with the planner τ can accept no more predictions than the masks fed).
         cost_table: ``{columns per row: relative cost}`` to use instead of measuring
             (``cost_model.CostTable.from_mapping``); ``cost_probe=False``: assume a flat curve.
+        cpu_kernels: ``mars_cpu_kernels``: ``"auto"``, ``"packed"`` or ``"stock"`` (``cpu_kernels.py``); the
+            linears run packed only inside ``step`` and ``measure_costs``, so the model is untouched between.
         kv_cache: a ``MARSBlockCache`` to use (e.g. the caller's), else one is created.
         stopping_criteria: ``generate``'s non-EOS stopping criteria, checked token by token inside a step
             on the rows' token buffer (``ScoreProcessing.sequences``, indexed by each row's ``batch_index``).
@@ -83,6 +86,7 @@ class MARSBatchDecoder:
         planner: bool = False,
         cost_table: dict | None = None,
         cost_probe: bool = True,
+        cpu_kernels: str = "auto",
         kv_cache: MARSBlockCache | None = None,
         stopping_criteria=None,
         assistant_model=None,
@@ -90,6 +94,9 @@ class MARSBatchDecoder:
     ):
         self.model = model
         self.device = model.device
+        check_choice("mars_cpu_kernels", cpu_kernels)
+        self.cpu_kernels = cpu_kernels
+        self.packed_linears = False  # whether the last step ran its multi-row linears packed
         self.window = window
         self.pad_token_id = pad_token_id
         self.scheme = make_scheme(cache, cache_block)
@@ -144,7 +151,8 @@ class MARSBatchDecoder:
     def measure_costs(self) -> None:
         """Measure the cost curves of every batch bucket up to ``max_rows`` now (a server at start-up),
         instead of at the first step that needs each (about 2 s at most per bucket, once per process)."""
-        self.feed.measure_costs(self.max_rows)
+        with packed_linears(self.model, self.cpu_kernels):
+            self.feed.measure_costs(self.max_rows)
 
     # ----------------------------------------------------------------------------- rows in and out
     @property
@@ -229,6 +237,11 @@ class MARSBatchDecoder:
     @torch.no_grad()  # decoding never needs a graph (a server calls this outside `generate`)
     def step(self) -> list[RowUpdate]:
         """One MARS step for every live row (rows that joined since the last step are prefilled)."""
+        with packed_linears(self.model, self.cpu_kernels) as packed:
+            self.packed_linears = packed
+            return self._step()
+
+    def _step(self) -> list[RowUpdate]:
         updates: list[RowUpdate] = []
         if self.joining:
             joining, self.joining = self.joining, []

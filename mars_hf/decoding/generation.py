@@ -109,6 +109,7 @@ def mars_generate(
     mars_planner: bool | None = None,
     mars_cost_table: dict | None = None,
     mars_cost_probe: bool | None = None,
+    mars_cpu_kernels: str | None = None,
     mars_streamer=None,
     mars_assistant_model=None,
     **model_kwargs,
@@ -149,6 +150,10 @@ def mars_generate(
             column's: the planner then goes as wide as the window allows). Default True: measured at
             first use (about 2 s at most, per model, device, dtype, threads and batch size; cached for
             the process, and on disk under ``$MARS_HF_COST_CACHE`` when set).
+        mars_cpu_kernels: ``"auto"`` (default): on a float32 CPU model, the steps' multi-row linears run on
+            oneDNN with weights packed once (a second copy of them) where that measures faster than the
+            default GEMM (once per model and thread count); ``"packed"`` always; ``"stock"`` never.
+            One-row forwards always keep the stock kernel (``mars_hf.decoding.cpu_kernels``).
         mars_streamer: the streamer. transformers does not hand ``streamer`` to a decoding callable, so
             the MARS entry points pass it here; with the callable form on a model without
             ``enable_mars``, pass it here yourself. It receives the prompt, then only final tokens.
@@ -174,6 +179,7 @@ def mars_generate(
         mars_planner=mars_planner,
         mars_cost_table=mars_cost_table,
         mars_cost_probe=mars_cost_probe,
+        mars_cpu_kernels=mars_cpu_kernels,
     )
     settings = MARSDecodingSettings.resolve(
         model,
@@ -339,6 +345,7 @@ def _make_decoder(
         planner=settings.planner,
         cost_table=settings.cost_table,
         cost_probe=settings.cost_probe,
+        cpu_kernels=settings.cpu_kernels,
         kv_cache=user_cache,
         stopping_criteria=criteria if len(criteria) else None,
         assistant_model=assistant,

@@ -20,6 +20,7 @@ import torch
 from .acceptance import ACCEPTANCE_RULES, one_token_per_step
 from .cache import CACHE_SCHEMES
 from .cost_model import CostTable
+from .cpu_kernels import CPU_KERNEL_MODES
 from .draft_sources import DEFAULT_MAX_NGRAM
 from .layouts import LAYOUT_CHOICES, position_limit
 
@@ -36,10 +37,16 @@ MARS_ONLY_KEYWORDS = (
     "mars_planner",
     "mars_cost_table",
     "mars_cost_probe",
+    "mars_cpu_kernels",
 )
 # Every MARS keyword of ``generate`` (also accepted as ``GenerationConfig`` attributes).
 MARS_KEYWORDS = ("mars_threshold",) + MARS_ONLY_KEYWORDS
-_CHOICES = {"mars_acceptance": ACCEPTANCE_RULES, "mars_cache": CACHE_SCHEMES, "mars_layout": LAYOUT_CHOICES}
+_CHOICES = {
+    "mars_acceptance": ACCEPTANCE_RULES,
+    "mars_cache": CACHE_SCHEMES,
+    "mars_layout": LAYOUT_CHOICES,
+    "mars_cpu_kernels": CPU_KERNEL_MODES,
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class MARSDecodingSettings:
         cache / cache_block: ``mars_cache`` (``"cursor"``, ``"block"``, ``"none"``) and its C.
         layout: ``mars_layout`` (None: the step planner, ``"auto"``).
         planner / cost_table / cost_probe: ``mars_planner``, ``mars_cost_table``, ``mars_cost_probe``.
+        cpu_kernels: ``mars_cpu_kernels`` (``"auto"``, ``"packed"``, ``"stock"``; ``cpu_kernels.py``).
         prompt_lookup_num_tokens / max_matching_ngram_size: transformers' prompt-lookup settings (verify only).
         assistant_tokens: ``num_assistant_tokens`` of a draft model (``assistant_model=``).
     """
@@ -68,6 +76,7 @@ class MARSDecodingSettings:
     planner: bool = False
     cost_table: dict | None = None
     cost_probe: bool = True
+    cpu_kernels: str = "auto"
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int = DEFAULT_MAX_NGRAM
     assistant_tokens: int = DEFAULT_ASSISTANT_TOKENS
@@ -96,6 +105,8 @@ class MARSDecodingSettings:
         layout = values["mars_layout"] or defaults.get("layout")
         check_layout(layout)
         check_cost_table(values["mars_cost_table"])
+        cpu_kernels = values["mars_cpu_kernels"] or "auto"
+        check_choice("mars_cpu_kernels", cpu_kernels)
         return cls(
             thresholds=tuple(thresholds),
             # Masks past the last token to generate predict nothing that is kept, while the window's
@@ -110,6 +121,7 @@ class MARSDecodingSettings:
             planner=bool(values["mars_planner"]),
             cost_table=values["mars_cost_table"],
             cost_probe=values["mars_cost_probe"] is not False,
+            cpu_kernels=cpu_kernels,
             prompt_lookup_num_tokens=lookup,
             max_matching_ngram_size=ngram,
             assistant_tokens=int(getattr(generation_config, "num_assistant_tokens", None) or DEFAULT_ASSISTANT_TOKENS),

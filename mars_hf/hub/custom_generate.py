@@ -26,6 +26,7 @@ CUSTOM_GENERATE_FILES = {
     "gated_lora.py": "gated_lora.py",
     "calibration.py": "calibration.py",
     "cost_model.py": "cost_model.py",
+    "cpu_kernels.py": "cpu_kernels.py",
     "planner.py": "planner.py",
     "draft_sources.py": "draft_sources.py",
     "draft_choice.py": "draft_choice.py",

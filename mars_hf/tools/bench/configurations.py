@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mars_hf.decoding.acceptance import one_token_per_step
@@ -20,6 +21,7 @@ class BenchConfiguration:
     cache_block: int | None = None
     layout: str | None = None  # verified decoding (mars_acceptance="verify", no τ): auto, linear, quadratic
     lookup: int | None = None
+    cpu_kernels: str = "auto"  # mars_cpu_kernels of a MARS row
 
     @property
     def verify(self) -> bool:
@@ -31,7 +33,8 @@ class BenchConfiguration:
             return f"stock prompt-lookup={self.lookup}" if self.lookup else "stock"
         label = f"{self.scheme} verify-{self.layout}" if self.verify else f"{self.scheme} tau={self.tau:g}"
         label += f" W={self.window}" + (f" prompt-lookup={self.lookup}" if self.lookup else "")
-        return label + (f" C={self.cache_block}" if self.cache_block is not None else "")
+        label += f" C={self.cache_block}" if self.cache_block is not None else ""
+        return label + (f" kernels={self.cpu_kernels}" if self.cpu_kernels != "auto" else "")
 
     def generate_kwargs(self, acceptance: str) -> dict:
         if self.scheme == "stock":
@@ -45,6 +48,8 @@ class BenchConfiguration:
             kwargs.update(mars_threshold=self.tau, mars_acceptance=acceptance)
         if self.cache_block is not None:
             kwargs["mars_cache_block"] = self.cache_block
+        if self.cpu_kernels != "auto":
+            kwargs["mars_cpu_kernels"] = self.cpu_kernels
         return kwargs
 
 
@@ -57,12 +62,14 @@ def build_configurations(
     one_token_schemes=("cursor",),
     verify_layouts=(),
     lookup_tokens=(),
+    cpu_kernels=("auto",),
 ) -> list[BenchConfiguration]:
     """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
     (τ ≥ 1 with the probability or margin metric: ``one_token_per_step``) the schemes all do the same
     work, so only ``one_token_schemes`` run there. Each of ``verify_layouts`` adds verified decoding
     (cursor scheme) for every window. Each k of ``lookup_tokens`` adds transformers' prompt lookup
-    (stock ``generate``, batch 1 only) and every verify row again with prompt-lookup drafts."""
+    (stock ``generate``, batch 1 only) and every verify row again with prompt-lookup drafts. Every MARS row
+    runs once per ``cpu_kernels`` mode (``mars_cpu_kernels``)."""
     unknown = set(schemes) - set(SCHEMES)
     if unknown:
         raise ValueError(f"Unknown scheme(s) {sorted(unknown)}; choose from {list(SCHEMES)}.")
@@ -89,4 +96,9 @@ def build_configurations(
         for window in windows:
             for layout in verify_layouts:
                 configurations.append(BenchConfiguration("cursor", None, int(window), None, layout, int(k)))
+    configurations = [
+        dataclasses.replace(c, cpu_kernels=mode) if c.scheme != "stock" else c
+        for c in configurations
+        for mode in (cpu_kernels if c.scheme != "stock" else ("auto",))
+    ]
     return list(dict.fromkeys(configurations))

@@ -71,6 +71,12 @@ def _rule(row) -> str:
     return fmt(row["tau"], ".2f")
 
 
+def _scheme(row) -> str:
+    """The cache scheme, with the ``mars_cpu_kernels`` mode when a row forces one (``+packed``, ``+stock``)."""
+    kernels = row.get("cpu_kernels") or "auto"
+    return row["scheme"] + ("" if kernels == "auto" else f"+{kernels}")
+
+
 def _measured(key: str):
     """A column of the cost model's numbers (NaN until `add_cost_model` has added them)."""
     return lambda row: row.get(key, float("nan"))
@@ -80,7 +86,7 @@ TABLE_COLUMNS = [
     Column("batch", 5, "batch"),
     Column("tau", 6, _rule),
     Column("W", 3, "window", "d"),
-    Column("scheme", 7, "scheme", align="<"),
+    Column("scheme", 13, _scheme, align="<"),
     Column("C", 3, "cache_block", "d"),
     Column("tok/fwd", 7, "tokens_per_forward", ".2f"),
     Column("fwds", 5, "num_forwards"),
@@ -101,5 +107,6 @@ def _describe_environment(result):
     return (
         f"{env['dtype']}, {env['device']}, {env['threads']} threads, attn={env['attn_implementation']}, "
         f"max_new_tokens={args['max_new_tokens']}, median of {args['repeats']}, acceptance={args['acceptance']}, "
+        f"multi-row linears under mars_cpu_kernels=auto: {env.get('cpu_kernels_auto', 'stock')}, "
         f"torch {env['torch']}, transformers {env['transformers']}, {env['date']}"
     )

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from mars_hf.decoding.cost_model import batch_bucket, cost_table
+from mars_hf.decoding.cpu_kernels import packed_linears, use_packed
 from mars_hf.decoding.settings import resolve_mask_token
 from mars_hf.tools.bench.configurations import SCHEMES, build_configurations
 from mars_hf.tools.bench.measure import ForwardCounter, greedy_generation_config, interleaved_runs
@@ -48,6 +49,10 @@ class BenchArguments:
     repeats: int = field(default=3, metadata={"help": "Timed repeats per configuration (median)."})
     warmup: int = field(default=1, metadata={"help": "Untimed runs per configuration first."})
     cost_repeats: int = field(default=9, metadata={"help": "Repeats of each forward of the cost model."})
+    cpu_kernels: list[str] = field(
+        default_factory=lambda: ["auto"],
+        metadata={"help": "mars_cpu_kernels modes: every MARS row runs once per mode (auto, packed, stock)."},
+    )
 
 
 def run_benchmark(
@@ -63,6 +68,7 @@ def run_benchmark(
         args.one_token_schemes,
         args.verify_layouts,
         args.lookup_tokens,
+        args.cpu_kernels,
     )
     if "stock" not in args.schemes:
         raise ValueError(
@@ -85,7 +91,7 @@ def run_benchmark(
                 for inputs in prepare_batches(tokenizer, prompts, batch_size)
             ]
             if len(configurations) > 1:
-                _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens)
+                _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens, args.cpu_kernels)
             # transformers' own prompt lookup (assisted decoding) serves batch size 1 only
             active = [c for c in configurations if batch_size == 1 or not (c.scheme == "stock" and c.lookup)]
             measurements = interleaved_runs(
@@ -118,18 +124,23 @@ def bench_environment(model) -> dict:
         "dtype": str(parameter.dtype).replace("torch.", ""),
         "device": str(parameter.device),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        # what mars_cpu_kernels="auto" runs the steps' multi-row linears on, here (cpu_kernels.py)
+        "cpu_kernels_auto": "packed" if use_packed(model, "auto") else "stock",
     }
 
 
-def _measure_decoder_costs(model, batch_size: int, windows, max_new_tokens: int) -> None:
+def _measure_decoder_costs(model, batch_size: int, windows, max_new_tokens: int, kernel_modes=("auto",)) -> None:
     """Let the decoder measure its cost curves before anything is timed or counted: once per process,
-    for every batch bucket a batch passes through as its rows finish (a one-time cost, not a step's)."""
+    for every batch bucket a batch passes through as its rows finish and every kernel mode (a one-time
+    cost, not a step's)."""
     mask_token_id = resolve_mask_token(model, None)
-    for window in windows:
-        for rows in sorted({batch_bucket(n) for n in range(1, batch_size + 1)} | {batch_size}):
-            cost_table(
-                model,
-                batch_size=rows,
-                window=min(int(window), max(max_new_tokens, 1)),
-                mask_token_id=mask_token_id,
-            )
+    for mode in kernel_modes:
+        with packed_linears(model, mode):
+            for window in windows:
+                for rows in sorted({batch_bucket(n) for n in range(1, batch_size + 1)} | {batch_size}):
+                    cost_table(
+                        model,
+                        batch_size=rows,
+                        window=min(int(window), max(max_new_tokens, 1)),
+                        mask_token_id=mask_token_id,
+                    )

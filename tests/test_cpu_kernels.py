@@ -1,0 +1,143 @@
+"""Packed oneDNN linears for MARS steps on CPU (``mars_hf.decoding.cpu_kernels``).
+
+The packed kernel computes the same linear map in float32 with another summation order, so the checks are:
+one-row inputs keep the stock kernel bit for bit, several rows agree with the stock kernel to float32
+rounding, the model is untouched outside a step, gated adapters keep their adapter, and greedy verify
+with packed steps still equals stock greedy decoding. The "auto" choice is tested on forced measurements
+(its timing is the machine's, never asserted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mars_hf.decoding import cost_model, cpu_kernels
+from mars_hf.decoding.cpu_kernels import active, packed_linears, use_packed
+from mars_hf.decoding.generation import enable_mars
+from tests.test_gated_lora import decode_steps, shipped_gated
+from tests.test_generation import _batch
+from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _linears(model):
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+@pytest.fixture
+def packed_rows(monkeypatch):
+    """The input row counts of every linear that ran on the packed kernel."""
+    rows, original = [], cpu_kernels.packed_matmul
+
+    def counting(x2, packed, bias):
+        rows.append(x2.shape[0])
+        return original(x2, packed, bias)
+
+    monkeypatch.setattr(cpu_kernels, "packed_matmul", counting)
+    return rows
+
+
+def test_rows_run_packed_within_float32_rounding_and_one_row_stays_stock(packed_rows):
+    model = tiny_model("llama", dtype=torch.float32, block_size=None)
+    ids = torch.tensor([[3, 9, 4, 7, 5, 11]])
+    with torch.no_grad():
+        stock_many, stock_one = model(ids).logits, model(ids[:, :1]).logits
+        with packed_linears(model, "packed") as packed:
+            assert packed and active(model)
+            many = model(ids).logits
+            ran = len(packed_rows)
+            one = model(ids[:, :1]).logits
+        assert ran == len(_linears(model)) == len(packed_rows)  # every linear packed; none for one row
+        after = model(ids).logits
+    assert torch.equal(one, stock_one)  # one row: the stock kernel, bit for bit
+    torch.testing.assert_close(many, stock_many, rtol=1e-4, atol=1e-5)
+    assert torch.equal(after, stock_many) and not active(model)
+    assert all("forward" not in m.__dict__ for m in _linears(model))
+
+
+def test_packs_follow_weight_updates():
+    model = tiny_model("llama", dtype=torch.float32, block_size=None)
+    ids = torch.tensor([[3, 9, 4, 7]])
+    with torch.no_grad():
+        with packed_linears(model, "packed"):
+            before = model(ids).logits
+        model.lm_head.weight.mul_(2.0)  # an optimizer step, in place
+        expected = model(ids).logits
+        with packed_linears(model, "packed"):
+            after = model(ids).logits
+    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(after, before)
+
+
+def test_gated_adapter_layers_keep_their_adapter(tok, tmp_path, packed_rows):
+    """The base forward runs packed, the adapter's product is added as before: the unpacked result."""
+    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tok, dtype=torch.float32)
+    reference, real = decode_steps(shipped, tok)
+    with packed_linears(shipped, "packed"):
+        got, _ = decode_steps(shipped, tok)
+    for ours, stock in zip(got, reference):
+        torch.testing.assert_close(ours, stock, rtol=1e-4, atol=1e-5)
+    assert len(packed_rows) >= len(_linears(shipped))
+    adapted = [m for m in _linears(shipped) if "_mars_adapter" in m.__dict__]
+    assert adapted and not active(shipped)
+    assert not any(isinstance(m._mars_adapter.base_forward, cpu_kernels._PackedForward) for m in adapted)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_verify_with_packed_steps_equals_stock_greedy(arch, tok, packed_rows):
+    """float32 random models, left-padded batch: the steps' wide forwards really run packed."""
+    model = enable_mars(tiny_model(arch, seed=1, dtype=torch.float32))
+    encoded = _batch(tok)
+    stock = model.generate(**encoded, max_new_tokens=14, do_sample=False)
+    for layout in ("linear", "quadratic"):
+        out = model.generate(
+            **encoded, max_new_tokens=14, do_sample=False, mars_acceptance="verify", mars_layout=layout,
+            mars_cpu_kernels="packed", mars_cost_probe=False,
+        )  # fmt: skip
+        assert torch.equal(out, stock), layout
+    assert packed_rows and min(packed_rows) > 1 and not active(model)
+
+
+def test_auto_packs_only_where_it_measures_faster_and_the_copy_fits(monkeypatch):
+    model = tiny_model("llama", dtype=torch.float32, block_size=None)
+    measured = {"times": (1.0, 0.5)}
+    monkeypatch.setattr(cpu_kernels, "_time_linear_shapes", lambda linears: measured["times"])
+    monkeypatch.setattr(cpu_kernels, "_free_memory_bytes", lambda: 10**12)
+    assert use_packed(model, "auto")
+    measured["times"] = (1.0, 0.95)
+    assert use_packed(model, "auto")  # decided once per model and thread count
+    cpu_kernels._DECISIONS.pop(model)
+    assert not use_packed(model, "auto")
+    cpu_kernels._DECISIONS.pop(model)
+    measured["times"] = (1.0, 0.5)
+    monkeypatch.setattr(cpu_kernels, "_free_memory_bytes", lambda: 1000)  # the copy would not fit
+    assert not use_packed(model, "auto")
+    assert not use_packed(model, "stock") and use_packed(model, "packed")
+
+
+def test_packed_is_refused_where_it_cannot_run_and_auto_stays_stock():
+    model = tiny_model("llama", block_size=None)  # float64
+    with pytest.raises(ValueError, match="float64.*'auto' or 'stock'"):
+        use_packed(model, "packed")
+    assert not use_packed(model, "auto")
+    with pytest.raises(ValueError, match="mars_cpu_kernels"):
+        use_packed(model, "fast")
+
+
+def test_bad_keyword_is_refused_by_generate(tok):
+    model = enable_mars(tiny_model("llama", seed=1, dtype=torch.float32))
+    with pytest.raises(ValueError, match="mars_cpu_kernels"):
+        model.generate(**_batch(tok), max_new_tokens=3, mars_acceptance="verify", mars_cpu_kernels="fast")
+
+
+def test_a_cost_curve_is_measured_per_kernel_choice():
+    model = tiny_model("llama", dtype=torch.float32, block_size=None)
+    stock_key = cost_model._key(model, model.device, 1, (1, 2))
+    with packed_linears(model, "packed"):
+        packed_key = cost_model._key(model, model.device, 1, (1, 2))
+    assert stock_key != packed_key and cost_model._key(model, model.device, 1, (1, 2)) == stock_key
