@@ -120,6 +120,15 @@ def test_auto_packs_only_where_it_measures_faster_and_the_copy_fits(monkeypatch)
     assert not use_packed(model, "stock") and use_packed(model, "packed")
 
 
+def test_auto_measurement_leaves_the_random_state_alone():
+    model = tiny_model("llama", dtype=torch.float32, block_size=None)
+    torch.manual_seed(0)
+    use_packed(model, "auto")  # measures (once per model and thread count)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(3))
+
+
 def test_packed_is_refused_where_it_cannot_run_and_auto_stays_stock():
     model = tiny_model("llama", block_size=None)  # float64
     with pytest.raises(ValueError, match="float64.*'auto' or 'stock'"):

@@ -1,10 +1,10 @@
 """Multi-row linear layers on CPU through oneDNN with their weights packed once, during MARS steps.
 
 Why: a MARS step is a forward of 2-16 columns per row, stock decoding one of 1. On some CPUs the default
-float32 GEMM (MKL) repacks the whole weight matrix on every call with more than one input row, so a linear
-of 2-4 rows costs 2.5-3x one of 1 row and a 2-column SmolLM2-135M forward ~1.5-1.8x a 1-column one
-(measured on an AVX2 AMD EPYC; docs/verified_decoding.md). oneDNN with each weight packed once runs the
-same rows for ~1.3x. One-row inputs keep the stock kernel, so a one-token step costs and rounds exactly
+float32 GEMM (MKL) repacks the whole weight matrix on every call with more than one input row, so a
+SmolLM2 linear of 2 rows cost 2.4-3.5x one of 1 row and a 2-column forward of the shipped model 1.8x a
+1-column one (an AVX2 AMD EPYC; docs/verified_decoding.md). With each weight packed once for oneDNN, the
+same 2-column forward cost 1.14x. One-row inputs keep the stock kernel, so a one-token step costs and rounds exactly
 like a stock decoding step; the packs are a second copy of the linear weights, kept while the model lives.
 
 ``mars_cpu_kernels``: ``"auto"`` (default) packs when the model is float32 on a CPU with oneDNN, the copy
@@ -199,12 +199,10 @@ def _time_linear_shapes(linears) -> tuple[float, float]:
     for shape, members in by_shape.items():
         weight, pack = members[0].weight, _pack(members[0])
         for rows in PROBE_ROWS:
-            x = torch.randn(rows, shape[1])
+            x = torch.full((rows, shape[1]), 1.0 / shape[1])  # not random: the caller's RNG state is theirs
             runs = {
                 "stock": lambda x=x, weight=weight: F.linear(x, weight),
-                "packed": lambda x=x, pack=pack: torch.ops.mkldnn._linear_pointwise(
-                    x, pack, None, "none", [], ""
-                ),
+                "packed": lambda x=x, pack=pack: packed_matmul(x, pack, None),
             }
             times: dict[str, list[float]] = {name: [] for name in runs}
             for _ in range(PROBE_ROUNDS + 1):  # the first round warms up and is dropped
