@@ -96,7 +96,6 @@ class MARSBatchDecoder:
         self.device = model.device
         check_choice("mars_cpu_kernels", cpu_kernels)
         self.cpu_kernels = cpu_kernels
-        self.packed_linears = False  # whether the last step ran its multi-row linears packed
         self.window = window
         self.pad_token_id = pad_token_id
         self.scheme = make_scheme(cache, cache_block)
@@ -237,8 +236,7 @@ class MARSBatchDecoder:
     @torch.no_grad()  # decoding never needs a graph (a server calls this outside `generate`)
     def step(self) -> list[RowUpdate]:
         """One MARS step for every live row (rows that joined since the last step are prefilled)."""
-        with packed_linears(self.model, self.cpu_kernels) as packed:
-            self.packed_linears = packed
+        with packed_linears(self.model, self.cpu_kernels):
             return self._step()
 
     def _step(self) -> list[RowUpdate]:
