@@ -186,7 +186,7 @@ def test_bundled_accelerate_configs_load(name):
         assert config.distributed_type == "FSDP" and config.fsdp_config["fsdp_version"] == 2
 
 
-def launch_train(argv, tmp_path, name, extra_env=None, timeout=300):
+def launch_train(argv, tmp_path, name, extra_env=None, timeout=900):
     """`mars-hf train ARGV` in a subprocess (seconds of work here); a hang fails with every process's stack.
 
     On timeout the launcher and its workers (torchrun starts each in its own session) get SIGABRT, on which
