@@ -168,18 +168,19 @@ def load_variants(base_dir: Path, checkpoint: Path, dtype: torch.dtype, names: l
     for name in names:
         if name == "base":
             models[name] = plain
-        elif name in ("gated", "gated-same"):
+        elif name in ("gated", "gated-same", "gated-torch"):
             model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
             lora_dtype = dtype if name == "gated-same" else None
+            kernel = "c" if name == "gated" else "torch"
             # includes the load-time check of real positions against the base model
-            assert gated_lora.attach_shipped_adapter(model, checkpoint, lora_dtype=lora_dtype)
+            assert gated_lora.attach_shipped_adapter(model, checkpoint, lora_dtype=lora_dtype, kernel=kernel)
             models[name] = model
         elif name == "hooks":
             model = copy.deepcopy(plain)
             attach_as_hooks(model, checkpoint)
             models[name] = model
         else:
-            raise ValueError(f"unknown variant {name!r} (base, gated, gated-same, hooks)")
+            raise ValueError(f"unknown variant {name!r} (base, gated, gated-torch, gated-same, hooks)")
     return models
 
 
@@ -254,7 +255,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
-        "--variants", default="base,gated", help="comma list of base, gated, gated-same, hooks (before)"
+        "--variants", default="base,gated", help="comma list of base, gated (C kernel), gated-torch, gated-same, hooks (before)"
     )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--profile", action="store_true")

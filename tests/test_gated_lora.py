@@ -413,14 +413,14 @@ def test_round_trip_from_an_offline_hub_cache(trained_gated, tmp_path, monkeypat
 
 NO_MARS_SCRIPT = textwrap.dedent(
     """
-    import importlib.util, json, sys
+    import importlib, json, sys
     for name in ("mars_hf", "peft", "trl"):
         sys.modules[name] = None  # import fails, find_spec says "not installed"
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, base = sys.argv[1], sys.argv[2]
-    spec = importlib.util.spec_from_file_location("gated_lora", folder + "/custom_generate/gated_lora.py")
-    module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
+    sys.path.insert(0, folder)  # custom_generate/ as a package, as transformers loads it: siblings resolve
+    module = importlib.import_module("custom_generate.gated_lora")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
     inputs = tokenizer(["hello world the cat"], return_tensors="pt")
@@ -526,8 +526,10 @@ def test_gated_checkpoint_through_custom_generate_in_a_bare_venv(trained_gated, 
 # ---------------------------------------------------------------------------------------------- the lean shipped forward
 
 
-def shipped_gated(tmp_path, arch, tokenizer, dtype=torch.float64, lora_dtype=None):
-    """(base model, the same base with the saved gated adapter attached, the PEFT gated model, checkpoint)."""
+def shipped_gated(tmp_path, arch, tokenizer, dtype=torch.float64, lora_dtype=None, kernel="auto"):
+    """(base model, the same base with the saved gated adapter attached, the PEFT gated model, checkpoint).
+
+    ``kernel``: the gated delta's form on CPU (``c``: the C kernel of gated_kernel, ``torch``: torch ops)."""
     from transformers import AutoModelForCausalLM
 
     base = tiny_model(arch)
@@ -538,7 +540,7 @@ def shipped_gated(tmp_path, arch, tokenizer, dtype=torch.float64, lora_dtype=Non
     folder = tmp_path / f"ckpt-{arch}"
     hub.save_pretrained(peft_model, tokenizer, folder, base_model="someone/base")
     plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
-    assert gated_lora.attach_shipped_adapter(plain, folder, lora_dtype=lora_dtype)
+    assert gated_lora.attach_shipped_adapter(plain, folder, lora_dtype=lora_dtype, kernel=kernel)
     return AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype), plain, peft_model, folder
 
 
@@ -559,12 +561,13 @@ def decode_steps(model, tokenizer):
     return outs, step != mask
 
 
+@pytest.mark.parametrize("kernel", ["c", "torch"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_shipped_forward_equals_the_base_at_real_positions_and_the_reference_at_masks(
-    arch, tokenizer, tmp_path
+    arch, kernel, tokenizer, tmp_path
 ):
     """Real positions: the base model bit for bit (prefix, window, plain step after it). Masks: the PEFT gate."""
-    base, shipped, peft_model, _ = shipped_gated(tmp_path, arch, tokenizer)
+    base, shipped, peft_model, _ = shipped_gated(tmp_path, arch, tokenizer, kernel=kernel)
     got, real = decode_steps(shipped, tokenizer)
     expected, _ = decode_steps(base, tokenizer)
     reference, _ = decode_steps(peft_model, tokenizer)
@@ -576,15 +579,24 @@ def test_shipped_forward_equals_the_base_at_real_positions_and_the_reference_at_
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("lora_dtype", [None, torch.bfloat16], ids=["float32-lora", "bf16-lora"])
+@pytest.mark.parametrize(
+    "kernel, lora_dtype, buffer, stored",
+    [
+        ("torch", None, "mars_lora_A", torch.float32),  # float32 LoRA arithmetic, added then rounded once
+        ("torch", torch.bfloat16, "mars_lora_A", torch.bfloat16),  # bf16 addmm in place
+        ("c", None, "mars_lora_AT", torch.bfloat16),  # bf16 matrices, float32 arithmetic, rounded once
+        ("c", torch.float32, "mars_lora_AT", torch.float32),
+    ],
+    ids=["torch-float32-lora", "torch-bf16-lora", "c-bf16-matrices", "c-float32-matrices"],
+)
 def test_shipped_forward_in_bfloat16_keeps_the_base_models_bits_at_real_positions(
-    arch, lora_dtype, tokenizer, tmp_path
+    arch, kernel, lora_dtype, buffer, stored, tokenizer, tmp_path
 ):
-    """bf16 model: the LoRA in float32 (default on CPU, added then rounded once) or in bf16 (addmm in place)."""
+    """bf16 model: whatever form and precision the adapter runs in, real positions keep the base's bits."""
     base, shipped, peft_model, _ = shipped_gated(
-        tmp_path, arch, tokenizer, dtype=torch.bfloat16, lora_dtype=lora_dtype
+        tmp_path, arch, tokenizer, dtype=torch.bfloat16, lora_dtype=lora_dtype, kernel=kernel
     )
-    assert shipped.model.layers[0].self_attn.q_proj.mars_lora_A.dtype == (lora_dtype or torch.float32)
+    assert getattr(shipped.model.layers[0].self_attn.q_proj, buffer).dtype == stored
     got, real = decode_steps(shipped, tokenizer)
     expected, _ = decode_steps(base, tokenizer)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
@@ -594,24 +606,28 @@ def test_shipped_forward_in_bfloat16_keeps_the_base_models_bits_at_real_position
     torch.testing.assert_close(got[1][~real].double(), reference[1][~real], rtol=0.05, atol=0.1)
 
 
+@pytest.mark.parametrize("kernel", ["c", "torch"])
 def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
-    tokenizer, tmp_path, monkeypatch
+    kernel, tokenizer, tmp_path, monkeypatch
 ):
-    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer)
+    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, kernel=kernel)
     attention = shipped.model.layers[0].self_attn
     mlp = shipped.model.layers[0].mlp
     # q, k and v read one input: one stacked A on q_proj; gate/up likewise; o and down alone.
-    assert attention.q_proj.mars_lora_A.shape[0] == 3 * 4 and "mars_lora_A" not in attention.k_proj._buffers
-    assert mlp.gate_proj.mars_lora_A.shape[0] == 2 * 4 and mlp.down_proj.mars_lora_A.shape[0] == 4
+    name, rows = ("mars_lora_AT", 1) if kernel == "c" else ("mars_lora_A", 0)
+    assert getattr(attention.q_proj, name).shape[rows] == 3 * 4 and name not in attention.k_proj._buffers
+    assert getattr(mlp.gate_proj, name).shape[rows] == 2 * 4 and getattr(mlp.down_proj, name).shape[rows] == 4
     products = []  # one entry per x @ A.T actually computed
-    part = gated_lora._SharedInput.part
+    method = "mask_rows_part" if kernel == "c" else "part"
+    original = getattr(gated_lora._SharedInput, method)
 
-    def counting(self, x, gate, member):
+    def counting(self, x, gate, *args):
         if not (x is self.x and gate.serial == self.serial):
-            products.append(tuple(self.leader._buffers["mars_lora_A"].shape))
-        return part(self, x, gate, member)
+            shape = self.leader._buffers[name].shape
+            products.append((shape[rows], shape[1 - rows]))
+        return original(self, x, gate, *args)
 
-    monkeypatch.setattr(gated_lora._SharedInput, "part", counting)
+    monkeypatch.setattr(gated_lora._SharedInput, method, counting)
     with torch.no_grad():
         shipped(input_ids=random_ids(tokenizer))
         assert products == []  # no mask in the forward: no adapter arithmetic at all
@@ -625,7 +641,8 @@ def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
     assert all(group.x is None and group.parts is None for group in groups.values())  # nothing kept alive
 
 
-def test_shared_projection_is_recomputed_when_siblings_get_different_inputs(tokenizer):
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_shared_projection_is_recomputed_when_siblings_get_different_inputs(kernel, tokenizer):
     """The q/k/v grouping is a guess from the names: a module feeding them different tensors stays exact."""
 
     class Odd(torch.nn.Module):
@@ -657,7 +674,7 @@ def test_shared_projection_is_recomputed_when_siblings_get_different_inputs(toke
         for out, (name, xin) in zip(expected, (("q_proj", x), ("k_proj", x * 2))):
             delta = xin.reshape(-1, 6) @ pairs[name]["A"].T @ pairs[name]["B"].T * 0.5
             out.add_((delta * is_mask).view_as(out))
-        gated_lora._install_adapter(model, pairs, 0.5, gate)
+        gated_lora._install_adapter(model, pairs, 0.5, gate, kernel=kernel)
         got = model(ids)
     for ours, slow in zip(got, expected):
         torch.testing.assert_close(ours, slow, rtol=1e-12, atol=1e-12)

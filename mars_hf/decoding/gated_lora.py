@@ -21,8 +21,11 @@ Which positions are masks is recorded by a forward pre-hook on the input embeddi
 ``input_ids`` of every forward). A gated adapter cannot be merged into the weights (the delta depends
 on the input token); every merge entry point raises.
 
-This file ships verbatim in checkpoints (``custom_generate/gated_lora.py``): it imports only torch,
-transformers, safetensors and the standard library.
+On CPU, inference forwards compute the gated delta with the small C kernel of ``gated_kernel.py`` (mask
+rows only; ``kernel=`` / ``$MARS_HF_GATED_KERNEL`` choose), else with the torch ops above.
+
+This file ships verbatim in checkpoints (``custom_generate/gated_lora.py``, beside ``gated_kernel.py``): it
+imports only torch, transformers, safetensors, the standard library and that sibling.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from .gated_kernel import add_mask_rows_delta, kernel_mode, mask_rows_product, matrix_dtype, use_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -434,7 +439,8 @@ class _SharedInput:
             if self.waiting <= 0:
                 self.x = self.parts = None
             return parts[member]
-        A = self.leader._buffers["mars_lora_A"]
+        buffers = self.leader._buffers
+        A = buffers["mars_lora_A"] if "mars_lora_A" in buffers else buffers["mars_lora_AT"].t()
         x2 = x.reshape(-1, x.shape[-1])
         if x2.dtype != A.dtype:
             x2 = x2.to(A.dtype)
@@ -448,14 +454,29 @@ class _SharedInput:
         self.x, self.parts, self.serial, self.waiting = x, parts, serial, len(self.ranks) - 1
         return parts[member]
 
+    def mask_rows_part(self, x: torch.Tensor, gate: MaskGate, index: torch.Tensor) -> torch.Tensor:
+        """``x[mask rows] @ A.T`` for every member at once (the C kernel), computed once per forward."""
+        if x is self.x and gate.serial == self.serial:
+            self.waiting -= 1
+            t = self.parts
+            if self.waiting <= 0:
+                self.x = self.parts = None
+            return t
+        t = mask_rows_product(x, index, self.leader._buffers["mars_lora_AT"])
+        if len(self.ranks) > 1:
+            self.x, self.parts, self.serial, self.waiting = x, t, gate.serial, len(self.ranks) - 1
+        return t
+
 
 class _Adapter:
     """What one adapted linear layer needs in its forward (kept in the module's ``__dict__``)."""
 
-    __slots__ = ("base_forward", "gate", "group", "member")
+    __slots__ = ("base_forward", "gate", "group", "member", "kernel_dtype", "start", "rank")
 
-    def __init__(self, base_forward, gate, group, member):
+    def __init__(self, base_forward, gate, group, member, kernel_dtype=None):
         self.base_forward, self.gate, self.group, self.member = base_forward, gate, group, member
+        self.kernel_dtype = kernel_dtype  # the model dtype the C kernel serves (None: torch form only)
+        self.start, self.rank = sum(group.ranks[:member]), group.ranks[member]
 
 
 def _adapted_forward(self, x, *args, **kwargs):
@@ -470,6 +491,17 @@ def _adapted_forward(self, x, *args, **kwargs):
     if gate is not None and gate.gate is None:
         if gate.rows is None:
             gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
+        return y
+    if (
+        adapter.kernel_dtype is not None
+        and x.dtype == y.dtype == adapter.kernel_dtype
+        and x.device.type == "cpu"
+        and y.is_contiguous()
+        and not torch.is_grad_enabled()
+    ):
+        index = gate.positions_for(x)  # mask rows only: real rows are never written
+        t = adapter.group.mask_rows_part(x.contiguous(), gate, index)
+        add_mask_rows_delta(y, index, t, adapter.start, adapter.rank, self._buffers["mars_lora_BT"])
         return y
     xa = adapter.group.part(x, gate, adapter.member)
     bt = self._buffers["mars_lora_BT"]
@@ -513,9 +545,18 @@ def _lora_dtype(weight: torch.Tensor, requested: torch.dtype | None) -> torch.dt
 
 @torch.no_grad()
 def _install_adapter(
-    model, pairs: dict, scaling: float, gate: MaskGate | None, lora_dtype: torch.dtype | None = None
+    model,
+    pairs: dict,
+    scaling: float,
+    gate: MaskGate | None,
+    lora_dtype: torch.dtype | None = None,
+    kernel: str | None = None,
 ) -> None:
-    """Wrap each adapted linear layer's forward (see :func:`_adapted_forward`); no hooks, no new weights."""
+    """Wrap each adapted linear layer's forward (see :func:`_adapted_forward`); no hooks, no new weights.
+
+    ``kernel`` (``auto``/``c``/``torch``, default ``$MARS_HF_GATED_KERNEL`` or ``auto``): whether a gated
+    adapter's inference forwards on CPU run the C kernel of :mod:`gated_kernel`."""
+    kernel = kernel_mode(kernel)
     modules = dict(model.named_modules())
     for paths in _shared_input_groups(pairs):
         members = [modules[path] for path in paths]
@@ -526,18 +567,31 @@ def _install_adapter(
             and m.weight.dtype == first.dtype
             for m in members
         ):
-            _install_group(members, [pairs[path] for path in paths], scaling, gate, lora_dtype)
+            _install_group(members, [pairs[path] for path in paths], scaling, gate, lora_dtype, kernel)
         else:
             for module, path in zip(members, paths):
-                _install_group([module], [pairs[path]], scaling, gate, lora_dtype)
+                _install_group([module], [pairs[path]], scaling, gate, lora_dtype, kernel)
 
 
-def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_dtype) -> None:
+def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_dtype, kernel: str) -> None:
     leader = members[0]
     weight = leader.weight
     dtype = _lora_dtype(weight, lora_dtype)
+    kernel_dtype = None
+    if gate is not None and use_kernel(kernel, weight.device, weight.dtype):
+        matrices = matrix_dtype(weight.dtype, lora_dtype)
+        if matrices is not None:
+            kernel_dtype, dtype = weight.dtype, matrices
+        elif kernel == "c":
+            raise ValueError(
+                f"The gated C kernel does not keep a {weight.dtype} model's adapter in {lora_dtype}: drop lora_dtype "
+                "or use kernel='torch'."
+            )
     stacked = torch.cat([pair["A"] for pair in pairs]).to(device=weight.device, dtype=dtype)
-    leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
+    if kernel_dtype is None:
+        leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
+    else:  # the kernel reads A transposed; the torch form (autograd on) uses its transpose view
+        leader.register_buffer("mars_lora_AT", stacked.t().contiguous(), persistent=False)
     group = _SharedInput(leader, [pair["A"].shape[0] for pair in pairs])
     for member, (module, pair) in enumerate(zip(members, pairs)):
         bt = (pair["B"].to(torch.float64) * scaling).t()  # the scale folded into B once, not per forward
@@ -546,7 +600,8 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
             bt.to(device=module.weight.device, dtype=dtype).contiguous(),
             persistent=False,
         )
-        object.__setattr__(module, "_mars_adapter", _Adapter(module.forward, gate, group, member))
+        adapter = _Adapter(module.forward, gate, group, member, kernel_dtype)
+        object.__setattr__(module, "_mars_adapter", adapter)
         module.forward = types.MethodType(_adapted_forward, module)
 
 
@@ -619,7 +674,9 @@ def _probe_logits(model, mask_token_id: int) -> torch.Tensor:
         model.train(training)
 
 
-def attach_shipped_adapter(model, checkpoint, *, lora_dtype: torch.dtype | None = None, **hub_kwargs) -> bool:
+def attach_shipped_adapter(
+    model, checkpoint, *, lora_dtype: torch.dtype | None = None, kernel: str | None = None, **hub_kwargs
+) -> bool:
     """Apply the LoRA adapter saved in ``checkpoint`` (folder or Hub id) to a plain transformers model.
 
     Reads ``adapter_config.json``, ``adapter_model.safetensors``, ``mars_config.json`` and the trained
@@ -631,7 +688,9 @@ def attach_shipped_adapter(model, checkpoint, *, lora_dtype: torch.dtype | None 
     bit for bit, or it is refused. Idempotent: returns False when the model already carries this
     checkpoint's adapter or the checkpoint is not an adapter (a full checkpoint needs nothing), True
     when it attached it. ``lora_dtype``: dtype of the adapter's own arithmetic (default: float32 for a
-    bf16/fp16 model on CPU, else the model's dtype). No PEFT needed.
+    bf16/fp16 model on CPU, else the model's dtype). ``kernel``: ``"auto"`` (default, or
+    ``$MARS_HF_GATED_KERNEL``), ``"c"`` or ``"torch"``: whether inference forwards on CPU compute the gated
+    delta with the C kernel of ``gated_kernel`` (mask rows only). No PEFT needed.
     """
     key = str(checkpoint)
     attached = getattr(model, "_mars_shipped_adapter", None)
@@ -669,7 +728,7 @@ def attach_shipped_adapter(model, checkpoint, *, lora_dtype: torch.dtype | None 
         gate = install_mask_gate(model, mask_id, reset_per_forward=True)
     else:
         gate = None
-    _install_adapter(model, pairs, scaling, gate, lora_dtype)
+    _install_adapter(model, pairs, scaling, gate, lora_dtype, kernel)
     object.__setattr__(model, "_mars_shipped_adapter", key)
     if gated:
         after = _probe_logits(model, mask_id)

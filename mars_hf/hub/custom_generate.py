@@ -24,6 +24,7 @@ CUSTOM_GENERATE_FILES = {
     "layouts.py": "layouts.py",
     "acceptance.py": "acceptance.py",
     "gated_lora.py": "gated_lora.py",
+    "gated_kernel.py": "gated_kernel.py",
     "calibration.py": "calibration.py",
     "cost_model.py": "cost_model.py",
     "cpu_kernels.py": "cpu_kernels.py",

@@ -1,0 +1,304 @@
+"""A small C kernel for the mask-gated adapter's delta on CPU: work on the mask rows only, in two calls.
+
+Why: the torch form of the gated delta (``docs/gated_adapters.md``) runs ≈ 11 small products, 4 gate
+multiplies, 7 adds and, for a bf16 model, their dtype round trips per decoder layer. Each is a full torch
+op of a few to tens of µs, so on a 2-core CPU the adapter made a bf16 forward of a few rows cost
+1.3–1.5× the base model's although its arithmetic is tiny. The kernel does the same arithmetic with one
+C call per A product (``t = x[mask rows] Aᵀ``, shared by sibling layers) and one per adapted layer
+(``y[mask rows] += t Bᵀ``), touching only the mask rows: real rows keep the base layer's bits because
+they are never written.
+
+Numerics: float32 and bfloat16 models accumulate in float32 (bfloat16 inputs are widened exactly, the sum
+``y + delta`` is rounded once, to nearest-even, as ``(y.float() + delta).to(torch.bfloat16)`` rounds);
+float64 models in float64. Summation order differs from torch's GEMM, so mask rows agree with the torch
+form to round-off, not bit for bit.
+
+The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``), for this CPU
+(``-march=native``), into ``$MARS_HF_HOME/kernels`` (default ``~/.cache/mars_hf/kernels``); the file
+name hashes the source, the flags, the compiler and the CPU's flags, so a cache shared between machines
+never loads a build for another CPU. ``MARS_HF_GATED_KERNEL``: ``auto`` (default: the kernel where it
+builds, else the torch form, with one warning naming the reason), ``c`` (an error where it cannot build)
+or ``torch`` (never).
+
+This file ships verbatim in checkpoints (``custom_generate/gated_kernel.py``): standard library and torch only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KERNEL_MODES = ("auto", "c", "torch")
+KERNEL_ENV = "MARS_HF_GATED_KERNEL"
+COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99")
+OPENMP_FLAG = "-fopenmp"  # the kernel's two threads; a compiler without OpenMP builds it single-threaded
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
+#endif
+
+#define MAX_THREADS 64
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays a quiet NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Register blocking: for 4 mask rows at a time, one vector of accumulators per row (GCC/Clang vector
+   extensions: 64 bytes, 16 floats or 8 doubles) stays in registers while the inner loop runs over the
+   reduced dimension, so each weight vector is loaded once per 4 rows and no accumulator goes through
+   memory. Columns that do not fill a vector are zero-padded on load and not stored. Threads split the
+   column blocks. Missing rows of the last block of 4 multiply zeros and are not stored. */
+#define ROWS 4
+
+#define LOAD_BLOCK(dst, src, count, LOADW, CT)                                              \
+    do { CT lanes_[64 / sizeof(CT)] = {0};                                                  \
+         for (int64_t l_ = 0; l_ < (count); ++l_) lanes_[l_] = LOADW((src)[l_]);            \
+         memcpy(&(dst), lanes_, sizeof(lanes_)); } while (0)
+
+/* t[i, r] = sum_j x[idx[i], j] * at[j, r]   (x: rows x in, at: in x R row-major, t: n x R) */
+#define XA(NAME, XT, WT, CT, LOADX, LOADW)                                                  \
+int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *at, int64_t R, CT *t) { \
+    typedef CT vec __attribute__((vector_size(64)));                                        \
+    const int64_t lanes = 64 / sizeof(CT), blocks = (R + lanes - 1) / lanes;                \
+    CT *rows = (CT *)calloc((size_t)(ROWS * in), sizeof(CT));                               \
+    if (!rows) return 1;                                                                    \
+    int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
+    for (int64_t i0 = 0; i0 < n; i0 += ROWS) {                                              \
+        int64_t nb = n - i0 < ROWS ? n - i0 : ROWS;                                         \
+        for (int64_t ii = 0; ii < ROWS; ++ii)                                               \
+            for (int64_t j = 0; j < in; ++j)                                                \
+                rows[ii * in + j] = ii < nb ? LOADX(x[idx[i0 + ii] * in + j]) : (CT)0;      \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
+        for (int64_t b = 0; b < blocks; ++b) {                                              \
+            int64_t r0 = b * lanes, width = R - r0 < lanes ? R - r0 : lanes;                \
+            vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, w;                                  \
+            const CT *x0 = rows, *x1 = rows + in, *x2 = rows + 2 * in, *x3 = rows + 3 * in; \
+            for (int64_t j = 0; j < in; ++j) {                                              \
+                LOAD_BLOCK(w, at + j * R + r0, width, LOADW, CT);                           \
+                a0 += x0[j] * w; a1 += x1[j] * w; a2 += x2[j] * w; a3 += x3[j] * w;         \
+            }                                                                               \
+            vec acc[ROWS] = {a0, a1, a2, a3};                                               \
+            for (int64_t ii = 0; ii < nb; ++ii)                                             \
+                memcpy(t + (i0 + ii) * R + r0, &acc[ii], sizeof(CT) * (size_t)width);      \
+        }                                                                                   \
+    }                                                                                       \
+    free(rows);                                                                             \
+    return 0;                                                                               \
+}
+
+/* y[idx[i], o] += sum_{r < rk} t[i, r0 + r] * bt[r, o]   (bt: rk x out row-major), rounded once */
+#define ADD(NAME, YT, WT, CT, LOADY, LOADW, STORE)                                          \
+int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t R,         \
+         int64_t r0, int64_t rk, const WT *bt) {                                            \
+    typedef CT vec __attribute__((vector_size(64)));                                        \
+    const int64_t lanes = 64 / sizeof(CT), blocks = (out + lanes - 1) / lanes;              \
+    int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
+    for (int64_t i0 = 0; i0 < n; i0 += ROWS) {                                              \
+        int64_t nb = n - i0 < ROWS ? n - i0 : ROWS;                                         \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
+        for (int64_t b = 0; b < blocks; ++b) {                                              \
+            int64_t o0 = b * lanes, width = out - o0 < lanes ? out - o0 : lanes;            \
+            vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, w;                                  \
+            for (int64_t r = 0; r < rk; ++r) {                                              \
+                LOAD_BLOCK(w, bt + r * out + o0, width, LOADW, CT);                         \
+                const CT *c = t + i0 * R + r0 + r;                                          \
+                a0 += c[0] * w;                                                             \
+                if (nb > 1) a1 += c[R] * w;                                                 \
+                if (nb > 2) a2 += c[2 * R] * w;                                             \
+                if (nb > 3) a3 += c[3 * R] * w;                                             \
+            }                                                                               \
+            vec acc[ROWS] = {a0, a1, a2, a3};                                               \
+            for (int64_t ii = 0; ii < nb; ++ii) {                                           \
+                CT sums[64 / sizeof(CT)]; memcpy(sums, &acc[ii], sizeof(sums));             \
+                YT *yi = y + idx[i0 + ii] * out + o0;                                       \
+                for (int64_t l = 0; l < width; ++l) yi[l] = STORE(LOADY(yi[l]) + sums[l]);  \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+    return 0;                                                                               \
+}
+
+#define SAME(v) (v)
+/* name suffix: model dtype _ adapter matrices' dtype */
+XA(mars_xa_f32_f32, float, float, float, SAME, SAME)
+XA(mars_xa_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32)
+XA(mars_xa_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME)
+XA(mars_xa_f64_f64, double, double, double, SAME, SAME)
+ADD(mars_add_f32_f32, float, float, float, SAME, SAME, SAME)
+ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, f32_to_bf16)
+ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, f32_to_bf16)
+ADD(mars_add_f64_f64, double, double, double, SAME, SAME, SAME)
+"""
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
+# (model dtype, adapter matrices' dtype) pairs the kernel serves; the first per model dtype is its default.
+SERVED = {
+    torch.float32: (torch.float32,),
+    torch.bfloat16: (torch.bfloat16, torch.float32),  # bf16 matrices: half the bytes; arithmetic is float32
+    torch.float64: (torch.float64,),
+}
+# Accumulator (t) dtype per model dtype.
+_ACCUMULATOR = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float64: torch.float64}
+
+_LIBRARY: ctypes.CDLL | None = None
+_FUNCTIONS: dict = {}  # ("xa" | "add", model dtype, matrices' dtype) -> C function
+_FAILURE: str | None = None
+_WARNED = False
+
+
+def kernel_mode(requested: str | None = None) -> str:
+    """``requested``, else ``$MARS_HF_GATED_KERNEL``, else ``auto``; checked against :data:`KERNEL_MODES`."""
+    mode = (requested or os.environ.get(KERNEL_ENV) or "auto").strip().lower()
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"gated kernel mode {mode!r} is not one of {KERNEL_MODES} (set {KERNEL_ENV} or pass it).")
+    return mode
+
+
+def matrix_dtype(model_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype | None:
+    """The dtype the kernel keeps a ``model_dtype`` model's adapter matrices in: ``requested`` if it serves
+    that pair, else its default for the model dtype (None: no such pair)."""
+    served = SERVED.get(model_dtype, ())
+    if requested is None:
+        return served[0] if served else None
+    return requested if requested in served else None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() + platform.machine()
+
+
+def _cache_dir() -> Path:
+    home = os.environ.get("MARS_HF_HOME") or os.path.join(Path.home(), ".cache", "mars_hf")
+    return Path(home) / "kernels"
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (once per source, flags, compiler and CPU) and load the kernel library."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C compiler {compiler!r} on PATH (install gcc, or set CC)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join([_SOURCE, *COMPILE_FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"mars_gated_{key}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            source = Path(scratch) / "mars_gated.c"
+            source.write_text(_SOURCE)
+            built = Path(scratch) / target.name
+            for extra in ([OPENMP_FLAG], []):
+                command = [compiler, *COMPILE_FLAGS, *extra, "-o", str(built), str(source)]
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode == 0:
+                    break
+            else:
+                raise OSError(f"{compiler} failed to build the gated kernel: {result.stderr.strip()[-400:]}")
+            os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
+    library = ctypes.CDLL(str(target))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for model_dtype, matrix_dtypes in SERVED.items():
+        for matrices in matrix_dtypes:
+            suffix = f"{_SUFFIX[model_dtype]}_{_SUFFIX[matrices]}"
+            xa = getattr(library, f"mars_xa_{suffix}")
+            xa.argtypes, xa.restype = [pointer, size, pointer, size, pointer, size, pointer], ctypes.c_int
+            add = getattr(library, f"mars_add_{suffix}")
+            add.argtypes = [pointer, size, pointer, size, pointer, size, size, size, pointer]
+            add.restype = ctypes.c_int
+            _FUNCTIONS["xa", model_dtype, matrices], _FUNCTIONS["add", model_dtype, matrices] = xa, add
+    return library
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first use; None (and why: :func:`failure`) where it cannot be."""
+    global _LIBRARY, _FAILURE
+    if _LIBRARY is None and _FAILURE is None:
+        try:
+            _LIBRARY = _build()
+        except (OSError, subprocess.SubprocessError, AttributeError) as error:
+            _FAILURE = str(error)
+    return _LIBRARY
+
+
+def failure() -> str | None:
+    return _FAILURE
+
+
+def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an adapter on ``device`` in ``dtype`` runs the C kernel under ``mode`` (raises for ``c`` where it
+    cannot; warns once for ``auto`` when the build fails)."""
+    global _WARNED
+    if mode == "torch":
+        return False
+    if device.type != "cpu" or dtype not in SERVED:
+        if mode == "c":
+            raise ValueError(
+                f"The gated C kernel serves float32, bfloat16 and float64 models on CPU, not {dtype} on {device}; "
+                f"use {KERNEL_ENV}=auto or torch."
+            )
+        return False
+    if library() is not None:
+        return True
+    if mode == "c":
+        raise RuntimeError(f"The gated C kernel is unavailable: {_FAILURE}. Use {KERNEL_ENV}=torch, or fix the build.")
+    if not _WARNED:
+        _WARNED = True
+        logger.warning(
+            "The mask-gated adapter runs its torch form (slower on CPU): the C kernel did not build (%s). Install a C "
+            "compiler to get it, or set %s=torch to silence this.",
+            _FAILURE,
+            KERNEL_ENV,
+        )
+    return False
+
+
+def mask_rows_product(x: torch.Tensor, index: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``x[index] @ at`` over flattened rows of ``x`` (contiguous; ``at`` is ``in x R``): an ``(n, R)`` tensor."""
+    t = torch.empty(index.numel(), at.shape[1], dtype=_ACCUMULATOR[x.dtype])
+    status = _FUNCTIONS["xa", x.dtype, at.dtype](
+        x.data_ptr(), x.shape[-1], index.data_ptr(), index.numel(), at.data_ptr(), at.shape[1], t.data_ptr()
+    )
+    if status:
+        raise MemoryError("the gated kernel could not allocate its scratch row")
+    return t
+
+
+def add_mask_rows_delta(
+    y: torch.Tensor, index: torch.Tensor, t: torch.Tensor, start: int, rank: int, bt: torch.Tensor
+) -> None:
+    """``y[index] += t[:, start:start + rank] @ bt`` in place (``bt`` is ``rank x out``), rounded once."""
+    status = _FUNCTIONS["add", y.dtype, bt.dtype](
+        y.data_ptr(), y.shape[-1], index.data_ptr(), index.numel(), t.data_ptr(), t.shape[1], start, rank, bt.data_ptr()
+    )
+    if status:
+        raise MemoryError("the gated kernel could not allocate its accumulators")

@@ -1,0 +1,158 @@
+"""The C kernel of the mask-gated delta (mars_hf/decoding/gated_kernel.py) against slow torch arithmetic."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from mars_hf.decoding import gated_kernel, gated_lora
+from tests.test_gated_lora import decode_steps, shipped_gated
+
+
+def slow_delta(x, index, at, start, rank, bt):
+    """float64: ``x[index] @ at`` then its ``[start, start + rank)`` block times ``bt``."""
+    t = x.reshape(-1, x.shape[-1])[index].double() @ at.double()
+    return t, t[:, start : start + rank] @ bt.double()
+
+
+@pytest.mark.parametrize(
+    "model_dtype, matrices, tolerance",
+    [
+        (torch.float64, torch.float64, 1e-12),
+        (torch.float32, torch.float32, 1e-5),
+        (torch.bfloat16, torch.float32, 1e-2),
+        (torch.bfloat16, torch.bfloat16, 1e-2),
+    ],
+)
+def test_kernel_writes_the_delta_at_mask_rows_only(model_dtype, matrices, tolerance):
+    torch.manual_seed(0)
+    assert gated_kernel.library() is not None, gated_kernel.failure()
+    x = torch.randn(2, 5, 24, dtype=model_dtype)  # two sequences of five positions, flattened to ten rows
+    at = torch.randn(24, 12, dtype=matrices)  # three siblings of rank 4, stacked
+    bt = torch.randn(4, 40, dtype=matrices)
+    y = torch.randn(2, 5, 40, dtype=model_dtype)
+    before = y.clone()
+    index = torch.tensor([1, 4, 7])  # mask rows in both sequences
+    t = gated_kernel.mask_rows_product(x, index, at)
+    gated_kernel.add_mask_rows_delta(y, index, t, 4, 4, bt)
+
+    slow_t, slow = slow_delta(x, index, at, 4, 4, bt)
+    torch.testing.assert_close(t.double(), slow_t, rtol=tolerance, atol=tolerance)
+    rows, flat, old = list(range(10)), y.reshape(10, 40), before.reshape(10, 40)
+    real = [r for r in rows if r not in index.tolist()]
+    assert torch.equal(flat[real], old[real])  # never written: the base layer's bits
+    torch.testing.assert_close(flat[index].double(), old[index].double() + slow, rtol=tolerance, atol=tolerance)
+
+
+def test_bfloat16_sum_is_rounded_once_to_nearest_even():
+    """Integer-valued products are exact in float32 whatever the order: the result must be torch's rounding
+    of the float32 sum, bit for bit (ties included: 256 + 1 is a tie in bf16, 256 + 3 is not)."""
+    x = torch.tensor([[1.0, 2.0], [3.0, 1.0]], dtype=torch.bfloat16)
+    at = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.bfloat16)  # t = x at the mask rows
+    bt = torch.tensor([[1.0, 3.0, -1.0, 0.5], [0.0, 1.0, 2.0, -3.0]], dtype=torch.bfloat16)
+    y = torch.tensor([[256.0, 256.0, 256.0, 258.0], [256.0, 2.0**20, -256.0, 0.0]], dtype=torch.bfloat16)
+    index = torch.tensor([0, 1])
+    expected = (y.float() + x.float() @ bt.float()).to(torch.bfloat16)
+    t = gated_kernel.mask_rows_product(x, index, at)
+    gated_kernel.add_mask_rows_delta(y, index, t, 0, 2, bt)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+def test_the_kernel_and_the_torch_form_agree_on_a_shipped_adapter(tokenizer, tmp_path):
+    """Same checkpoint, both forms, float64: the logits at masks agree to round-off, real positions exactly."""
+    _, with_kernel, _, _ = shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
+    _, with_torch, _, _ = shipped_gated(tmp_path / "torch", "llama", tokenizer, kernel="torch")
+    assert "mars_lora_AT" in with_kernel.model.layers[0].self_attn.q_proj._buffers
+    assert "mars_lora_A" in with_torch.model.layers[0].self_attn.q_proj._buffers
+    got, real = decode_steps(with_kernel, tokenizer)
+    expected, _ = decode_steps(with_torch, tokenizer)
+    assert torch.equal(got[1][real], expected[1][real])
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-12, atol=1e-12)
+
+
+def test_autograd_forwards_use_the_torch_form(tokenizer, tmp_path):
+    """The kernel has no backward: with grad enabled the torch form runs, so the gradient through the
+    adapter's delta reaches the input (it would be missing had the kernel written y behind autograd's back)."""
+
+    def input_gradient(model):
+        seen = []
+
+        def keep(module, args, out):
+            out.retain_grad()
+            seen.append(out)
+
+        hook = model.get_input_embeddings().register_forward_hook(keep)
+        logits = model(input_ids=torch.tensor([[5, 6, tokenizer.mask_token_id]])).logits
+        hook.remove()
+        logits[0, -1].square().sum().backward()
+        return seen[0].grad
+
+    _, with_kernel, _, _ = shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
+    _, with_torch, _, _ = shipped_gated(tmp_path / "torch", "llama", tokenizer, kernel="torch")
+    torch.testing.assert_close(input_gradient(with_kernel), input_gradient(with_torch), rtol=1e-10, atol=1e-12)
+
+
+def test_mode_is_read_from_the_environment_and_checked(monkeypatch):
+    monkeypatch.setenv(gated_kernel.KERNEL_ENV, "torch")
+    assert gated_kernel.kernel_mode() == "torch"
+    assert gated_kernel.kernel_mode("c") == "c"  # an explicit argument wins
+    monkeypatch.setenv(gated_kernel.KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="MARS_HF_GATED_KERNEL"):
+        gated_kernel.kernel_mode()
+
+
+def test_a_kernel_that_cannot_build_is_an_error_in_c_mode_and_a_warning_in_auto(
+    monkeypatch, tokenizer, tmp_path, caplog
+):
+    monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
+    monkeypatch.setattr(gated_kernel, "_FAILURE", None)
+    monkeypatch.setattr(gated_kernel, "_WARNED", False)
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path / "home"))  # no cached build to fall back on
+    with pytest.raises(RuntimeError, match="no C compiler 'no-such-compiler-here'"):
+        shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
+    with caplog.at_level(logging.WARNING, logger=gated_kernel.__name__):
+        base, shipped, _, _ = shipped_gated(tmp_path / "auto", "llama", tokenizer, kernel="auto")
+    assert "torch form" in caplog.text and "no-such-compiler-here" in caplog.text
+    assert "mars_lora_A" in shipped.model.layers[0].self_attn.q_proj._buffers  # the torch form, working
+    got, real = decode_steps(shipped, tokenizer)
+    expected, _ = decode_steps(base, tokenizer)
+    assert torch.equal(got[1][real], expected[1][real])
+
+
+def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):
+    """A second process (here: a reset module) loads the cached build instead of compiling again; another
+    CPU's flags name another file."""
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    for _ in range(2):
+        monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
+        monkeypatch.setattr(gated_kernel, "_FAILURE", None)
+        assert gated_kernel.library() is not None, gated_kernel.failure()
+    builds = sorted((tmp_path / "kernels").glob("mars_gated_*.so"))
+    assert len(builds) == 1
+    monkeypatch.setattr(gated_kernel, "_cpu_flags", lambda: "some other cpu")
+    monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
+    assert gated_kernel.library() is not None
+    assert len(sorted((tmp_path / "kernels").glob("mars_gated_*.so"))) == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_verified_decoding_through_the_kernel_is_the_base_models_greedy_output(arch, tokenizer, tmp_path, monkeypatch):
+    """float64 tiny models, batched with padding: verify and τ = 1 decode exactly like the base model, and
+    the mask rows really went through the kernel."""
+    from mars_hf.decoding.generation import enable_mars
+
+    base, shipped, _, _ = shipped_gated(tmp_path, arch, tokenizer, kernel="c")
+    calls = []
+    original = gated_lora.add_mask_rows_delta
+    monkeypatch.setattr(gated_lora, "add_mask_rows_delta", lambda *a: (calls.append(1), original(*a))[1])
+    enable_mars(shipped)
+    inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
+    common = dict(max_new_tokens=12, do_sample=False)
+    # the loader suppresses the mask token as an output: so does the base model's greedy run here
+    expected = base.generate(**inputs, suppress_tokens=[tokenizer.mask_token_id], **common)
+    assert torch.equal(shipped.generate(**inputs, mars_acceptance="verify", **common), expected)
+    assert torch.equal(shipped.generate(**inputs, mars_threshold=1.0, **common), expected)
+    assert calls  # the masks' delta came from the C kernel
