@@ -418,22 +418,23 @@ SHARED_INPUT_NAMES = (
 class _SharedInput:
     """Adapted sibling layers fed the same input: ``x @ A.T`` for all of them in one matmul, once per forward.
 
-    ``leader`` carries the stacked ``mars_lora_A`` as a (non-persistent) buffer, so ``model.to()``
-    moves it. The product is kept, with the input it was computed from, only until every sibling has
-    taken its part (no activation outlives its forward).
+    ``leader`` carries the stacked ``mars_lora_A`` (or, for the C kernel, its transpose ``mars_lora_AT``)
+    as a (non-persistent) buffer, so ``model.to()`` moves it. The product is kept, with the input it was
+    computed from and the form that computed it, only until every sibling has taken its part (no
+    activation outlives its forward).
     """
 
-    __slots__ = ("leader", "ranks", "x", "parts", "serial", "waiting")
+    __slots__ = ("leader", "ranks", "x", "parts", "serial", "waiting", "form")
 
     def __init__(self, leader, ranks: list[int]):
         self.leader, self.ranks = leader, list(ranks)
-        self.x = self.parts = self.serial = None
+        self.x = self.parts = self.serial = self.form = None
         self.waiting = 0
 
     def part(self, x: torch.Tensor, gate: MaskGate | None, member: int) -> torch.Tensor:
         """Member ``member``'s block of ``gate * (x @ A.T)`` over flattened rows (all rows when ungated)."""
         serial = gate.serial if gate is not None else None
-        if x is self.x and serial == self.serial:
+        if x is self.x and serial == self.serial and self.form == "torch":
             parts = self.parts
             self.waiting -= 1
             if self.waiting <= 0:
@@ -452,11 +453,12 @@ class _SharedInput:
             return xa
         parts = xa.split(self.ranks, dim=1)
         self.x, self.parts, self.serial, self.waiting = x, parts, serial, len(self.ranks) - 1
+        self.form = "torch"
         return parts[member]
 
     def mask_rows_part(self, x: torch.Tensor, gate: MaskGate, index: torch.Tensor) -> torch.Tensor:
         """``x[mask rows] @ A.T`` for every member at once (the C kernel), computed once per forward."""
-        if x is self.x and gate.serial == self.serial:
+        if x is self.x and gate.serial == self.serial and self.form == "kernel":
             self.waiting -= 1
             t = self.parts
             if self.waiting <= 0:
@@ -465,6 +467,7 @@ class _SharedInput:
         t = mask_rows_product(x, index, self.leader._buffers["mars_lora_AT"])
         if len(self.ranks) > 1:
             self.x, self.parts, self.serial, self.waiting = x, t, gate.serial, len(self.ranks) - 1
+            self.form = "kernel"
         return t
 
 
