@@ -114,12 +114,25 @@ def test_a_kernel_that_cannot_build_is_an_error_in_c_mode_and_a_warning_in_auto(
     with pytest.raises(RuntimeError, match="no C compiler 'no-such-compiler-here'"):
         shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
     with caplog.at_level(logging.WARNING, logger=gated_kernel.__name__):
-        base, shipped, _, _ = shipped_gated(tmp_path / "auto", "llama", tokenizer, kernel="auto")
+        base, shipped, _, _ = shipped_gated(
+            tmp_path / "auto", "llama", tokenizer, dtype=torch.bfloat16, kernel="auto"
+        )
     assert "torch form" in caplog.text and "no-such-compiler-here" in caplog.text
     assert "mars_lora_A" in shipped.model.layers[0].self_attn.q_proj._buffers  # the torch form, working
     got, real = decode_steps(shipped, tokenizer)
     expected, _ = decode_steps(base, tokenizer)
     assert torch.equal(got[1][real], expected[1][real])
+
+
+@pytest.mark.parametrize(
+    "dtype, buffer",
+    [(torch.bfloat16, "mars_lora_AT"), (torch.float32, "mars_lora_A"), (torch.float64, "mars_lora_A")],
+)
+def test_auto_runs_the_kernel_for_bfloat16_models_only(dtype, buffer, tokenizer, tmp_path, monkeypatch):
+    """``auto``: the kernel where the torch form pays dtype round trips (bf16); BLAS's form for float32/64."""
+    monkeypatch.delenv(gated_kernel.KERNEL_ENV, raising=False)
+    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, dtype=dtype, kernel=None)
+    assert buffer in shipped.model.layers[0].self_attn.q_proj._buffers
 
 
 def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):

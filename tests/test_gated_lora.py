@@ -526,7 +526,7 @@ def test_gated_checkpoint_through_custom_generate_in_a_bare_venv(trained_gated, 
 # ---------------------------------------------------------------------------------------------- the lean shipped forward
 
 
-def shipped_gated(tmp_path, arch, tokenizer, dtype=torch.float64, lora_dtype=None, kernel="auto"):
+def shipped_gated(tmp_path, arch, tokenizer, dtype=torch.float64, lora_dtype=None, kernel=None):
     """(base model, the same base with the saved gated adapter attached, the PEFT gated model, checkpoint).
 
     ``kernel``: the gated delta's form on CPU (``c``: the C kernel of gated_kernel, ``torch``: torch ops)."""

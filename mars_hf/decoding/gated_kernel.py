@@ -16,9 +16,9 @@ form to round-off, not bit for bit.
 The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``), for this CPU
 (``-march=native``), into ``$MARS_HF_HOME/kernels`` (default ``~/.cache/mars_hf/kernels``); the file
 name hashes the source, the flags, the compiler and the CPU's flags, so a cache shared between machines
-never loads a build for another CPU. ``MARS_HF_GATED_KERNEL``: ``auto`` (default: the kernel where it
-builds, else the torch form, with one warning naming the reason), ``c`` (an error where it cannot build)
-or ``torch`` (never).
+never loads a build for another CPU. ``MARS_HF_GATED_KERNEL``: ``auto`` (default: the kernel for bfloat16
+models on CPU where it builds, else the torch form, with one warning naming the reason), ``c`` (float32,
+bfloat16 and float64 models on CPU; an error where it cannot build) or ``torch`` (never).
 
 This file ships verbatim in checkpoints (``custom_generate/gated_kernel.py``): standard library and torch only.
 """
@@ -160,6 +160,12 @@ SERVED = {
     torch.bfloat16: (torch.bfloat16, torch.float32),  # bf16 matrices: half the bytes; arithmetic is float32
     torch.float64: (torch.float64,),
 }
+# Model dtypes ``auto`` runs the kernel for. bfloat16: the torch form pays a float32 round trip per small
+# product (its arithmetic is float32 for precision, its operands bf16), the kernel widens in registers.
+# float32 (and float64) models get the kernel only on request (``c``): there the torch form is plain
+# BLAS calls, and on a 2-vCPU AVX-512 EPYC the kernel measured no faster (slower at 1 and 16 mask rows,
+# where BLAS's one-row and many-row paths beat its 4-row blocks; docs/gated_adapters.md).
+AUTO_DTYPES = (torch.bfloat16,)
 # Accumulator (t) dtype per model dtype.
 _ACCUMULATOR = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float64: torch.float64}
 
@@ -258,7 +264,7 @@ def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether an adapter on ``device`` in ``dtype`` runs the C kernel under ``mode`` (raises for ``c`` where it
     cannot; warns once for ``auto`` when the build fails)."""
     global _WARNED
-    if mode == "torch":
+    if mode == "torch" or (mode == "auto" and dtype not in AUTO_DTYPES):
         return False
     if device.type != "cpu" or dtype not in SERVED:
         if mode == "c":
