@@ -108,6 +108,7 @@ def test_a_kernel_that_cannot_build_is_an_error_in_c_mode_and_a_warning_in_auto(
 ):
     monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
     monkeypatch.setattr(gated_kernel, "_FAILURE", None)
+    monkeypatch.setattr(gated_kernel, "_FUNCTIONS", {})
     monkeypatch.setattr(gated_kernel, "_WARNED", False)
     monkeypatch.setenv("CC", "no-such-compiler-here")
     monkeypatch.setenv("MARS_HF_HOME", str(tmp_path / "home"))  # no cached build to fall back on
@@ -139,6 +140,7 @@ def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):
     """A second process (here: a reset module) loads the cached build instead of compiling again; another
     CPU's flags name another file."""
     monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    monkeypatch.setattr(gated_kernel, "_FUNCTIONS", {})
     for _ in range(2):
         monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
         monkeypatch.setattr(gated_kernel, "_FAILURE", None)
@@ -169,3 +171,21 @@ def test_verified_decoding_through_the_kernel_is_the_base_models_greedy_output(a
     assert torch.equal(shipped.generate(**inputs, mars_acceptance="verify", **common), expected)
     assert torch.equal(shipped.generate(**inputs, mars_threshold=1.0, **common), expected)
     assert calls  # the masks' delta came from the C kernel
+
+
+def test_a_compiler_without_openmp_builds_it_single_threaded(monkeypatch, tmp_path):
+    """The OpenMP build fails (here: an unknown flag): the plain build serves, with the same results."""
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
+    monkeypatch.setattr(gated_kernel, "_FAILURE", None)
+    monkeypatch.setattr(gated_kernel, "_FUNCTIONS", {})
+    monkeypatch.setattr(gated_kernel, "OPENMP_FLAG", "-fno-such-openmp-flag")
+    assert gated_kernel.library() is not None, gated_kernel.failure()
+    torch.manual_seed(1)
+    x, at, bt = torch.randn(3, 20), torch.randn(20, 8), torch.randn(8, 33)
+    y, index = torch.zeros(3, 33), torch.tensor([0, 2])
+    t = gated_kernel.mask_rows_product(x, index, at)
+    gated_kernel.add_mask_rows_delta(y, index, t, 0, 8, bt)
+    _, slow = slow_delta(x, index, at, 0, 8, bt)
+    torch.testing.assert_close(y[index].double(), slow, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[1], torch.zeros(33))

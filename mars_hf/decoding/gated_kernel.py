@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 KERNEL_MODES = ("auto", "c", "torch")
 KERNEL_ENV = "MARS_HF_GATED_KERNEL"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99")
-OPENMP_FLAG = "-fopenmp"  # the kernel's two threads; a compiler without OpenMP builds it single-threaded
+OPENMP_FLAG = "-fopenmp"  # torch's thread count (same runtime); a compiler without OpenMP builds it single-threaded
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -51,7 +51,6 @@ _SOURCE = r"""
 #include <omp.h>
 #else
 static int omp_get_max_threads(void) { return 1; }
-static int omp_get_thread_num(void) { return 0; }
 #endif
 
 #define MAX_THREADS 64
@@ -215,7 +214,8 @@ def _build() -> ctypes.CDLL:
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler {compiler!r} on PATH (install gcc, or set CC)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([_SOURCE, *COMPILE_FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    fields = [_SOURCE, *COMPILE_FLAGS, OPENMP_FLAG, version, _cpu_flags()]
+    key = hashlib.sha256("\0".join(fields).encode()).hexdigest()[:16]
     target = _cache_dir() / f"mars_gated_{key}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
