@@ -431,14 +431,26 @@ class _SharedInput:
         self.x = self.parts = self.serial = self.form = None
         self.waiting = 0
 
+    def _take(self, x: torch.Tensor, serial, form: str):
+        """The product kept for input ``x`` of this forward by ``form`` (None: none), counting this sibling's
+        take; dropped once every sibling has taken it."""
+        if not (x is self.x and serial == self.serial and self.form == form):
+            return None
+        parts = self.parts
+        self.waiting -= 1
+        if self.waiting <= 0:
+            self.x = self.parts = None
+        return parts
+
+    def _keep(self, x: torch.Tensor, parts, serial, form: str) -> None:
+        """Keep ``parts`` (computed by ``form`` from ``x``) for the other siblings of this forward."""
+        self.x, self.parts, self.serial, self.form, self.waiting = x, parts, serial, form, len(self.ranks) - 1
+
     def part(self, x: torch.Tensor, gate: MaskGate | None, member: int) -> torch.Tensor:
         """Member ``member``'s block of ``gate * (x @ A.T)`` over flattened rows (all rows when ungated)."""
         serial = gate.serial if gate is not None else None
-        if x is self.x and serial == self.serial and self.form == "torch":
-            parts = self.parts
-            self.waiting -= 1
-            if self.waiting <= 0:
-                self.x = self.parts = None
+        parts = self._take(x, serial, "torch")
+        if parts is not None:
             return parts[member]
         buffers = self.leader._buffers
         A = buffers["mars_lora_A"] if "mars_lora_A" in buffers else buffers["mars_lora_AT"].t()
@@ -452,22 +464,17 @@ class _SharedInput:
         if len(self.ranks) == 1:
             return xa
         parts = xa.split(self.ranks, dim=1)
-        self.x, self.parts, self.serial, self.waiting = x, parts, serial, len(self.ranks) - 1
-        self.form = "torch"
+        self._keep(x, parts, serial, "torch")
         return parts[member]
 
     def mask_rows_part(self, x: torch.Tensor, gate: MaskGate, index: torch.Tensor) -> torch.Tensor:
         """``x[mask rows] @ A.T`` for every member at once (the C kernel), computed once per forward."""
-        if x is self.x and gate.serial == self.serial and self.form == "kernel":
-            self.waiting -= 1
-            t = self.parts
-            if self.waiting <= 0:
-                self.x = self.parts = None
+        t = self._take(x, gate.serial, "kernel")
+        if t is not None:
             return t
         t = mask_rows_product(x, index, self.leader._buffers["mars_lora_AT"])
         if len(self.ranks) > 1:
-            self.x, self.parts, self.serial, self.waiting = x, t, gate.serial, len(self.ranks) - 1
-            self.form = "kernel"
+            self._keep(x, t, gate.serial, "kernel")
         return t
 
 
