@@ -26,24 +26,28 @@ def slow_delta(x, index, at, start, rank, bt):
         (torch.bfloat16, torch.bfloat16, 1e-2),
     ],
 )
-def test_kernel_writes_the_delta_at_mask_rows_only(model_dtype, matrices, tolerance):
+@pytest.mark.parametrize("rank", [4, 12])  # 3 x 4 = 12 columns: one partial vector; 3 x 12 = 36: whole ones too
+def test_kernel_writes_the_delta_at_mask_rows_only(model_dtype, matrices, tolerance, rank):
     torch.manual_seed(0)
     assert gated_kernel.library() is not None, gated_kernel.failure()
     x = torch.randn(2, 5, 24, dtype=model_dtype)  # two sequences of five positions, flattened to ten rows
-    at = torch.randn(24, 12, dtype=matrices)  # three siblings of rank 4, stacked
-    bt = torch.randn(4, 40, dtype=matrices)
-    y = torch.randn(2, 5, 40, dtype=model_dtype)
-    before = y.clone()
-    index = torch.tensor([1, 4, 7])  # mask rows in both sequences
-    t = gated_kernel.mask_rows_product(x, index, at)
-    gated_kernel.add_mask_rows_delta(y, index, t, 4, 4, bt)
+    at = torch.randn(24, 3 * rank, dtype=matrices)  # three siblings, stacked
+    bt = torch.randn(rank, 40, dtype=matrices)  # 40 outputs: whole vectors and a partial one
+    y_first, y_second = torch.randn(2, 2, 5, 40, dtype=model_dtype)
+    before_first, before_second = y_first.clone(), y_second.clone()
+    index = torch.tensor([1, 4, 7, 8, 9])  # mask rows in both sequences: a block of four and one more
+    # the first member: the group's product and its own add in one call; a sibling adds from the kept product
+    t = gated_kernel.mask_rows_delta(x, index, at, y_first, 0, rank, bt)
+    gated_kernel.add_mask_rows_delta(y_second, index, t, rank, rank, bt)
 
-    slow_t, slow = slow_delta(x, index, at, 4, 4, bt)
+    slow_t, _ = slow_delta(x, index, at, 0, rank, bt)
     torch.testing.assert_close(t.double(), slow_t, rtol=tolerance, atol=tolerance)
-    rows, flat, old = list(range(10)), y.reshape(10, 40), before.reshape(10, 40)
-    real = [r for r in rows if r not in index.tolist()]
-    assert torch.equal(flat[real], old[real])  # never written: the base layer's bits
-    torch.testing.assert_close(flat[index].double(), old[index].double() + slow, rtol=tolerance, atol=tolerance)
+    real = [r for r in range(10) if r not in index.tolist()]
+    for y, before, start in ((y_first, before_first, 0), (y_second, before_second, rank)):
+        _, slow = slow_delta(x, index, at, start, rank, bt)
+        flat, old = y.reshape(10, 40), before.reshape(10, 40)
+        assert torch.equal(flat[real], old[real])  # never written: the base layer's bits
+        torch.testing.assert_close(flat[index].double(), old[index].double() + slow, rtol=tolerance, atol=tolerance)
 
 
 def test_bfloat16_sum_is_rounded_once_to_nearest_even():
@@ -55,9 +59,28 @@ def test_bfloat16_sum_is_rounded_once_to_nearest_even():
     y = torch.tensor([[256.0, 256.0, 256.0, 258.0], [256.0, 2.0**20, -256.0, 0.0]], dtype=torch.bfloat16)
     index = torch.tensor([0, 1])
     expected = (y.float() + x.float() @ bt.float()).to(torch.bfloat16)
-    t = gated_kernel.mask_rows_product(x, index, at)
-    gated_kernel.add_mask_rows_delta(y, index, t, 0, 2, bt)
+    gated_kernel.mask_rows_delta(x, index, at, y, 0, 2, bt)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+def test_bfloat16_rounding_of_whole_vectors_matches_the_scalar_rounding():
+    """Outputs that fill 64-byte vectors take the vector path: the same rounding, ties and NaN included."""
+    generator = torch.Generator().manual_seed(1)
+    rows, out = 3, 48  # three whole vectors of 16 per row
+    x = torch.randint(1, 4, (rows, 2), generator=generator).to(torch.bfloat16)
+    at = torch.eye(2, dtype=torch.bfloat16)
+    bt = torch.randint(-3, 4, (2, out), generator=generator).to(torch.bfloat16)
+    magnitudes = torch.tensor([256.0, 258.0, 512.0, 2.0**20, 1.0, 0.0])
+    y = magnitudes[torch.randint(0, 6, (rows, out), generator=generator)]
+    y = (y * torch.where(torch.rand(rows, out, generator=generator) < 0.5, -1.0, 1.0)).to(torch.bfloat16)
+    y[1, 5] = float("nan")
+    y[2, 20] = float("inf")
+    expected = (y.float() + x.float() @ bt.float()).to(torch.bfloat16)
+    index = torch.arange(rows)
+    gated_kernel.mask_rows_delta(x, index, at, y, 0, 2, bt)
+    finite = ~expected.isnan()
+    assert torch.equal(y[finite].view(torch.int16), expected[finite].view(torch.int16))
+    assert y[1, 5].isnan() and not y[finite].isnan().any()
 
 
 def test_the_kernel_and_the_torch_form_agree_on_a_shipped_adapter(tokenizer, tmp_path):
@@ -184,8 +207,7 @@ def test_a_compiler_without_openmp_builds_it_single_threaded(monkeypatch, tmp_pa
     torch.manual_seed(1)
     x, at, bt = torch.randn(3, 20), torch.randn(20, 8), torch.randn(8, 33)
     y, index = torch.zeros(3, 33), torch.tensor([0, 2])
-    t = gated_kernel.mask_rows_product(x, index, at)
-    gated_kernel.add_mask_rows_delta(y, index, t, 0, 8, bt)
+    gated_kernel.mask_rows_delta(x, index, at, y, 0, 8, bt)
     _, slow = slow_delta(x, index, at, 0, 8, bt)
     torch.testing.assert_close(y[index].double(), slow, rtol=1e-5, atol=1e-5)
     assert torch.equal(y[1], torch.zeros(33))

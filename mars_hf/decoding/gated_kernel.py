@@ -4,8 +4,9 @@ Why: the torch form of the gated delta (``docs/gated_adapters.md``) runs ≈ 11 
 multiplies, 7 adds and, for a bf16 model, their dtype round trips per decoder layer. Each is a full torch
 op of a few to tens of µs, so on a 2-core CPU the adapter made a bf16 forward of a few rows cost
 1.3–1.5× the base model's although its arithmetic is tiny. The kernel does the same arithmetic with one
-C call per A product (``t = x[mask rows] Aᵀ``, shared by sibling layers) and one per adapted layer
-(``y[mask rows] += t Bᵀ``), touching only the mask rows: real rows keep the base layer's bits because
+C call per adapted layer, touching only the mask rows: the first (or only) layer of a group that reads one
+input computes ``t = x[mask rows] Aᵀ`` for the whole group and its own ``y[mask rows] += t Bᵀ``; its
+siblings (k and v after q, up after gate) add theirs from the kept ``t``: real rows keep the base layer's bits because
 they are never written.
 
 Numerics: float32 and bfloat16 models accumulate in float32 (bfloat16 inputs are widened exactly, the sum
@@ -35,6 +36,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from .home import mars_hf_home
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +80,35 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
          for (int64_t l_ = 0; l_ < (count); ++l_) lanes_[l_] = LOADW((src)[l_]);            \
          memcpy(&(dst), lanes_, sizeof(lanes_)); } while (0)
 
+/* Whole 64-byte blocks load as one vector (bf16: 16 halves widened by a shift), not lane by lane. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef double f64x8 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+static inline f32x16 vload_f32(const float *p) { f32x16 v; memcpy(&v, p, 64); return v; }
+static inline f64x8 vload_f64(const double *p) { f64x8 v; memcpy(&v, p, 64); return v; }
+static inline f32x16 vload_bf16(const uint16_t *p) {
+    u16x16 h; memcpy(&h, p, 32);
+    u32x16 u = __builtin_convertvector(h, u32x16) << 16; f32x16 v; memcpy(&v, &u, 64); return v;
+}
+/* y += acc over one whole block, rounded once (bf16: to nearest-even, NaN kept quiet, as f32_to_bf16). */
+static inline void vadd_f32(float *y, f32x16 acc) { f32x16 v = vload_f32(y) + acc; memcpy(y, &v, 64); }
+static inline void vadd_f64(double *y, f64x8 acc) { f64x8 v = vload_f64(y) + acc; memcpy(y, &v, 64); }
+static inline void vadd_bf16(uint16_t *y, f32x16 acc) {
+    f32x16 f = vload_bf16(y) + acc;
+    u32x16 u; memcpy(&u, &f, 64);
+    u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    u32x16 bits = (((u >> 16) | 0x40u) & nan) | (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan);
+    u16x16 h = __builtin_convertvector(bits, u16x16); memcpy(y, &h, 32);
+}
+#define LOAD_VECTOR(dst, src, count, LOADW, VLOADW, CT, lanes)                               \
+    do { if ((count) == (lanes)) (dst) = VLOADW(src); else LOAD_BLOCK(dst, src, count, LOADW, CT); } while (0)
+
+/* Threads pay a fork and join per call (~µs): only products of at least this many multiply-adds split. */
+#define MIN_PARALLEL_WORK (1 << 18)
+
 /* t[i, r] = sum_j x[idx[i], j] * at[j, r]   (x: rows x in, at: in x R row-major, t: n x R) */
-#define XA(NAME, XT, WT, CT, LOADX, LOADW)                                                  \
+#define XA(NAME, XT, WT, CT, LOADX, LOADW, VLOADW)                                                  \
 int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *at, int64_t R, CT *t) { \
     typedef CT vec __attribute__((vector_size(64)));                                        \
     const int64_t lanes = 64 / sizeof(CT), blocks = (R + lanes - 1) / lanes;                \
@@ -90,13 +120,14 @@ int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *at, i
         for (int64_t ii = 0; ii < ROWS; ++ii)                                               \
             for (int64_t j = 0; j < in; ++j)                                                \
                 rows[ii * in + j] = ii < nb ? LOADX(x[idx[i0 + ii] * in + j]) : (CT)0;      \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
+        int split = nb * in * R >= MIN_PARALLEL_WORK;                                      \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if(split)")         \
         for (int64_t b = 0; b < blocks; ++b) {                                              \
             int64_t r0 = b * lanes, width = R - r0 < lanes ? R - r0 : lanes;                \
             vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, w;                                  \
             const CT *x0 = rows, *x1 = rows + in, *x2 = rows + 2 * in, *x3 = rows + 3 * in; \
             for (int64_t j = 0; j < in; ++j) {                                              \
-                LOAD_BLOCK(w, at + j * R + r0, width, LOADW, CT);                           \
+                LOAD_VECTOR(w, at + j * R + r0, width, LOADW, VLOADW, CT, lanes);          \
                 a0 += x0[j] * w; a1 += x1[j] * w; a2 += x2[j] * w; a3 += x3[j] * w;         \
             }                                                                               \
             vec acc[ROWS] = {a0, a1, a2, a3};                                               \
@@ -109,7 +140,7 @@ int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *at, i
 }
 
 /* y[idx[i], o] += sum_{r < rk} t[i, r0 + r] * bt[r, o]   (bt: rk x out row-major), rounded once */
-#define ADD(NAME, YT, WT, CT, LOADY, LOADW, STORE)                                          \
+#define ADD(NAME, YT, WT, CT, LOADY, LOADW, VLOADW, STORE, VADD)                                \
 int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t R,         \
          int64_t r0, int64_t rk, const WT *bt) {                                            \
     typedef CT vec __attribute__((vector_size(64)));                                        \
@@ -117,12 +148,13 @@ int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t
     int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
     for (int64_t i0 = 0; i0 < n; i0 += ROWS) {                                              \
         int64_t nb = n - i0 < ROWS ? n - i0 : ROWS;                                         \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
+        int split = nb * rk * out >= MIN_PARALLEL_WORK;                                    \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if(split)")         \
         for (int64_t b = 0; b < blocks; ++b) {                                              \
             int64_t o0 = b * lanes, width = out - o0 < lanes ? out - o0 : lanes;            \
             vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, w;                                  \
             for (int64_t r = 0; r < rk; ++r) {                                              \
-                LOAD_BLOCK(w, bt + r * out + o0, width, LOADW, CT);                         \
+                LOAD_VECTOR(w, bt + r * out + o0, width, LOADW, VLOADW, CT, lanes);        \
                 const CT *c = t + i0 * R + r0 + r;                                          \
                 a0 += c[0] * w;                                                             \
                 if (nb > 1) a1 += c[R] * w;                                                 \
@@ -131,8 +163,9 @@ int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t
             }                                                                               \
             vec acc[ROWS] = {a0, a1, a2, a3};                                               \
             for (int64_t ii = 0; ii < nb; ++ii) {                                           \
-                CT sums[64 / sizeof(CT)]; memcpy(sums, &acc[ii], sizeof(sums));             \
                 YT *yi = y + idx[i0 + ii] * out + o0;                                       \
+                if (width == lanes) { VADD(yi, acc[ii]); continue; }                        \
+                CT sums[64 / sizeof(CT)]; memcpy(sums, &acc[ii], sizeof(sums));             \
                 for (int64_t l = 0; l < width; ++l) yi[l] = STORE(LOADY(yi[l]) + sums[l]);  \
             }                                                                               \
         }                                                                                   \
@@ -140,16 +173,28 @@ int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t
     return 0;                                                                               \
 }
 
+/* The first (or only) sibling of a group: t = x[idx] at, then its own y[idx] += t[:, r0:r0+rk] bt, in one call. */
+#define DELTA(NAME, XA_NAME, ADD_NAME, XT, WT, CT)                                          \
+int NAME(XT *y, int64_t out, const XT *x, int64_t in, const int64_t *idx, int64_t n,       \
+         const WT *at, int64_t R, CT *t, int64_t r0, int64_t rk, const WT *bt) {            \
+    int status = XA_NAME(x, in, idx, n, at, R, t);                                          \
+    return status ? status : ADD_NAME(y, out, idx, n, t, R, r0, rk, bt);                    \
+}
+
 #define SAME(v) (v)
 /* name suffix: model dtype _ adapter matrices' dtype */
-XA(mars_xa_f32_f32, float, float, float, SAME, SAME)
-XA(mars_xa_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32)
-XA(mars_xa_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME)
-XA(mars_xa_f64_f64, double, double, double, SAME, SAME)
-ADD(mars_add_f32_f32, float, float, float, SAME, SAME, SAME)
-ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, f32_to_bf16)
-ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, f32_to_bf16)
-ADD(mars_add_f64_f64, double, double, double, SAME, SAME, SAME)
+XA(mars_xa_f32_f32, float, float, float, SAME, SAME, vload_f32)
+XA(mars_xa_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, vload_bf16)
+XA(mars_xa_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, vload_f32)
+XA(mars_xa_f64_f64, double, double, double, SAME, SAME, vload_f64)
+ADD(mars_add_f32_f32, float, float, float, SAME, SAME, vload_f32, SAME, vadd_f32)
+ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, vload_bf16, f32_to_bf16, vadd_bf16)
+ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, vload_f32, f32_to_bf16, vadd_bf16)
+ADD(mars_add_f64_f64, double, double, double, SAME, SAME, vload_f64, SAME, vadd_f64)
+DELTA(mars_delta_f32_f32, mars_xa_f32_f32, mars_add_f32_f32, float, float, float)
+DELTA(mars_delta_bf16_bf16, mars_xa_bf16_bf16, mars_add_bf16_bf16, uint16_t, uint16_t, float)
+DELTA(mars_delta_bf16_f32, mars_xa_bf16_f32, mars_add_bf16_f32, uint16_t, float, float)
+DELTA(mars_delta_f64_f64, mars_xa_f64_f64, mars_add_f64_f64, double, double, double)
 """
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
@@ -169,7 +214,7 @@ AUTO_DTYPES = (torch.bfloat16,)
 _ACCUMULATOR = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float64: torch.float64}
 
 _LIBRARY: ctypes.CDLL | None = None
-_FUNCTIONS: dict = {}  # ("xa" | "add", model dtype, matrices' dtype) -> C function
+_FUNCTIONS: dict = {}  # ("add" | "delta", model dtype, matrices' dtype) -> C function
 _FAILURE: str | None = None
 _WARNED = False
 
@@ -204,8 +249,7 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    home = os.environ.get("MARS_HF_HOME") or os.path.join(Path.home(), ".cache", "mars_hf")
-    return Path(home) / "kernels"
+    return mars_hf_home() / "kernels"
 
 
 def _build() -> ctypes.CDLL:
@@ -236,12 +280,14 @@ def _build() -> ctypes.CDLL:
     for model_dtype, matrix_dtypes in SERVED.items():
         for matrices in matrix_dtypes:
             suffix = f"{_SUFFIX[model_dtype]}_{_SUFFIX[matrices]}"
-            xa = getattr(library, f"mars_xa_{suffix}")
-            xa.argtypes, xa.restype = [pointer, size, pointer, size, pointer, size, pointer], ctypes.c_int
             add = getattr(library, f"mars_add_{suffix}")
             add.argtypes = [pointer, size, pointer, size, pointer, size, size, size, pointer]
             add.restype = ctypes.c_int
-            _FUNCTIONS["xa", model_dtype, matrices], _FUNCTIONS["add", model_dtype, matrices] = xa, add
+            delta = getattr(library, f"mars_delta_{suffix}")
+            delta.argtypes = [pointer, size, pointer, size, pointer, size, pointer, size, pointer, size, size, pointer]
+            delta.restype = ctypes.c_int
+            for kind, function in (("add", add), ("delta", delta)):
+                _FUNCTIONS[kind, model_dtype, matrices] = function
     return library
 
 
@@ -288,11 +334,16 @@ def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-def mask_rows_product(x: torch.Tensor, index: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """``x[index] @ at`` over flattened rows of ``x`` (contiguous; ``at`` is ``in x R``): an ``(n, R)`` tensor."""
+def mask_rows_delta(
+    x: torch.Tensor, index: torch.Tensor, at: torch.Tensor, y: torch.Tensor, start: int, rank: int, bt: torch.Tensor
+) -> torch.Tensor:
+    """``t = x[index] @ at`` over flattened rows of ``x`` (contiguous; ``at`` is ``in x R``), then
+    :func:`add_mask_rows_delta` for its ``[start, start + rank)`` block, in one C call (the first or only
+    member of a group); returns ``t`` (``(n, R)``) for the other members."""
     t = torch.empty(index.numel(), at.shape[1], dtype=_ACCUMULATOR[x.dtype])
-    status = _FUNCTIONS["xa", x.dtype, at.dtype](
-        x.data_ptr(), x.shape[-1], index.data_ptr(), index.numel(), at.data_ptr(), at.shape[1], t.data_ptr()
+    status = _FUNCTIONS["delta", y.dtype, bt.dtype](
+        y.data_ptr(), y.shape[-1], x.data_ptr(), x.shape[-1], index.data_ptr(), index.numel(), at.data_ptr(),
+        at.shape[1], t.data_ptr(), start, rank, bt.data_ptr()
     )
     if status:
         raise MemoryError("the gated kernel could not allocate its scratch row")

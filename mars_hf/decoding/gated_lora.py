@@ -39,7 +39,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .gated_kernel import add_mask_rows_delta, kernel_mode, mask_rows_product, matrix_dtype, use_kernel
+from .gated_kernel import add_mask_rows_delta, kernel_mode, mask_rows_delta, matrix_dtype, use_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -467,15 +467,16 @@ class _SharedInput:
         self._keep(x, parts, serial, "torch")
         return parts[member]
 
-    def mask_rows_part(self, x: torch.Tensor, gate: MaskGate, index: torch.Tensor) -> torch.Tensor:
-        """``x[mask rows] @ A.T`` for every member at once (the C kernel), computed once per forward."""
+    def add_mask_rows_part(self, x, gate: MaskGate, index, y, start: int, rank: int, bt) -> None:
+        """``y[mask rows] += (x[mask rows] @ A.T)[:, start:start + rank] @ bt`` (the C kernel): the product for
+        every member is computed once per forward, in the first member's call, and kept for the others."""
         t = self._take(x, gate.serial, "kernel")
         if t is not None:
-            return t
-        t = mask_rows_product(x, index, self.leader._buffers["mars_lora_AT"])
+            add_mask_rows_delta(y, index, t, start, rank, bt)
+            return
+        t = mask_rows_delta(x, index, self.leader._buffers["mars_lora_AT"], y, start, rank, bt)
         if len(self.ranks) > 1:
             self._keep(x, t, gate.serial, "kernel")
-        return t
 
 
 class _Adapter:
@@ -510,8 +511,9 @@ def _adapted_forward(self, x, *args, **kwargs):
         and not torch.is_grad_enabled()
     ):
         index = gate.positions_for(x)  # mask rows only: real rows are never written
-        t = adapter.group.mask_rows_part(x.contiguous(), gate, index)
-        add_mask_rows_delta(y, index, t, adapter.start, adapter.rank, self._buffers["mars_lora_BT"])
+        adapter.group.add_mask_rows_part(
+            x.contiguous(), gate, index, y, adapter.start, adapter.rank, self._buffers["mars_lora_BT"]
+        )
         return y
     xa = adapter.group.part(x, gate, adapter.member)
     bt = self._buffers["mars_lora_BT"]

@@ -25,6 +25,7 @@ CUSTOM_GENERATE_FILES = {
     "acceptance.py": "acceptance.py",
     "gated_lora.py": "gated_lora.py",
     "gated_kernel.py": "gated_kernel.py",
+    "home.py": "home.py",
     "calibration.py": "calibration.py",
     "cost_model.py": "cost_model.py",
     "cpu_kernels.py": "cpu_kernels.py",

