@@ -72,7 +72,7 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
    extensions: 64 bytes, 16 floats or 8 doubles) stays in registers while the inner loop runs over the
    reduced dimension, so each weight vector is loaded once per 4 rows and no accumulator goes through
    memory. Columns that do not fill a vector are zero-padded on load and not stored. Threads split the
-   column blocks. Missing rows of the last block of 4 multiply zeros and are not stored. */
+   column blocks (one parallel region per call, over all mask rows). Missing rows of the last block of 4 multiply zeros and are not stored. */
 #define ROWS 4
 
 #define LOAD_BLOCK(dst, src, count, LOADW, CT)                                              \
@@ -108,24 +108,24 @@ static inline void vadd_bf16(uint16_t *y, f32x16 acc) {
 #define MIN_PARALLEL_WORK (1 << 18)
 
 /* t[i, r] = sum_j x[idx[i], j] * at[j, r]   (x: rows x in, at: in x R row-major, t: n x R) */
-#define XA(NAME, XT, WT, CT, LOADX, LOADW, VLOADW)                                                  \
+#define XA(NAME, XT, WT, CT, LOADX, LOADW, VLOADW)                                          \
 int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *at, int64_t R, CT *t) { \
     typedef CT vec __attribute__((vector_size(64)));                                        \
     const int64_t lanes = 64 / sizeof(CT), blocks = (R + lanes - 1) / lanes;                \
-    CT *rows = (CT *)calloc((size_t)(ROWS * in), sizeof(CT));                               \
+    const int64_t padded = (n + ROWS - 1) / ROWS * ROWS;                                    \
+    CT *rows = (CT *)calloc((size_t)(padded * in), sizeof(CT));  /* mask rows, widened */   \
     if (!rows) return 1;                                                                    \
+    for (int64_t i = 0; i < n; ++i)                                                         \
+        for (int64_t j = 0; j < in; ++j) rows[i * in + j] = LOADX(x[idx[i] * in + j]);      \
     int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
-    for (int64_t i0 = 0; i0 < n; i0 += ROWS) {                                              \
-        int64_t nb = n - i0 < ROWS ? n - i0 : ROWS;                                         \
-        for (int64_t ii = 0; ii < ROWS; ++ii)                                               \
-            for (int64_t j = 0; j < in; ++j)                                                \
-                rows[ii * in + j] = ii < nb ? LOADX(x[idx[i0 + ii] * in + j]) : (CT)0;      \
-        int split = nb * in * R >= MIN_PARALLEL_WORK;                                      \
-        _Pragma("omp parallel for num_threads(threads) schedule(static) if(split)")         \
-        for (int64_t b = 0; b < blocks; ++b) {                                              \
-            int64_t r0 = b * lanes, width = R - r0 < lanes ? R - r0 : lanes;                \
+    int split = n * in * R >= MIN_PARALLEL_WORK;                                            \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(split)")             \
+    for (int64_t b = 0; b < blocks; ++b) {                                                  \
+        int64_t r0 = b * lanes, width = R - r0 < lanes ? R - r0 : lanes;                    \
+        for (int64_t i0 = 0; i0 < n; i0 += ROWS) {                                          \
+            int64_t nb = n - i0 < ROWS ? n - i0 : ROWS;                                     \
             vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, w;                                  \
-            const CT *x0 = rows, *x1 = rows + in, *x2 = rows + 2 * in, *x3 = rows + 3 * in; \
+            const CT *x0 = rows + i0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;     \
             for (int64_t j = 0; j < in; ++j) {                                              \
                 LOAD_VECTOR(w, at + j * R + r0, width, LOADW, VLOADW, CT, lanes);          \
                 a0 += x0[j] * w; a1 += x1[j] * w; a2 += x2[j] * w; a3 += x3[j] * w;         \
@@ -140,18 +140,18 @@ int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *at, i
 }
 
 /* y[idx[i], o] += sum_{r < rk} t[i, r0 + r] * bt[r, o]   (bt: rk x out row-major), rounded once */
-#define ADD(NAME, YT, WT, CT, LOADY, LOADW, VLOADW, STORE, VADD)                                \
+#define ADD(NAME, YT, WT, CT, LOADY, LOADW, VLOADW, STORE, VADD)                            \
 int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t R,         \
          int64_t r0, int64_t rk, const WT *bt) {                                            \
     typedef CT vec __attribute__((vector_size(64)));                                        \
     const int64_t lanes = 64 / sizeof(CT), blocks = (out + lanes - 1) / lanes;              \
     int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
-    for (int64_t i0 = 0; i0 < n; i0 += ROWS) {                                              \
-        int64_t nb = n - i0 < ROWS ? n - i0 : ROWS;                                         \
-        int split = nb * rk * out >= MIN_PARALLEL_WORK;                                    \
-        _Pragma("omp parallel for num_threads(threads) schedule(static) if(split)")         \
-        for (int64_t b = 0; b < blocks; ++b) {                                              \
-            int64_t o0 = b * lanes, width = out - o0 < lanes ? out - o0 : lanes;            \
+    int split = n * rk * out >= MIN_PARALLEL_WORK;                                          \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(split)")             \
+    for (int64_t b = 0; b < blocks; ++b) {                                                  \
+        int64_t o0 = b * lanes, width = out - o0 < lanes ? out - o0 : lanes;                \
+        for (int64_t i0 = 0; i0 < n; i0 += ROWS) {                                          \
+            int64_t nb = n - i0 < ROWS ? n - i0 : ROWS;                                     \
             vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, w;                                  \
             for (int64_t r = 0; r < rk; ++r) {                                              \
                 LOAD_VECTOR(w, bt + r * out + o0, width, LOADW, VLOADW, CT, lanes);        \
