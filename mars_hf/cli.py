@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["quickstart", "distill", "train", "calibrate", "generate", "bench", "eval", "push", "export", "serve", "loadtest", "gpu-check"]
+COMMANDS = ["quickstart", "distill", "train", "calibrate", "reduce-rank", "generate", "bench", "eval", "push", "export", "serve", "loadtest", "gpu-check"]
 
 
 def build_parser() -> argparse.ArgumentParser:

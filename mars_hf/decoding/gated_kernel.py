@@ -72,7 +72,8 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
    extensions: 64 bytes, 16 floats or 8 doubles) stays in registers while the inner loop runs over the
    reduced dimension, so each weight vector is loaded once per 4 rows and no accumulator goes through
    memory. Columns that do not fill a vector are zero-padded on load and not stored. Threads split the
-   column blocks (one parallel region per call, over all mask rows). Missing rows of the last block of 4 multiply zeros and are not stored. */
+   column blocks (one parallel region per call, over all mask rows). Missing rows of the last block of 4
+   multiply zeros and are not stored. */
 #define ROWS 4
 
 #define LOAD_BLOCK(dst, src, count, LOADW, CT)                                              \

@@ -285,7 +285,7 @@ def _read_json(path: str) -> dict:
         return json.load(handle)
 
 
-def _check_adapter_config(config: dict, checkpoint) -> float:
+def check_adapter_config(config: dict, checkpoint) -> float:
     """Refuse LoRA features this loader does not implement; return the scaling ``alpha / r``."""
     unsupported = []
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
@@ -329,7 +329,7 @@ def _adapter_pairs(weights: dict, checkpoint) -> dict[str, dict[str, torch.Tenso
 def read_adapter_weights(checkpoint, hub_kwargs: dict | None = None) -> tuple[dict, float]:
     """``({module path: {"A": tensor, "B": tensor}}, scaling)`` of the LoRA adapter saved in ``checkpoint``.
 
-    Raises for an adapter this loader does not implement (see :func:`_check_adapter_config`) or that lacks
+    Raises for an adapter this loader does not implement (see :func:`check_adapter_config`) or that lacks
     its config or weights file.
     """
     from safetensors.torch import load_file
@@ -339,7 +339,7 @@ def read_adapter_weights(checkpoint, hub_kwargs: dict | None = None) -> tuple[di
     weights_path = _resolve(checkpoint, ADAPTER_WEIGHTS_FILE, hub_kwargs)
     if config_path is None or weights_path is None:
         raise OSError(f"{checkpoint} needs both {ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}.")
-    scaling = _check_adapter_config(_read_json(config_path), checkpoint)
+    scaling = check_adapter_config(_read_json(config_path), checkpoint)
     return _adapter_pairs(load_file(weights_path), checkpoint), scaling
 
 
