@@ -16,7 +16,8 @@ mask), plus a plain one-token step without masks (``plain``, where the adapter m
 Every repeat times each variant once, in rotating order (interleaved), the cache cropped back after each
 forward; the table shows medians and the ratio to the base model's median (target: ≤ 1.10 for n ≤ 16).
 It also prints the CPU's relevant flags and torch's thread count. ``--profile`` adds torch.profiler's
-top operators of one n = 4 forward per variant (the "where the time goes" table for docs/gated_adapters.md).
+top operators of one n = 4 forward per variant (the "where the time goes" table for docs/gated_adapters.md);
+``--kernel-time`` the median time spent inside the C kernel's calls in the ``gated`` forward, timed directly.
 
 A script, not a test: run it on an otherwise idle machine.
 
@@ -205,8 +206,32 @@ def step_ids(n: int, mask_id: int, plain: bool) -> torch.Tensor:
     return torch.tensor([[mask_id] if n == 1 else [1234] + [mask_id] * (n - 1)])
 
 
-def measure(models: dict, mask_id: int, rows: list[int], context: int, repeats: int, warmup: int):
-    """``({(case, variant): median seconds}, [cases in order])``."""
+class KernelClock:
+    """Time spent inside the C kernel's calls (``gated_lora``'s two entry points), per forward: measured
+    directly, so it does not drown in the forward-to-forward noise of a shared VM as a difference would."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        for name in ("mask_rows_delta", "add_mask_rows_delta"):
+            setattr(gated_lora, name, self._timed(getattr(gated_lora, name)))
+
+    def _timed(self, function):
+        def timed(*args):
+            start = time.perf_counter()
+            result = function(*args)
+            self.seconds += time.perf_counter() - start
+            return result
+
+        return timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def measure(models: dict, mask_id: int, rows: list[int], context: int, repeats: int, warmup: int, clock=None):
+    """``({(case, variant): median seconds}, [cases in order])``; with ``clock`` (a :class:`KernelClock`), also
+    ``(case, "kernel")``: the median time inside the kernel's calls in the ``gated`` variant's forward."""
     generator = torch.Generator().manual_seed(0)
     context_ids = torch.randint(100, 40000, (1, context), generator=generator)
     caches = {name: prefill(model, context_ids) for name, model in models.items()}
@@ -218,9 +243,13 @@ def measure(models: dict, mask_id: int, rows: list[int], context: int, repeats: 
             ids = step_ids(n, mask_id, case == "plain")
             shift = (repeat + n) % len(names)
             for name in names[shift:] + names[:shift]:  # rotate the order: no variant always goes first
+                if clock is not None:
+                    clock.take()
                 elapsed = timed_forward(models[name], caches[name], ids)
                 if repeat >= warmup:
                     times[(case, name)].append(elapsed)
+                    if clock is not None and name == "gated":
+                        times.setdefault((case, "kernel"), []).append(clock.take())
     return {key: statistics.median(value) for key, value in times.items()}, [case for case, _ in cases]
 
 
@@ -259,6 +288,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--kernel-time", action="store_true", help="also time the C kernel's calls inside the gated forward"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -279,17 +311,21 @@ def main() -> None:
         )
         print(f"KV cache {args.context} tokens, batch 1, {args.repeats} interleaved repeats, medians\n")
         rows = [int(n) for n in args.rows.split(",")]
+        clock = KernelClock() if args.kernel_time and "gated" in names else None
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name.strip())
             models = load_variants(base_dir, checkpoint, dtype, names)
-            medians, cases = measure(models, mask_id, rows, args.context, args.repeats, args.warmup)
+            medians, cases = measure(models, mask_id, rows, args.context, args.repeats, args.warmup, clock)
             header = f"{dtype_name:>9} {'rows':>6} " + " ".join(f"{name + ' ms':>10}" for name in names)
             header += " " + " ".join(f"{name + '/base':>12}" for name in names if name != "base")
-            print(header)
+            print(header + (f" {'kernel ms':>10} {'kernel/base':>12}" if clock else ""))
             for case in cases:
                 base = medians[(case, "base")]
                 line = f"{'':>9} {case:>6} " + " ".join(f"{1000 * medians[(case, n)]:>10.2f}" for n in names)
                 line += " " + " ".join(f"{medians[(case, n)] / base:>12.3f}" for n in names if n != "base")
+                if (case, "kernel") in medians:
+                    kernel = medians[(case, "kernel")]
+                    line += f" {1000 * kernel:>10.2f} {kernel / base:>12.3f}"
                 print(line)
             print()
             if args.profile:

@@ -1,4 +1,4 @@
-"""A small C kernel for the mask-gated adapter's delta on CPU: work on the mask rows only, in two calls.
+"""A small C kernel for the mask-gated adapter's delta on CPU: work on the mask rows only, one call per layer.
 
 Why: the torch form of the gated delta (``docs/gated_adapters.md``) runs ≈ 11 small products, 4 gate
 multiplies, 7 adds and, for a bf16 model, their dtype round trips per decoder layer. Each is a full torch
@@ -6,8 +6,8 @@ op of a few to tens of µs, so on a 2-core CPU the adapter made a bf16 forward o
 1.3–1.5× the base model's although its arithmetic is tiny. The kernel does the same arithmetic with one
 C call per adapted layer, touching only the mask rows: the first (or only) layer of a group that reads one
 input computes ``t = x[mask rows] Aᵀ`` for the whole group and its own ``y[mask rows] += t Bᵀ``; its
-siblings (k and v after q, up after gate) add theirs from the kept ``t``: real rows keep the base layer's bits because
-they are never written.
+siblings (k and v after q, up after gate) add theirs from the kept ``t``. Real rows keep the base layer's
+bits because they are never written.
 
 Numerics: float32 and bfloat16 models accumulate in float32 (bfloat16 inputs are widened exactly, the sum
 ``y + delta`` is rounded once, to nearest-even, as ``(y.float() + delta).to(torch.bfloat16)`` rounds);
