@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+from mars_hf.decoding.gated_lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, check_adapter_config
+
 A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
 
 
@@ -63,8 +63,6 @@ def reduce_pair(A: torch.Tensor, B: torch.Tensor, scaling: float, rank: int) -> 
 def reduce_adapter_rank(checkpoint: str | Path, output_dir: str | Path, rank: int) -> RankReduction:
     """Write ``checkpoint`` (a saved LoRA adapter folder) with every LoRA pair reduced to ``rank``."""
     from safetensors.torch import load_file, save_file
-
-    from mars_hf.decoding.gated_lora import check_adapter_config
 
     source, target = Path(checkpoint), Path(output_dir)
     config = json.loads((source / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))
