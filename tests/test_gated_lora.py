@@ -618,7 +618,7 @@ def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
     assert getattr(attention.q_proj, name).shape[rows] == 3 * 4 and name not in attention.k_proj._buffers
     assert getattr(mlp.gate_proj, name).shape[rows] == 2 * 4 and getattr(mlp.down_proj, name).shape[rows] == 4
     products = []  # one entry per x @ A.T actually computed
-    method = "add_mask_rows_part" if kernel == "c" else "part"
+    method = "adapt_mask_rows" if kernel == "c" else "part"
     original = getattr(gated_lora._SharedInput, method)
 
     def counting(self, x, gate, *args):

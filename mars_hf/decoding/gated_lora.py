@@ -424,10 +424,10 @@ class _SharedInput:
     activation outlives its forward).
     """
 
-    __slots__ = ("leader", "ranks", "x", "parts", "serial", "waiting", "form")
+    __slots__ = ("leader", "members", "ranks", "x", "parts", "serial", "waiting", "form")
 
-    def __init__(self, leader, ranks: list[int]):
-        self.leader, self.ranks = leader, list(ranks)
+    def __init__(self, members: list, ranks: list[int]):
+        self.leader, self.members, self.ranks = members[0], list(members), list(ranks)
         self.x = self.parts = self.serial = self.form = None
         self.waiting = 0
 
@@ -467,16 +467,33 @@ class _SharedInput:
         self._keep(x, parts, serial, "torch")
         return parts[member]
 
-    def add_mask_rows_part(self, x, gate: MaskGate, index, y, start: int, rank: int, bt) -> None:
-        """``y[mask rows] += (x[mask rows] @ A.T)[:, start:start + rank] @ bt`` (the C kernel): the product for
-        every member is computed once per forward, in the first member's call, and kept for the others."""
-        t = self._take(x, gate.serial, "kernel")
-        if t is not None:
-            add_mask_rows_delta(y, index, t, start, rank, bt)
-            return
-        t = mask_rows_delta(x, index, self.leader._buffers["mars_lora_AT"], y, start, rank, bt)
-        if len(self.ranks) > 1:
-            self._keep(x, t, gate.serial, "kernel")
+    def kept_output(self, x: torch.Tensor, gate: MaskGate, member: int) -> torch.Tensor | None:
+        """Member ``member``'s adapted output for input ``x``, if a sibling computed it in this forward."""
+        outputs = self._take(x, gate.serial, "outputs")
+        return None if outputs is None else outputs[member]
+
+    def adapt_mask_rows(self, x: torch.Tensor, gate: MaskGate, index, member: int, y: torch.Tensor) -> torch.Tensor:
+        """(C kernel) ``y`` with its mask rows adapted, ``y[mask rows] += (x[mask rows] @ A.T)_member @ bt``.
+
+        The first member called in a forward also runs every sibling's base layer on the same ``x`` and adapts
+        it, in one pass over the group's ``x @ A.T``; the siblings then only take their output
+        (:meth:`kept_output`): per forward one Python call per group does the work, not one per layer.
+        """
+        outputs = [
+            y if i == member else module.__dict__["_mars_adapter"].base_forward(x).contiguous()
+            for i, module in enumerate(self.members)
+        ]
+        start, t, dense = 0, None, x.contiguous()
+        for module, output, rank in zip(self.members, outputs, self.ranks):
+            bt = module._buffers["mars_lora_BT"]
+            if t is None:
+                t = mask_rows_delta(dense, index, self.leader._buffers["mars_lora_AT"], output, start, rank, bt)
+            else:
+                add_mask_rows_delta(output, index, t, start, rank, bt)
+            start += rank
+        if len(outputs) > 1:
+            self._keep(x, outputs, gate.serial, "outputs")
+        return y
 
 
 class _Adapter:
@@ -497,8 +514,12 @@ def _adapted_forward(self, x, *args, **kwargs):
     base layer's bits. Without masks the adapter is skipped: the layer costs its base layer.
     """
     adapter = self.__dict__["_mars_adapter"]
-    y = adapter.base_forward(x, *args, **kwargs)
     gate = adapter.gate
+    if adapter.kernel_dtype is not None and gate.gate is not None:
+        kept = adapter.group.kept_output(x, gate, adapter.member)
+        if kept is not None:
+            return kept
+    y = adapter.base_forward(x, *args, **kwargs)
     if gate is not None and gate.gate is None:
         if gate.rows is None:
             gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
@@ -511,10 +532,7 @@ def _adapted_forward(self, x, *args, **kwargs):
         and not torch.is_grad_enabled()
     ):
         index = gate.positions_for(x)  # mask rows only: real rows are never written
-        adapter.group.add_mask_rows_part(
-            x.contiguous(), gate, index, y, adapter.start, adapter.rank, self._buffers["mars_lora_BT"]
-        )
-        return y
+        return adapter.group.adapt_mask_rows(x, gate, index, adapter.member, y)
     xa = adapter.group.part(x, gate, adapter.member)
     bt = self._buffers["mars_lora_BT"]
     y2 = y.view(-1, y.shape[-1])
@@ -604,7 +622,7 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
         leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
     else:  # the kernel reads A transposed; the torch form (autograd on) uses its transpose view
         leader.register_buffer("mars_lora_AT", stacked.t().contiguous(), persistent=False)
-    group = _SharedInput(leader, [pair["A"].shape[0] for pair in pairs])
+    group = _SharedInput(members, [pair["A"].shape[0] for pair in pairs])
     for member, (module, pair) in enumerate(zip(members, pairs)):
         bt = (pair["B"].to(torch.float64) * scaling).t()  # the scale folded into B once, not per forward
         module.register_buffer(
