@@ -301,8 +301,11 @@ def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
     result = json.loads(json_line[len("JSON: ") :])
     mars_rows = [(s, t, la) for s, t, la in [("cursor", 1.0, None), ("cursor", 0.5, None), ("block", 0.5, None),
                  ("cursor", None, "auto"), ("cursor", None, "linear"), ("cursor", None, "quadratic")]]  # fmt: skip
+    # where "auto" packs, stock `generate` on the packed kernels follows the stock row (the kernels' share)
+    packed_stock = [("stock", None, None, "packed")] if result["environment"]["cpu_kernels_auto"] == "packed" else []
     assert [(r["scheme"], r["tau"], r["layout"], r["cpu_kernels"]) for r in result["rows"]] == [
         ("stock", None, None, "auto"),
+        *packed_stock,
         *[(*row, mode) for row in mars_rows for mode in ("auto", "packed")],
     ]
     assert all(r["same_as_stock"] == 1.0 for r in result["rows"] if r["tau"] in (None, 1.0))
@@ -381,3 +384,34 @@ def test_load_prompts_from_text_and_jsonl(tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ValueError, match="No prompts"):
         load_prompts(tmp_path / "empty.txt")
+
+
+def test_where_auto_packs_stock_generate_also_runs_on_the_packed_kernels(monkeypatch):
+    """The reference row that says how much of a MARS row's speed-up the kernels alone give."""
+    from mars_hf.decoding import cpu_kernels
+    from mars_hf.decoding.generation import enable_mars
+    from mars_hf.tools.bench import runner
+
+    tokenizer = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", dtype=torch.float32, tokenizer=tokenizer))
+    monkeypatch.setattr(runner, "use_packed", lambda model, mode="auto": True)
+    packed_during_stock = []
+    generate = model.generate
+
+    def spying(*args, **kwargs):
+        if not any(key.startswith("mars_") for key in kwargs):
+            packed_during_stock.append(cpu_kernels.active(model))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spying)
+    args = BenchArguments(
+        batch_sizes=[1], taus=[1.0], windows=[2], schemes=["stock", "cursor"], max_new_tokens=4, repeats=1,
+        warmup=0, cost_repeats=1,
+    )  # fmt: skip
+    result = run_benchmark(model, tokenizer, PROMPTS[:2], args, model_name="tiny-llama", progress=False)
+    rows = [(r["scheme"], r["cpu_kernels"]) for r in result["rows"]]
+    assert rows[:2] == [("stock", "auto"), ("stock", "packed")] and rows[1] not in rows[2:]
+    assert result["rows"][1]["same_as_stock"] == 1.0
+    # each stock run: the plain one unpacked, the reference one packed, alternating with the repeats
+    assert sorted(set(packed_during_stock)) == [False, True] and not cpu_kernels.active(model)
+    assert BenchConfiguration("stock", cpu_kernels="packed").label == "stock kernels=packed"

@@ -1,13 +1,16 @@
 """Packed oneDNN linears for MARS steps on CPU (``mars_hf.decoding.cpu_kernels``).
 
 The packed kernel computes the same linear map in float32 with another summation order, so the checks are:
-one-row inputs keep the stock kernel bit for bit, several rows agree with the stock kernel to float32
+one-row inputs keep the stock kernel's bits (its own, or the pack's where they are the same: bfloat16 on
+oneDNN), several rows agree with the stock kernel to float32
 rounding, the model is untouched outside a step, gated adapters keep their adapter, and greedy verify
 with packed steps still equals stock greedy decoding. The "auto" choice is tested on forced measurements
 (its timing is the machine's, never asserted).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -58,6 +61,59 @@ def test_rows_run_packed_within_float32_rounding_and_one_row_stays_stock(packed_
     torch.testing.assert_close(many, stock_many, rtol=1e-4, atol=1e-5)
     assert torch.equal(after, stock_many) and not active(model)
     assert all("forward" not in m.__dict__ for m in _linears(model))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_one_row_runs_packed_only_where_the_pack_rounds_like_the_stock_kernel(exact, monkeypatch, packed_rows):
+    model = tiny_model("llama", dtype=torch.float32, block_size=None)
+    monkeypatch.setattr(cpu_kernels, "_rounds_like_stock", lambda linear, pack: exact)
+    ids = torch.tensor([[3, 9, 4]])
+    with torch.no_grad(), packed_linears(model, "packed"):
+        model(ids[:, :1])
+        one_row_calls = len(packed_rows)
+        model(ids)
+    assert one_row_calls == (len(_linears(model)) if exact else 0)
+    assert len(packed_rows) == one_row_calls + len(_linears(model))
+    cpu_kernels._PACKS.clear()
+
+
+def test_the_rounding_check_compares_the_packs_bits_with_the_stock_kernels(monkeypatch):
+    linear = torch.nn.Linear(24, 10, dtype=torch.float32)
+    pack = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), cpu_kernels.PACK_ROWS_HINT)
+    # a pack that computes exactly F.linear: same bits
+    monkeypatch.setattr(cpu_kernels, "_onednn_linear", lambda x, p, bias: torch.nn.functional.linear(x, linear.weight, bias))
+    assert cpu_kernels._rounds_like_stock(linear, pack)
+    # one that is off by a rounding step on some output: not the same kernel
+    monkeypatch.setattr(
+        cpu_kernels, "_onednn_linear",
+        lambda x, p, bias: torch.nn.functional.linear(x, linear.weight, bias).nextafter(torch.tensor(math.inf)),
+    )  # fmt: skip
+    assert not cpu_kernels._rounds_like_stock(linear, pack)
+
+
+def test_bfloat16_linears_pack_and_every_one_row_output_keeps_the_stock_bits(packed_rows, monkeypatch):
+    """bfloat16 runs on oneDNN either way: the pack only saves the per-call weight reorder. Where oneDNN has
+    no native bfloat16 the packed mode refuses, naming it."""
+    model = tiny_model("llama", dtype=torch.bfloat16, block_size=None)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        with pytest.raises(ValueError, match="no native bfloat16"):
+            use_packed(model, "packed")
+        return
+    ids = torch.tensor([[3, 9, 4, 7, 5, 11]])
+    with torch.no_grad():
+        stock_many, stock_one = model(ids).logits, model(ids[:, :1]).logits
+        with packed_linears(model, "packed"):
+            one = model(ids[:, :1]).logits
+            one_row_packed = 1 in packed_rows
+            many = model(ids).logits
+    exact = [cpu_kernels._pack(linear)[1] for linear in _linears(model)]
+    assert one_row_packed == all(exact) and one_row_packed == any(exact)  # oneDNN: all or none
+    assert torch.equal(one, stock_one)  # the pack's own bits where it ran, the stock kernel's otherwise
+    torch.testing.assert_close(many, stock_many, rtol=2e-2, atol=2e-2)
+    assert max(packed_rows) == ids.shape[1]
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert "no native bfloat16" in cpu_kernels.unavailable_reason(model) and not use_packed(tiny_model(
+        "llama", dtype=torch.bfloat16, block_size=None), "auto")
 
 
 def test_packs_follow_weight_updates():
@@ -131,7 +187,7 @@ def test_auto_measurement_leaves_the_random_state_alone():
 
 def test_packed_is_refused_where_it_cannot_run_and_auto_stays_stock():
     model = tiny_model("llama", block_size=None)  # float64
-    with pytest.raises(ValueError, match="float64.*'auto' or 'stock'"):
+    with pytest.raises(ValueError, match="float64, not float32 or bfloat16.*'auto' or 'stock'"):
         use_packed(model, "packed")
     assert not use_packed(model, "auto")
     with pytest.raises(ValueError, match="mars_cpu_kernels"):

@@ -7,6 +7,7 @@ equal (frozen-clean vs two-stream training, PEFT vs the torch-only loader).
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import os
@@ -639,6 +640,25 @@ def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
         if hasattr(m, "_mars_adapter")
     }
     assert all(group.x is None and group.parts is None for group in groups.values())  # nothing kept alive
+
+
+def test_with_the_kernel_each_base_layer_runs_once_per_forward(tokenizer, tmp_path, monkeypatch):
+    """The first layer of a sibling group called in a forward runs its siblings' base layers too; the
+    siblings take those outputs instead of computing them again."""
+    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, kernel="c")
+    adapted = [m for m in shipped.modules() if "_mars_adapter" in m.__dict__]
+    runs, linear = collections.Counter(), torch.nn.functional.linear
+
+    def counting(x, weight, bias=None):
+        runs[weight.data_ptr()] += 1
+        return linear(x, weight, bias)
+
+    with torch.no_grad():
+        reference = shipped(input_ids=torch.tensor([[5, 6, tokenizer.mask_token_id, 7]])).logits
+        monkeypatch.setattr(torch.nn.functional, "linear", counting)
+        logits = shipped(input_ids=torch.tensor([[5, 6, tokenizer.mask_token_id, 7]])).logits
+    assert [runs[m.weight.data_ptr()] for m in adapted] == [1] * len(adapted) and len(adapted) == 14
+    assert torch.equal(logits, reference)
 
 
 @pytest.mark.parametrize("kernel", ["c", "torch"])

@@ -21,7 +21,7 @@ class BenchConfiguration:
     cache_block: int | None = None
     layout: str | None = None  # verified decoding (mars_acceptance="verify", no τ): auto, linear, quadratic
     lookup: int | None = None
-    cpu_kernels: str = "auto"  # mars_cpu_kernels of a MARS row
+    cpu_kernels: str = "auto"  # mars_cpu_kernels of a MARS row; "packed" on a stock row: the kernels' share
 
     @property
     def verify(self) -> bool:
@@ -30,10 +30,11 @@ class BenchConfiguration:
     @property
     def label(self) -> str:
         if self.scheme == "stock":
-            return f"stock prompt-lookup={self.lookup}" if self.lookup else "stock"
-        label = f"{self.scheme} verify-{self.layout}" if self.verify else f"{self.scheme} tau={self.tau:g}"
-        label += f" W={self.window}" + (f" prompt-lookup={self.lookup}" if self.lookup else "")
-        label += f" C={self.cache_block}" if self.cache_block is not None else ""
+            label = f"stock prompt-lookup={self.lookup}" if self.lookup else "stock"
+        else:
+            label = f"{self.scheme} verify-{self.layout}" if self.verify else f"{self.scheme} tau={self.tau:g}"
+            label += f" W={self.window}" + (f" prompt-lookup={self.lookup}" if self.lookup else "")
+            label += f" C={self.cache_block}" if self.cache_block is not None else ""
         return label + (f" kernels={self.cpu_kernels}" if self.cpu_kernels != "auto" else "")
 
     def generate_kwargs(self, acceptance: str) -> dict:

@@ -6,6 +6,7 @@ generated tokens are counted up to each row's first EOS.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from mars_hf.decoding.cpu_kernels import packed_linears
 from mars_hf.tools.bench.configurations import BenchConfiguration
 
 
@@ -86,6 +88,14 @@ class RunMeasurement:
         return sum(self.forwards_per_batch)
 
 
+def _stock_kernels(model, configuration):
+    """Stock `generate` on the packed linears MARS steps use (the reference row that shows what the kernels
+    alone buy); every other row as it comes."""
+    if configuration.scheme == "stock" and configuration.cpu_kernels == "packed":
+        return packed_linears(model, "packed")
+    return contextlib.nullcontext()
+
+
 def run_once(model, batches, generation_config, configuration, acceptance, counter) -> RunMeasurement:
     """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``."""
     seconds, new_tokens, forwards, widths, accepted = 0.0, [], [], [], []
@@ -95,9 +105,10 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
         prompt_length = inputs["input_ids"].shape[1]
         counter.reset()
         start = time.perf_counter()
-        output = model.generate(
-            **inputs, generation_config=generation_config, **configuration.generate_kwargs(acceptance)
-        )
+        with _stock_kernels(model, configuration):
+            output = model.generate(
+                **inputs, generation_config=generation_config, **configuration.generate_kwargs(acceptance)
+            )
         seconds += time.perf_counter() - start
         new = output.sequences[:, prompt_length:]
         lengths = count_generated_tokens(new, _eos_ids(generation_config)).tolist()

@@ -12,7 +12,7 @@ import transformers
 from mars_hf.decoding.cost_model import batch_bucket, cost_table
 from mars_hf.decoding.cpu_kernels import packed_linears, use_packed
 from mars_hf.decoding.settings import resolve_mask_token
-from mars_hf.tools.bench.configurations import SCHEMES, build_configurations
+from mars_hf.tools.bench.configurations import SCHEMES, BenchConfiguration, build_configurations
 from mars_hf.tools.bench.measure import ForwardCounter, greedy_generation_config, interleaved_runs
 from mars_hf.tools.bench.prompts import prepare_batches
 from mars_hf.tools.bench.step_costs import add_cost_model
@@ -74,6 +74,8 @@ def run_benchmark(
         raise ValueError(
             "The benchmark reports ratios against stock `generate`; keep 'stock' in the schemes."
         )
+    if use_packed(model, "auto"):  # MARS rows run on packed kernels: show stock `generate` on them too
+        configurations.insert(1, BenchConfiguration("stock", cpu_kernels="packed"))
     generation_config = greedy_generation_config(model, args.max_new_tokens, tokenizer=tokenizer)
     result = {
         "model": model_name,
