@@ -15,7 +15,8 @@ cache of ``--context`` tokens, as a MARS step feeds it (one real token, then n -
 mask), plus a plain one-token step without masks (``plain``, where the adapter must cost nothing).
 Every repeat times each variant once, in rotating order (interleaved), the cache cropped back after each
 forward; the table shows medians and the ratio to the base model's median (target: ≤ 1.10 for n ≤ 16).
-It also prints the CPU's relevant flags and torch's thread count. ``--profile`` adds torch.profiler's
+It also prints the CPU's relevant flags and torch's thread count. ``--cpu-kernels packed`` runs every
+variant's linears on packed oneDNN weights, as MARS steps do where ``mars_cpu_kernels="auto"`` packs. ``--profile`` adds torch.profiler's
 top operators of one n = 4 forward per variant (the "where the time goes" table for docs/gated_adapters.md);
 ``--kernel-time`` the median time spent inside the C kernel's calls in the ``gated`` forward, timed directly.
 
@@ -29,6 +30,7 @@ A script, not a test: run it on an otherwise idle machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from mars_hf.decoding import gated_lora
+from mars_hf.decoding.cpu_kernels import packed_linears
 from mars_hf.models.embedded_model import embedded_model_dir, resolve_model_path
 
 INTERESTING_FLAGS = (
@@ -291,6 +294,11 @@ def main() -> None:
     parser.add_argument(
         "--kernel-time", action="store_true", help="also time the C kernel's calls inside the gated forward"
     )
+    parser.add_argument(
+        "--cpu-kernels", choices=("stock", "packed"), default="stock",
+        help="linears of every variant on stock or packed oneDNN kernels (packed: what MARS steps run on a CPU "
+        "where mars_cpu_kernels='auto' packs)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -309,13 +317,19 @@ def main() -> None:
         print(
             f"base: {base_dir}\nadapter: {args.checkpoint or f'random gated LoRA r{args.rank}, all linear'}"
         )
-        print(f"KV cache {args.context} tokens, batch 1, {args.repeats} interleaved repeats, medians\n")
+        print(
+            f"KV cache {args.context} tokens, batch 1, {args.repeats} interleaved repeats, medians, "
+            f"{args.cpu_kernels} linear kernels\n"
+        )
         rows = [int(n) for n in args.rows.split(",")]
         clock = KernelClock() if args.kernel_time and "gated" in names else None
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name.strip())
             models = load_variants(base_dir, checkpoint, dtype, names)
-            medians, cases = measure(models, mask_id, rows, args.context, args.repeats, args.warmup, clock)
+            with contextlib.ExitStack() as kernels:
+                for model in models.values():
+                    kernels.enter_context(packed_linears(model, args.cpu_kernels))
+                medians, cases = measure(models, mask_id, rows, args.context, args.repeats, args.warmup, clock)
             header = f"{dtype_name:>9} {'rows':>6} " + " ".join(f"{name + ' ms':>10}" for name in names)
             header += " " + " ".join(f"{name + '/base':>12}" for name in names if name != "base")
             print(header + (f" {'kernel ms':>10} {'kernel/base':>12}" if clock else ""))
