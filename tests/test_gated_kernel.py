@@ -27,13 +27,16 @@ def slow_delta(x, index, at, start, rank, bt):
     ],
 )
 @pytest.mark.parametrize("rank", [4, 12])  # 3 x 4 = 12 columns: one partial vector; 3 x 12 = 36: whole ones too
-def test_kernel_writes_the_delta_at_mask_rows_only(model_dtype, matrices, tolerance, rank):
+# 40 outputs: whole vectors and a partial one; 200: also enough work (rows x rank x outputs) for the add to split
+# over threads (the product splits at rank 12)
+@pytest.mark.parametrize("outputs", [40, 200])
+def test_kernel_writes_the_delta_at_mask_rows_only(model_dtype, matrices, tolerance, rank, outputs):
     torch.manual_seed(0)
     assert gated_kernel.library() is not None, gated_kernel.failure()
     x = torch.randn(2, 5, 24, dtype=model_dtype)  # two sequences of five positions, flattened to ten rows
     at = torch.randn(24, 3 * rank, dtype=matrices)  # three siblings, stacked
-    bt = torch.randn(rank, 40, dtype=matrices)  # 40 outputs: whole vectors and a partial one
-    y_first, y_second = torch.randn(2, 2, 5, 40, dtype=model_dtype)
+    bt = torch.randn(rank, outputs, dtype=matrices)
+    y_first, y_second = torch.randn(2, 2, 5, outputs, dtype=model_dtype)
     before_first, before_second = y_first.clone(), y_second.clone()
     index = torch.tensor([1, 4, 7, 8, 9])  # mask rows in both sequences: a block of four and one more
     # the first member: the group's product and its own add in one call; a sibling adds from the kept product
@@ -45,7 +48,7 @@ def test_kernel_writes_the_delta_at_mask_rows_only(model_dtype, matrices, tolera
     real = [r for r in range(10) if r not in index.tolist()]
     for y, before, start in ((y_first, before_first, 0), (y_second, before_second, rank)):
         _, slow = slow_delta(x, index, at, start, rank, bt)
-        flat, old = y.reshape(10, 40), before.reshape(10, 40)
+        flat, old = y.reshape(10, outputs), before.reshape(10, outputs)
         assert torch.equal(flat[real], old[real])  # never written: the base layer's bits
         torch.testing.assert_close(flat[index].double(), old[index].double() + slow, rtol=tolerance, atol=tolerance)
 
