@@ -116,6 +116,28 @@ def test_bfloat16_linears_pack_and_every_one_row_output_keeps_the_stock_bits(pac
         "llama", dtype=torch.bfloat16, block_size=None), "auto")
 
 
+def test_a_nested_block_keeps_the_outer_packing_and_generate_routes_the_layers_once(tok, monkeypatch):
+    model = enable_mars(tiny_model("llama", seed=1, dtype=torch.float32))
+    installs, original = [], cpu_kernels._install
+
+    def counting(linear):
+        installs.append(linear)
+        return original(linear)
+
+    monkeypatch.setattr(cpu_kernels, "_install", counting)
+    with packed_linears(model, "packed") as outer:
+        with packed_linears(model, "packed") as inner:
+            assert outer and inner and active(model) and len(installs) == len(_linears(model))
+        assert active(model)  # the inner block's exit leaves the outer block's routing in place
+    assert not active(model)
+    installs.clear()
+    out = model.generate(
+        **_batch(tok), max_new_tokens=9, do_sample=False, mars_acceptance="verify", mars_cpu_kernels="packed",
+        mars_cost_probe=False, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert out.num_forwards > 2 and len(installs) == len(_linears(model)) and not active(model)
+
+
 def test_packs_follow_weight_updates():
     model = tiny_model("llama", dtype=torch.float32, block_size=None)
     ids = torch.tensor([[3, 9, 4, 7]])

@@ -37,6 +37,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import ACCEPTANCE_RULES, ScoreProcessing
 from .cache import CACHE_SCHEMES, MARSBlockCache
+from .cpu_kernels import packed_linears
 from .decoder import MARSBatchDecoder, RowSettings, RowUpdate  # noqa: F401  (public re-exports)
 from .draft_sources import SOURCES
 from .layouts import LAYOUT_CHOICES
@@ -417,7 +418,15 @@ class _Transcript:
 
 
 def _run(decoder: MARSBatchDecoder, transcript: _Transcript, streamer, pad_token_id: int, max_new: int) -> None:
-    """Step until every row has finished; finished rows leave the decoder, final tokens are streamed."""
+    """Step until every row has finished; finished rows leave the decoder, final tokens are streamed. The
+    linears are routed to their kernels once for the whole call, not per step."""
+    with packed_linears(decoder.model, decoder.cpu_kernels):
+        _step_until_done(decoder, transcript, streamer, pad_token_id, max_new)
+    if streamer is not None:
+        streamer.end()
+
+
+def _step_until_done(decoder, transcript: _Transcript, streamer, pad_token_id: int, max_new: int) -> None:
     while max_new and decoder.num_rows:
         updates = decoder.step()
         transcript.record(updates)
@@ -426,8 +435,6 @@ def _run(decoder: MARSBatchDecoder, transcript: _Transcript, streamer, pad_token
                 decoder.drop_row(update.row_id)
         if streamer is not None:
             _stream(streamer, updates, transcript.batch_size, pad_token_id)
-    if streamer is not None:
-        streamer.end()
 
 
 def _stream(streamer, updates: list[RowUpdate], batch_size: int, pad_token_id: int) -> None:
