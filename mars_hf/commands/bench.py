@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=words,
         default=["auto"],
         help="mars_cpu_kernels modes, comma-separated: every MARS row runs once per mode (auto: packed oneDNN "
-        "multi-row linears where they measure faster on a float32 CPU model; packed; stock).",
+        "linears where they measure faster on a float32 or bfloat16 CPU model; packed; stock). Where auto packs, "
+        "stock generate also runs on the packed kernels (row stock+packed).",
     )
     parser.add_argument(
         "--prompt-lookup",

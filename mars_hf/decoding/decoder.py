@@ -61,7 +61,9 @@ class MARSBatchDecoder:
         cost_table: ``{columns per row: relative cost}`` to use instead of measuring
             (``cost_model.CostTable.from_mapping``); ``cost_probe=False``: assume a flat curve.
         cpu_kernels: ``mars_cpu_kernels``: ``"auto"``, ``"packed"`` or ``"stock"`` (``cpu_kernels.py``); the
-            linears run packed only inside ``step`` and ``measure_costs``, so the model is untouched between.
+            linears run packed only inside ``step`` and ``measure_costs`` (or a caller's enclosing
+            ``cpu_kernels.packed_linears`` block, as ``generate`` opens for its whole call), so the model is
+            untouched between.
         kv_cache: a ``MARSBlockCache`` to use (e.g. the caller's), else one is created.
         stopping_criteria: ``generate``'s non-EOS stopping criteria, checked token by token inside a step
             on the rows' token buffer (``ScoreProcessing.sequences``, indexed by each row's ``batch_index``).

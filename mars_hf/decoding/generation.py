@@ -151,10 +151,11 @@ def mars_generate(
             column's: the planner then goes as wide as the window allows). Default True: measured at
             first use (about 2 s at most, per model, device, dtype, threads and batch size; cached for
             the process, and on disk under ``$MARS_HF_COST_CACHE`` when set).
-        mars_cpu_kernels: ``"auto"`` (default): on a float32 CPU model, the steps' multi-row linears run on
+        mars_cpu_kernels: ``"auto"`` (default): on a float32 or bfloat16 CPU model, the linears run on
             oneDNN with weights packed once (a second copy of them) where that measures faster than the
-            default GEMM (once per model and thread count); ``"packed"`` always; ``"stock"`` never.
-            One-row forwards always keep the stock kernel (``mars_hf.decoding.cpu_kernels``).
+            default kernels (once per model and thread count), for the whole call; ``"packed"`` always;
+            ``"stock"`` never. One-row forwards keep the stock kernel's bits: they run packed only where the
+            pack rounds exactly like it (bfloat16 on oneDNN; ``mars_hf.decoding.cpu_kernels``).
         mars_streamer: the streamer. transformers does not hand ``streamer`` to a decoding callable, so
             the MARS entry points pass it here; with the callable form on a model without
             ``enable_mars``, pass it here yourself. It receives the prompt, then only final tokens.
