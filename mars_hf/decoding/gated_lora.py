@@ -419,9 +419,9 @@ class _SharedInput:
     """Adapted sibling layers fed the same input: ``x @ A.T`` for all of them in one matmul, once per forward.
 
     ``leader`` carries the stacked ``mars_lora_A`` (or, for the C kernel, its transpose ``mars_lora_AT``)
-    as a (non-persistent) buffer, so ``model.to()`` moves it. The product is kept, with the input it was
-    computed from and the form that computed it, only until every sibling has taken its part (no
-    activation outlives its forward).
+    as a (non-persistent) buffer, so ``model.to()`` moves it. The product (torch form), or with the C kernel
+    every member's adapted output, is kept, with the input it was computed from and the form that computed it,
+    only until every sibling has taken its part (no activation outlives its forward).
     """
 
     __slots__ = ("leader", "members", "ranks", "x", "parts", "serial", "waiting", "form")
@@ -499,12 +499,11 @@ class _SharedInput:
 class _Adapter:
     """What one adapted linear layer needs in its forward (kept in the module's ``__dict__``)."""
 
-    __slots__ = ("base_forward", "gate", "group", "member", "kernel_dtype", "start", "rank")
+    __slots__ = ("base_forward", "gate", "group", "member", "kernel_dtype")
 
     def __init__(self, base_forward, gate, group, member, kernel_dtype=None):
         self.base_forward, self.gate, self.group, self.member = base_forward, gate, group, member
         self.kernel_dtype = kernel_dtype  # the model dtype the C kernel serves (None: torch form only)
-        self.start, self.rank = sum(group.ranks[:member]), group.ranks[member]
 
 
 def _adapted_forward(self, x, *args, **kwargs):
