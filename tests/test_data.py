@@ -154,3 +154,66 @@ def test_eos_ids_join_the_generation_config_and_the_tokenizer():
 def test_trim_at_eos_keeps_everything_up_to_and_including_the_first_eos(tokens, expected):
     assert trim_at_eos(tokens, {5, 7}) == expected
     assert trim_at_eos(iter(tokens), {5, 7}) == expected
+
+
+def test_sampled_self_distill_is_seeded_varied_and_greedy_at_a_tiny_temperature():
+    """temperature > 0 samples the answers: the same seed gives the same rows, they differ from greedy,
+    and as the temperature goes to 0 the samples become the greedy answers (the obvious limit)."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", seed=3, tokenizer=tokenizer)
+    greedy = self_distill(model, tokenizer, PROMPTS, max_new_tokens=8, batch_size=2, progress=False)
+
+    def sampled(temperature, seed=0):
+        torch.manual_seed(seed)
+        return self_distill(
+            model, tokenizer, PROMPTS, max_new_tokens=8, batch_size=2, progress=False, temperature=temperature
+        )
+
+    assert sampled(1.5)["input_ids"] == sampled(1.5)["input_ids"]
+    assert sampled(1.5)["input_ids"] != greedy["input_ids"]
+    assert sampled(1.5, seed=1)["input_ids"] != sampled(1.5)["input_ids"]
+    assert sampled(1e-4)["input_ids"] == greedy["input_ids"]
+    rows = sampled(1.5)
+    for ids, labels, mask in zip(rows["input_ids"], rows["labels"], rows["completion_mask"]):
+        assert len(ids) == len(labels) == len(mask)
+        assert [t for t, m in zip(ids, mask) if m] == [t for t in labels if t != -100]
+
+
+def test_sampling_keywords_are_checked():
+    from mars_hf.training.data import sampling_kwargs
+
+    assert sampling_kwargs(None)["do_sample"] is False and sampling_kwargs(0.0)["do_sample"] is False
+    assert sampling_kwargs(0.7, 0.9) == {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": None}
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_kwargs(-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_kwargs(0.7, 0.0)
+
+
+def test_distill_command_skips_excluded_prompts_and_writes_rounds_of_samples(tmp_path):
+    """`mars-hf distill`: greedy rows are the model's answers to the training-split prompts; a second run
+    with --exclude-prompts-from never answers those prompts, and --samples-per-prompt writes each
+    remaining prompt once per round."""
+    import json
+
+    from mars_hf.cli import main
+
+    tokenizer = tiny_tokenizer()
+    folder = tmp_path / "tiny"
+    tiny_model("llama", seed=3, tokenizer=tokenizer, dtype=torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    common = ["--model", str(folder), "--num-prompts", "6", "--max-new-tokens", "4", "--batch-size", "4"]
+    greedy = tmp_path / "greedy.jsonl"
+    assert main(["distill", "--out", str(greedy), *common, "--device", "cpu"]) == 0
+    greedy_rows = [json.loads(line) for line in greedy.read_text().splitlines()]
+    prompts = [row["messages"][0]["content"] for row in greedy_rows]
+    assert prompts == training_prompts(6, seed=0)
+    kept_apart = tmp_path / "kept_apart.jsonl"
+    kept_apart.write_text("".join(json.dumps(row) + "\n" for row in greedy_rows[:2]))
+    sampled = tmp_path / "sampled.jsonl"
+    argv = ["distill", "--out", str(sampled), *common, "--temperature", "1.5", "--samples-per-prompt", "3"]
+    assert main([*argv, "--exclude-prompts-from", str(kept_apart)]) == 0
+    sampled_prompts = [json.loads(line)["messages"][0]["content"] for line in sampled.read_text().splitlines()]
+    assert sampled_prompts == prompts[2:] * 3
+    with pytest.raises(ValueError, match="temperature"):
+        main(["distill", "--out", str(tmp_path / "x.jsonl"), *common, "--samples-per-prompt", "2"])

@@ -7,7 +7,7 @@ import torch
 
 from mars_hf.tools.quickstart.config import QuickstartConfig, config_from_args
 from mars_hf.tools.quickstart.pipeline import run_quickstart, summary
-from mars_hf.tools.quickstart.train import TimeBudget
+from mars_hf.training.time_budget import TimeBudget
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -113,7 +113,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch
 
 def test_time_budget_schedule_warms_up_and_ends_at_zero(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("mars_hf.tools.quickstart.train.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("mars_hf.training.time_budget.time.monotonic", lambda: clock[0])
     budget = TimeBudget(seconds=100.0, warmup_fraction=0.1)
     assert budget(0) == pytest.approx(0.02)  # starts the clock
     clock[0] = 105.0

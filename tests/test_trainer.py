@@ -518,6 +518,31 @@ def test_kl_to_base_full_finetune_uses_a_frozen_copy(tmp_path):
     assert abs((with_kl - noisy_only) * n - expected) < 1e-3 * max(1.0, expected)
 
 
+def test_time_budget_sets_the_schedule_and_stops_training(tmp_path, monkeypatch):
+    """max_train_minutes: the learning rate follows TimeBudget (linear in time, 0 at the budget) and
+    training stops there, long before max_steps. A fake clock makes it independent of the host's speed."""
+    from mars_hf.training.time_budget import TimeBudget
+
+    clock = [0.0]
+
+    def tick():  # every clock read advances one second
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr("mars_hf.training.time_budget.time.monotonic", tick)
+    trainer = make_trainer(
+        tmp_path, max_steps=500, max_train_minutes=0.5, warmup_steps=0.1, learning_rate=1e-3, logging_steps=1
+    )
+    trainer.train()
+    assert isinstance(trainer.time_budget, TimeBudget) and trainer.time_budget.spent()
+    assert 3 < trainer.state.global_step < 30  # 30 s of fake clock, a few reads per step
+    rates = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    peak = rates.index(max(rates))
+    assert 0 < peak and max(rates) <= 1e-3  # warm-up, then ...
+    assert all(a >= b for a, b in zip(rates[peak:], rates[peak + 1 :]))  # ... a monotone decay
+    assert rates[-1] < 0.2e-3
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 
@@ -529,6 +554,7 @@ def test_kl_to_base_full_finetune_uses_a_frozen_copy(tmp_path):
         ({"ar_weight": float("nan")}, "ar_weight"),
         ({"clean_loss": "mse"}, "clean_loss"),
         ({"packing": True}, "packing"),
+        ({"max_train_minutes": 0}, "max_train_minutes"),
     ],
 )
 def test_bad_config_is_refused(tmp_path, overrides, match):

@@ -36,6 +36,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Distillation dtype (float32 answers are the base model's exact greedy output).",
     )
     parser.add_argument("--chunk", type=int, default=256, help="Prompts answered between two file flushes.")
+    parser.add_argument("--device", default=None, help="Device to generate on (default: cuda if available, else cpu).")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy answers. > 0: sampled answers (varied training contexts; see self_distill).",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling with --temperature > 0.")
+    parser.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=1,
+        help="Answers per prompt (sampled ones differ; written round by round, every prompt once per round).",
+    )
+    parser.add_argument(
+        "--exclude-prompts-from",
+        nargs="*",
+        default=[],
+        help="JSONL files written by this command whose prompts are skipped (rows kept apart for curves or "
+        "calibration stay unseen).",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,10 +67,20 @@ def run(args: argparse.Namespace) -> int:
     from mars_hf.training.data import self_distill
     from mars_hf.training.prompts import training_prompts
 
+    if args.samples_per_prompt < 1:
+        raise ValueError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}.")
+    if args.samples_per_prompt > 1 and not args.temperature:
+        raise ValueError("--samples-per-prompt > 1 needs --temperature > 0 (greedy answers would repeat).")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
-    prompts = training_prompts(args.num_prompts, seed=args.seed)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
+    torch.manual_seed(args.seed)
+    excluded = excluded_prompts(args.exclude_prompts_from)
+    drawn = [prompt for prompt in training_prompts(args.num_prompts, seed=args.seed) if prompt not in excluded]
+    if len(drawn) < args.num_prompts:
+        logger.warning("distill: %d drawn prompts skipped (--exclude-prompts-from).", args.num_prompts - len(drawn))
+    prompts = drawn * args.samples_per_prompt
     out = Path(args.out)
     partial = out.with_name(out.name + ".partial")
     done = partial.read_text(encoding="utf-8").count("\n") if partial.exists() else 0
@@ -58,7 +89,13 @@ def run(args: argparse.Namespace) -> int:
         for index in range(done, len(prompts), args.chunk):
             chunk = prompts[index : index + args.chunk]
             dataset = self_distill(
-                model, tokenizer, chunk, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size
+                model,
+                tokenizer,
+                chunk,
+                max_new_tokens=args.max_new_tokens,
+                batch_size=args.batch_size,
+                temperature=args.temperature,
+                top_p=args.top_p,
             )
             for row in dataset:
                 handle.write(json.dumps({name: row[name] for name in COLUMNS}) + "\n")
@@ -72,3 +109,13 @@ def run(args: argparse.Namespace) -> int:
     partial.replace(out)
     print(f"Wrote {len(prompts)} self-distilled answers to {out}.")
     return 0
+
+
+def excluded_prompts(files) -> set[str]:
+    """The user prompts of JSONL files this command wrote (their ``messages`` column)."""
+    prompts = set()
+    for name in files:
+        for line in Path(name).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                prompts.update(m["content"] for m in json.loads(line)["messages"] if m["role"] == "user")
+    return prompts

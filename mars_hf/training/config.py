@@ -71,6 +71,11 @@ class MARSConfig(SFTConfig):
             the training script fits the confidence calibration after training (`config.mars["calibration"]`,
             see `mars_hf.decoding.calibration`), so that τ = 0.9 means "90 % likely to be the model's own token". `0`
             disables it (fit later with `mars-hf calibrate`).
+        max_train_minutes (`float`, *optional*):
+            Train for this many minutes of wall-clock time: the learning rate warms up (over `warmup_steps`
+            when it is a fraction below 1) and decays linearly *in time* to 0 at the budget
+            (`mars_hf.training.time_budget`), whatever the machine's speed. `lr_scheduler_type` is then
+            unused; training also stops at `max_steps` / `num_train_epochs` if those come first.
     """
 
     block_size: int = field(
@@ -146,8 +151,20 @@ class MARSConfig(SFTConfig):
         },
     )
 
+    max_train_minutes: float | None = field(
+        default=None,
+        metadata={
+            "help": "Wall-clock training budget in minutes: the learning rate decays linearly in time to 0 at "
+            "the budget and training stops there (any machine speed); lr_scheduler_type is then unused."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
+        if self.max_train_minutes is not None and not (
+            math.isfinite(float(self.max_train_minutes)) and self.max_train_minutes > 0
+        ):
+            raise ValueError(f"max_train_minutes must be a number > 0 or None, got {self.max_train_minutes!r}.")
         if not math.isfinite(float(self.calibration_holdout)) or self.calibration_holdout < 0:
             raise ValueError(
                 f"calibration_holdout must be >= 0 (a fraction < 1 or a count), got {self.calibration_holdout!r}."

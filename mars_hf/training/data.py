@@ -48,6 +48,15 @@ def chat_prompt_ids(tokenizer, prompt: str, system_prompt: str | None = None) ->
     return list(ids["input_ids"])
 
 
+def sampling_kwargs(temperature: float | None, top_p: float = 1.0) -> dict:
+    """``generate`` keywords: greedy when ``temperature`` is None or 0, else sampling at that temperature."""
+    if not temperature:
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"Need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}.")
+    return {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p), "top_k": None}
+
+
 @torch.no_grad()
 def greedy_responses(
     model,
@@ -58,8 +67,11 @@ def greedy_responses(
     batch_size: int = 16,
     progress: bool = True,
     desc: str = "Greedy generation",
+    temperature: float | None = None,
+    top_p: float = 1.0,
 ) -> list[tuple[list[int], bool]]:
-    """Greedy ``generate`` on token-id prompts, batched with left padding.
+    """Greedy ``generate`` on token-id prompts, batched with left padding (sampled instead when a
+    ``temperature`` is given: more varied contexts for the masks, whose soft targets come from the model).
 
     Returns, per prompt in the input order, ``(response_ids, ended_with_eos)``; the response stops at
     (and includes) the first EOS. Prompts are batched by length to keep padding small.
@@ -91,13 +103,10 @@ def greedy_responses(
             output = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
-                do_sample=False,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=pad_id,
                 eos_token_id=sorted(eos_ids),
-                temperature=None,
-                top_p=None,
-                top_k=None,
+                **sampling_kwargs(temperature, top_p),
             )
             for row, i in enumerate(chunk):
                 response = trim_at_eos(output[row, width:].tolist(), eos_ids)
@@ -118,6 +127,8 @@ def self_distill(
     batch_size: int = 16,
     system_prompt: str | None = None,
     progress: bool = True,
+    temperature: float | None = None,
+    top_p: float = 1.0,
 ):
     """Answer every prompt with the model's own greedy output; return a ``datasets.Dataset`` for MARSTrainer.
 
@@ -134,6 +145,9 @@ def self_distill(
             ``ends_with_eos=False`` and carries no EOS token.
         batch_size: prompts per ``generate`` call.
         system_prompt: optional system message (else the chat template's default).
+        temperature, top_p: sample the answers instead (``temperature`` > 0): text the model could have
+            written, for more varied training contexts; with soft mask targets (taken from the model at
+            every position) the masks still learn the model's own choices.
 
     Returns:
         ``datasets.Dataset`` with columns ``messages``, ``input_ids``, ``labels``, ``completion_mask``
@@ -152,7 +166,9 @@ def self_distill(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         progress=progress,
-        desc="Self-distillation",
+        desc="Self-distillation" if not temperature else f"Sampled self-distillation (T={temperature})",
+        temperature=temperature,
+        top_p=top_p,
     )
     rows = {"messages": [], "input_ids": [], "labels": [], "completion_mask": [], "ends_with_eos": []}
     for prompt, ids, (response, ended) in zip(prompts, prompt_ids, responses):

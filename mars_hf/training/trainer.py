@@ -27,6 +27,7 @@ from mars_hf.training.collator import MARSDataCollator, chat_template_eos_tail
 from mars_hf.training.config import MARSConfig
 from mars_hf.training.losses import LossSums, frozen_clean_sums, mars_loss, two_stream_sums
 from mars_hf.training.screening import prepared_row_problems, screen_prepared, screen_raw_splits
+from mars_hf.training.time_budget import TimeBudget, stop_at_budget_callback
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,19 @@ class MARSTrainer(SFTTrainer):
             self.data_collator = self._pad_to_block_collator()
         self._screen_prepared(screened)
         self._base_model = self._frozen_base_copy()
+        self.time_budget = None
+        if self.args.max_train_minutes is not None:
+            warmup = self.args.warmup_steps if 0 < self.args.warmup_steps < 1 else 0.0
+            self.time_budget = TimeBudget(self.args.max_train_minutes * 60, warmup_fraction=warmup)
+            self.add_callback(stop_at_budget_callback(self.time_budget))
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """With ``max_train_minutes``: the learning rate decays linearly in wall-clock time to 0 at the budget."""
+        if self.time_budget is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, self.time_budget)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _pad_to_block_collator(self) -> MARSDataCollator:
         """TRL's collator wrapped so examples that really end with EOS are padded to whole blocks (§1.5)."""

@@ -1,7 +1,7 @@
 """The quickstart's training: :class:`mars_hf.MARSTrainer` for a wall-clock budget (or a step count).
 
-The learning rate warms up and decays linearly *in time* (:class:`TimeBudget`), so it reaches zero when
-the budget ends on any machine; the method defaults (:data:`METHOD_DEFAULTS`) are the measured best
+The learning rate warms up and decays linearly *in time* (``MARSConfig.max_train_minutes``,
+:class:`~mars_hf.training.time_budget.TimeBudget`), so it reaches zero when the budget ends on any machine; the method defaults (:data:`METHOD_DEFAULTS`) are the measured best
 for each way of training the masks.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import TYPE_CHECKING
 
@@ -21,36 +20,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class TimeBudget:
-    """Learning-rate factor that warms up then decays linearly in *wall-clock time*, reaching 0 at the budget.
-
-    A step-based schedule needs the number of steps in advance, which depends on the machine; a
-    time-based one ends the decay exactly when the budget does, on any machine.
-    """
-
-    def __init__(self, seconds: float, warmup_fraction: float = 0.05):
-        self.seconds = float(seconds)
-        self.warmup = max(1e-9, warmup_fraction) * self.seconds
-        self.start: float | None = None
-
-    def elapsed(self) -> float:
-        return 0.0 if self.start is None else time.monotonic() - self.start
-
-    def __call__(self, step: int) -> float:
-        if self.start is None:
-            self.start = time.monotonic()
-        t = self.elapsed()
-        if t < self.warmup:
-            return max(t / self.warmup, 0.02)
-        return max(0.0, (self.seconds - t) / max(1e-9, self.seconds - self.warmup))
-
-
-def _budget_callback(budget: TimeBudget, progress: bool):
+def _budget_progress_callback(budget, progress: bool):
     from tqdm.auto import tqdm
     from transformers import TrainerCallback
 
     class BudgetCallback(TrainerCallback):
-        """Stops training when the budget is spent; shows a progress bar in minutes, with the losses."""
+        """A progress bar in minutes of the training budget, with the losses (the trainer stops at it)."""
 
         def __init__(self):
             self.bar = None
@@ -69,8 +44,6 @@ def _budget_callback(budget: TimeBudget, progress: bool):
             if self.bar is not None:
                 self.bar.n = min(self.bar.total, round(budget.elapsed() / 60, 1))
                 self.bar.set_postfix(step=state.global_step, **self.last_logs, refresh=True)
-            if budget.elapsed() >= budget.seconds:
-                control.should_training_stop = True
             return control
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -151,9 +124,10 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
         per_device_train_batch_size=config.batch_size,
         learning_rate=config.learning_rate,
         lr_scheduler_type="linear",
-        warmup_steps=max(1, int(config.warmup_fraction * steps)) if not by_time else 0,
+        warmup_steps=max(1, int(config.warmup_fraction * steps)) if not by_time else config.warmup_fraction,
         weight_decay=0.0,
         max_steps=steps,
+        max_train_minutes=config.budget_minutes if by_time else None,
         logging_steps=5,
         save_strategy="no",
         report_to="none",
@@ -184,16 +158,10 @@ def train_mars(model, tokenizer, dataset, config: QuickstartConfig, work_dir: st
     )
     if config.method == "mask_row":
         trainer.train_mask_row_only()
-    budget = TimeBudget(
-        config.budget_minutes * 60 if by_time else math.inf, warmup_fraction=config.warmup_fraction
-    )
-    if by_time:
-        trainer.create_optimizer()
-        trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, budget)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     if by_time:
-        trainer.add_callback(_budget_callback(budget, config.progress))
+        trainer.add_callback(_budget_progress_callback(trainer.time_budget, config.progress))
     else:
         trainer.add_callback(ProgressCallback)
     curve: list[dict] = []
