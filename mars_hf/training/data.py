@@ -130,7 +130,7 @@ def self_distill(
     temperature: float | None = None,
     top_p: float = 1.0,
 ):
-    """Answer every prompt with the model's own greedy output; return a ``datasets.Dataset`` for MARSTrainer.
+    """Answer every prompt with the model's own greedy (or sampled) output; a ``datasets.Dataset`` for MARSTrainer.
 
     Training MARS on these answers teaches the masks to predict exactly what the model would say, and
     keeps its ``τ = 1`` (one token per step) behaviour unchanged: the next-token targets are the

@@ -1,8 +1,9 @@
 """The quickstart's training: :class:`mars_hf.MARSTrainer` for a wall-clock budget (or a step count).
 
 The learning rate warms up and decays linearly *in time* (``MARSConfig.max_train_minutes``,
-:class:`~mars_hf.training.time_budget.TimeBudget`), so it reaches zero when the budget ends on any machine; the method defaults (:data:`METHOD_DEFAULTS`) are the measured best
-for each way of training the masks.
+:class:`~mars_hf.training.time_budget.TimeBudget`), so it reaches zero when the budget ends on any
+machine; the method defaults (:data:`METHOD_DEFAULTS`) are the measured best for each way of training
+the masks.
 """
 
 from __future__ import annotations
