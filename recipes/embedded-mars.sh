@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # embedded-mars (v6) in one run: data, training, packaging, calibration (recipes/README.md).
 # Budgets are wall-clock, so the same script runs on a GPU (where v6 was made) or, slowly, on a CPU.
-# Extra arguments go to `mars-hf train` (e.g. `--max_train_minutes 60`).
+# Extra arguments go to `mars-hf train` (e.g. `--max_train_minutes 60`). To continue the shipped model
+# instead of starting again (runs add up): INIT_ADAPTER=embedded-mars SAMPLE_SEED=2 bash recipes/embedded-mars.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-embedded-mars-work}
@@ -11,6 +12,8 @@ SAMPLE_SECONDS=${SAMPLE_SECONDS:-100}  # 18,432 answers in 100 s on one H200 (v6
 BATCH=${BATCH:-1024}
 CALIBRATION_ROWS=${CALIBRATION_ROWS:-128}
 RANK=${RANK:-16}
+SAMPLE_SEED=${SAMPLE_SEED:-1}     # another seed samples other answers (new data for a continued run)
+INIT_ADAPTER=${INIT_ADAPTER:-}    # a saved MARS adapter to start from (MARSConfig.init_adapter); empty: from scratch
 CURVE=data/embedded-mars/curve.jsonl  # the learning curve's answers: never trained on
 mkdir -p "$WORK"
 stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
@@ -23,7 +26,7 @@ head -n "-$CALIBRATION_ROWS" "$WORK/greedy.jsonl" > "$WORK/greedy_train.jsonl"
 tail -n "$CALIBRATION_ROWS" "$WORK/greedy.jsonl" > "$WORK/calibration.jsonl"
 
 stamp "3. sampled answers (T = 0.8, top-p 0.95), $SAMPLES per prompt, for at most $SAMPLE_SECONDS s"
-timeout "$SAMPLE_SECONDS" mars-hf distill --out "$WORK/sampled.jsonl" --num-prompts "$NUM_PROMPTS" --seed 1 \
+timeout "$SAMPLE_SECONDS" mars-hf distill --out "$WORK/sampled.jsonl" --num-prompts "$NUM_PROMPTS" --seed "$SAMPLE_SEED" \
     --temperature 0.8 --top-p 0.95 --samples-per-prompt "$SAMPLES" --batch-size "$BATCH" --chunk "$BATCH" \
     --exclude-prompts-from "$CURVE" "$WORK/calibration.jsonl" || true
 if [ ! -f "$WORK/sampled.jsonl" ]; then  # stopped by the budget: keep its whole chunks
@@ -34,7 +37,7 @@ cat "$WORK/greedy_train.jsonl" "$WORK/sampled.jsonl" > "$WORK/train.jsonl"
 
 stamp "4. training on $(wc -l < "$WORK/train.jsonl") answers ($(wc -l < "$WORK/sampled.jsonl") sampled)"
 mars-hf train --config recipes/embedded-mars.yaml --dataset_name "$WORK/train.jsonl" \
-    --output_dir "$WORK/run" "$@"
+    --output_dir "$WORK/run" ${INIT_ADAPTER:+--init_adapter "$INIT_ADAPTER"} "$@"
 
 stamp "5. package (PEFT's frozen copies dropped), cut to rank $RANK, calibrate on the kept-apart answers"
 python examples/package_adapter.py "$WORK/run" "$WORK/embedded-mars-r32"

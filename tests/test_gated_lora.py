@@ -619,16 +619,14 @@ def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
     assert getattr(attention.q_proj, name).shape[rows] == 3 * 4 and name not in attention.k_proj._buffers
     assert getattr(mlp.gate_proj, name).shape[rows] == 2 * 4 and getattr(mlp.down_proj, name).shape[rows] == 4
     products = []  # one entry per x @ A.T actually computed
-    method = "adapt_mask_rows" if kernel == "c" else "part"
-    original = getattr(gated_lora._SharedInput, method)
+    original = gated_lora._SharedInput.adapt_group
 
     def counting(self, x, gate, *args):
-        if not (x is self.x and gate.serial == self.serial):
-            shape = self.leader._buffers[name].shape
-            products.append((shape[rows], shape[1 - rows]))
+        shape = self.leader._buffers[name].shape
+        products.append((shape[rows], shape[1 - rows]))
         return original(self, x, gate, *args)
 
-    monkeypatch.setattr(gated_lora._SharedInput, method, counting)
+    monkeypatch.setattr(gated_lora._SharedInput, "adapt_group", counting)
     with torch.no_grad():
         shipped(input_ids=random_ids(tokenizer))
         assert products == []  # no mask in the forward: no adapter arithmetic at all
@@ -642,10 +640,11 @@ def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
     assert all(group.x is None and group.parts is None for group in groups.values())  # nothing kept alive
 
 
-def test_with_the_kernel_each_base_layer_runs_once_per_forward(tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_each_base_layer_runs_once_per_forward(kernel, tokenizer, tmp_path, monkeypatch):
     """The first layer of a sibling group called in a forward runs its siblings' base layers too; the
     siblings take those outputs instead of computing them again."""
-    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, kernel="c")
+    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, kernel=kernel)
     adapted = [m for m in shipped.modules() if "_mars_adapter" in m.__dict__]
     runs, linear = collections.Counter(), torch.nn.functional.linear
 

@@ -364,6 +364,14 @@ def write_mask_rows_file(
     save_file(tensors, str(path), metadata=metadata)
 
 
+def read_mask_rows_file(checkpoint, hub_kwargs: dict | None = None) -> dict | None:
+    """The mask-row file of ``checkpoint`` as ``safetensors.torch.load_file`` reads it (None: it has none)."""
+    from safetensors.torch import load_file
+
+    path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs or {})
+    return None if path is None else load_file(path)
+
+
 @torch.no_grad()
 def grow_embeddings(model, num_rows: int) -> None:
     """Grow the input (and untied output) embeddings to ``num_rows`` rows; new rows start at the mean row.
@@ -419,7 +427,7 @@ class _SharedInput:
     """Adapted sibling layers fed the same input: ``x @ A.T`` for all of them in one matmul, once per forward.
 
     ``leader`` carries the stacked ``mars_lora_A`` (or, for the C kernel, its transpose ``mars_lora_AT``)
-    as a (non-persistent) buffer, so ``model.to()`` moves it. The product (torch form), or with the C kernel
+    as a (non-persistent) buffer, so ``model.to()`` moves it. The product (with autograd on), or in inference
     every member's adapted output, is kept, with the input it was computed from and the form that computed it,
     only until every sibling has taken its part (no activation outlives its forward).
     """
@@ -472,18 +480,45 @@ class _SharedInput:
         outputs = self._take(x, gate.serial, "outputs")
         return None if outputs is None else outputs[member]
 
-    def adapt_mask_rows(self, x: torch.Tensor, gate: MaskGate, index, member: int, y: torch.Tensor) -> torch.Tensor:
-        """(C kernel) ``y`` with its mask rows adapted, ``y[mask rows] += (x[mask rows] @ A.T)_member @ bt``.
+    def adapt_group(self, x: torch.Tensor, gate: MaskGate, member: int, y: torch.Tensor, index=None) -> torch.Tensor:
+        """(inference) ``y`` (member ``member``'s base output for ``x``) with its mask rows adapted.
 
         The first member called in a forward also runs every sibling's base layer on the same ``x`` and adapts
         it, in one pass over the group's ``x @ A.T``; the siblings then only take their output
         (:meth:`kept_output`): per forward one Python call per group does the work, not one per layer.
+        ``index`` (the mask rows) selects the C kernel, which writes mask rows only; without it the torch form
+        adds ``gate * (x @ A.T) @ B^T`` to every row, an exact 0 at real rows.
         """
         outputs = [
             y if i == member else module.__dict__["_mars_adapter"].base_forward(x).contiguous()
             for i, module in enumerate(self.members)
         ]
-        start, t, dense = 0, None, x.contiguous()
+        if index is None:
+            self._add_torch(x, gate, outputs)
+        else:
+            self._add_kernel(x.contiguous(), index, outputs)
+        if len(outputs) > 1:
+            self._keep(x, outputs, gate.serial, "outputs")
+        return y
+
+    def _add_torch(self, x: torch.Tensor, gate: MaskGate, outputs: list) -> None:
+        buffers = self.leader._buffers
+        A = buffers["mars_lora_A"] if "mars_lora_A" in buffers else buffers["mars_lora_AT"].t()
+        x2 = x.reshape(-1, x.shape[-1])
+        xa = F.linear(x2 if x2.dtype == A.dtype else x2.to(A.dtype), A)
+        gate.check_rows(xa.shape[0])
+        xa.mul_(gate.gate_for(xa.dtype))
+        parts = xa.split(self.ranks, dim=1) if len(self.ranks) > 1 else (xa,)
+        for module, output, part in zip(self.members, outputs, parts):
+            flat = output.view(-1, output.shape[-1])
+            bt = module._buffers["mars_lora_BT"]
+            if part.dtype == flat.dtype:
+                flat.addmm_(part, bt)
+            else:  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
+                flat.add_(torch.mm(part, bt))
+
+    def _add_kernel(self, dense: torch.Tensor, index, outputs: list) -> None:
+        start, t = 0, None
         for module, output, rank in zip(self.members, outputs, self.ranks):
             bt = module._buffers["mars_lora_BT"]
             if t is None:
@@ -491,9 +526,6 @@ class _SharedInput:
             else:
                 add_mask_rows_delta(output, index, t, start, rank, bt)
             start += rank
-        if len(outputs) > 1:
-            self._keep(x, outputs, gate.serial, "outputs")
-        return y
 
 
 class _Adapter:
@@ -510,11 +542,14 @@ def _adapted_forward(self, x, *args, **kwargs):
     """``y = base(x)``; then, only if this forward holds mask tokens, ``y += (gate · x Aᵀ) (s·B)ᵀ`` in place.
 
     At real positions the gate row is 0, so the added product row is exactly 0 and ``y`` keeps the
-    base layer's bits. Without masks the adapter is skipped: the layer costs its base layer.
+    base layer's bits. Without masks the adapter is skipped: the layer costs its base layer. In inference a
+    sibling group is adapted in one pass (:meth:`_SharedInput.adapt_group`); otherwise (autograd on, or an
+    ungated adapter) each layer adds its own delta.
     """
     adapter = self.__dict__["_mars_adapter"]
     gate = adapter.gate
-    if adapter.kernel_dtype is not None and gate.gate is not None:
+    inference = gate is not None and gate.gate is not None and not torch.is_grad_enabled()
+    if inference:
         kept = adapter.group.kept_output(x, gate, adapter.member)
         if kept is not None:
             return kept
@@ -523,21 +558,15 @@ def _adapted_forward(self, x, *args, **kwargs):
         if gate.rows is None:
             gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
         return y
-    if (
-        adapter.kernel_dtype is not None
-        and x.dtype == y.dtype == adapter.kernel_dtype
-        and x.device.type == "cpu"
-        and y.is_contiguous()
-        and not torch.is_grad_enabled()
-    ):
-        index = gate.positions_for(x)  # mask rows only: real rows are never written
-        return adapter.group.adapt_mask_rows(x, gate, index, adapter.member, y)
+    if inference and y.is_contiguous():
+        index = None
+        if adapter.kernel_dtype is not None and x.dtype == y.dtype == adapter.kernel_dtype and x.device.type == "cpu":
+            index = gate.positions_for(x)  # mask rows only: real rows are never written
+        return adapter.group.adapt_group(x, gate, adapter.member, y, index)
     xa = adapter.group.part(x, gate, adapter.member)
     bt = self._buffers["mars_lora_BT"]
     y2 = y.view(-1, y.shape[-1])
-    if (
-        xa.dtype != y.dtype
-    ):  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
+    if xa.dtype != y.dtype:  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
         if torch.is_grad_enabled():
             return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
         y2.add_(torch.mm(xa, bt))
@@ -730,8 +759,6 @@ def attach_shipped_adapter(
     config_path = _resolve(checkpoint, ADAPTER_CONFIG_FILE, hub_kwargs)
     if config_path is None:
         return False
-    from safetensors.torch import load_file
-
     pairs, scaling = read_adapter_weights(checkpoint, hub_kwargs)
     mars = read_gating_record(checkpoint, hub_kwargs)
     modules = dict(model.named_modules())
@@ -741,9 +768,9 @@ def attach_shipped_adapter(
             f"{checkpoint}: the adapter targets modules this model has no linear layer for: {missing[:4]}; "
             "load the base model the adapter was trained on."
         )
-    rows_path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
-    if rows_path is not None:
-        apply_mask_rows(model, load_file(rows_path))
+    rows = read_mask_rows_file(checkpoint, hub_kwargs)
+    if rows is not None:
+        apply_mask_rows(model, rows)
     if mars:
         model.config.mars = {**(getattr(model.config, "mars", None) or {}), **mars}
         mask_id = int(mars["mask_token_id"])

@@ -76,6 +76,11 @@ class MARSConfig(SFTConfig):
             when it is a fraction below 1) and decays linearly *in time* to 0 at the budget
             (`mars_hf.training.time_budget`), whatever the machine's speed. `lr_scheduler_type` is then
             unused; training also stops at `max_steps` / `num_train_epochs` if those come first.
+        init_adapter (`str`, *optional*):
+            A saved MARS LoRA adapter (a folder, or `"embedded-mars"`) to start from
+            (`mars_hf.training.warm_start`): the first step starts from exactly the model it saved, so several
+            short runs add up. The run's LoRA must cover the adapter's layers with `lora_r` >= its rank (extra
+            ranks start at zero); its calibration is not carried over.
     """
 
     block_size: int = field(
@@ -156,6 +161,15 @@ class MARSConfig(SFTConfig):
         metadata={
             "help": "Wall-clock training budget in minutes: the learning rate decays linearly in time to 0 at "
             "the budget and training stops there (any machine speed); lr_scheduler_type is then unused."
+        },
+    )
+
+    init_adapter: str | None = field(
+        default=None,
+        metadata={
+            "help": "Start from a saved MARS LoRA adapter (a folder, or 'embedded-mars'): its LoRA factors and "
+            "mask-token rows are the starting point, so training continues where it ended (needs a LoRA with "
+            "lora_r >= its rank on at least its layers; its calibration is not carried over)."
         },
     )
 

@@ -28,6 +28,7 @@ from mars_hf.training.config import MARSConfig
 from mars_hf.training.losses import LossSums, frozen_clean_sums, mars_loss, two_stream_sums
 from mars_hf.training.screening import prepared_row_problems, screen_prepared, screen_raw_splits
 from mars_hf.training.time_budget import TimeBudget, stop_at_budget_callback
+from mars_hf.training.warm_start import load_lora_factors, read_warm_start, write_mask_rows
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class MARSTrainer(SFTTrainer):
                 "Pass `processing_class=tokenizer`: MARS needs it to add or find the mask token."
             )
         self.mask_token_id = _prepare_mask_token(model, processing_class, args, peft_config)
+        warm_start = self._read_warm_start(model, args, peft_config)
         if peft_config is not None:
             _train_mask_row_through_peft(peft_config, self.mask_token_id)
         if args.adapter_gating == "mask" and peft_config is None and not is_peft_model(model):
@@ -186,6 +188,9 @@ class MARSTrainer(SFTTrainer):
         if self.args.adapter_gating == "mask":
             layers = gate_peft_model(self.model, self.mask_token_id)
             logger.info("Gated %d LoRA layers to mask positions (docs/method.md §7).", layers)
+        if warm_start is not None:
+            layers = load_lora_factors(self.model, warm_start)
+            logger.info("Started from %s: %d LoRA layers and its mask-token rows.", warm_start.checkpoint, layers)
         self._mask_row_only = False
         self._frozen_clean_checked = False
         if self.args.pad_to_block_with_eos:
@@ -197,6 +202,19 @@ class MARSTrainer(SFTTrainer):
             warmup = self.args.warmup_steps if 0 < self.args.warmup_steps < 1 else 0.0
             self.time_budget = TimeBudget(self.args.max_train_minutes * 60, warmup_fraction=warmup)
             self.add_callback(stop_at_budget_callback(self.time_budget))
+
+    def _read_warm_start(self, model, args: MARSConfig, peft_config):
+        """``args.init_adapter`` read and checked, its mask rows written into the (not yet wrapped) base model."""
+        if args.init_adapter is None:
+            return None
+        if peft_config is None:
+            raise ValueError(
+                "init_adapter starts a new LoRA adapter from a saved one: pass the base model and "
+                "`peft_config=LoraConfig(...)` (mars-hf train: --use_peft)."
+            )
+        start = read_warm_start(args.init_adapter, self.mask_token_id, args.adapter_gating)
+        write_mask_rows(model, start)
+        return start
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """With ``max_train_minutes``: the learning rate decays linearly in wall-clock time to 0 at the budget."""
