@@ -58,7 +58,7 @@ def sampling_kwargs(temperature: float | None, top_p: float = 1.0) -> dict:
 
 
 @torch.no_grad()
-def greedy_responses(
+def model_responses(
     model,
     tokenizer,
     prompt_ids: Sequence[Sequence[int]],
@@ -70,7 +70,7 @@ def greedy_responses(
     temperature: float | None = None,
     top_p: float = 1.0,
 ) -> list[tuple[list[int], bool]]:
-    """Greedy ``generate`` on token-id prompts, batched with left padding (sampled instead when a
+    """The model's own answers: greedy ``generate`` on token-id prompts, batched with left padding (sampled when a
     ``temperature`` is given: more varied contexts for the masks, whose soft targets come from the model).
 
     Returns, per prompt in the input order, ``(response_ids, ended_with_eos)``; the response stops at
@@ -159,7 +159,7 @@ def self_distill(
     if not prompts:
         raise ValueError("self_distill needs at least one prompt.")
     prompt_ids = [chat_prompt_ids(tokenizer, prompt, system_prompt) for prompt in prompts]
-    responses = greedy_responses(
+    responses = model_responses(
         model,
         tokenizer,
         prompt_ids,

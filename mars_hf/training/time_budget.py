@@ -14,7 +14,8 @@ import time
 class TimeBudget:
     """Learning-rate factor that warms up then decays linearly in *wall-clock time*, reaching 0 at the budget.
 
-    Used as a ``LambdaLR`` factor: the clock starts at the first call (the first optimizer step).
+    Used as a ``LambdaLR`` factor: the clock starts at the first call, which ``LambdaLR`` makes when it is
+    built (just before the first optimizer step; the data loader's first batch counts against the budget).
     """
 
     def __init__(self, seconds: float, warmup_fraction: float = 0.05):
