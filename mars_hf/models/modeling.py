@@ -308,8 +308,7 @@ def _load_adapter(
         attach_shipped_adapter(model, folder)
         logger.info(
             "%s is a LoRA adapter gated to mask positions: applied by wrapping the adapted linear layers "
-            "(it cannot be merged; to train it further, load it with peft and "
-            "mars_hf.decoding.gated_lora.gate_peft_model).",
+            "(it cannot be merged; to train it further, start a run from it with MARSConfig(init_adapter=...)).",
             name_or_path,
         )
         model.eval()
