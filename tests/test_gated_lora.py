@@ -167,7 +167,8 @@ def chat_dataset(tokenizer, n=6):
     return Dataset.from_list(rows)
 
 
-def make_trainer(tmp_path, tokenizer, model, method, **config):
+def make_trainer(tmp_path, tokenizer, model, method, peft_config=None, **config):
+    """``method``: "gated" (``peft_config``, default a random r = 4 LoRA) or "mask_row"."""
     args = MARSConfig(
         output_dir=str(tmp_path / "out"),
         report_to="none",
@@ -178,7 +179,8 @@ def make_trainer(tmp_path, tokenizer, model, method, **config):
         save_strategy="no",
         **config,
     )
-    peft_config = lora_config(init_lora_weights=False) if method == "gated" else None
+    if method == "gated" and peft_config is None:
+        peft_config = lora_config(init_lora_weights=False)
     trainer = MARSTrainer(
         model=model,
         args=args,

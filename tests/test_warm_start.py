@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from mars_hf.decoding import gated_lora
 from mars_hf.training.config import MARSConfig
 from mars_hf.training.trainer import MARSTrainer
-from tests.test_gated_lora import chat_dataset, trained_gated  # noqa: F401  (a fixture)
+from tests.test_gated_lora import chat_dataset, make_trainer, trained_gated  # noqa: F401  (a fixture)
 from tests.tiny import tiny_tokenizer
 
 
@@ -23,26 +23,13 @@ def warm_trainer(
     if extra_token is not None:
         tokenizer.add_tokens([extra_token])
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64)
-    args = MARSConfig(
-        output_dir=str(tmp_path / "warm"),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=3,
-        block_size=2,
-        save_strategy="no",
-        max_steps=1,
-        learning_rate=5e-2,
-        ar_weight=0.0,
-        init_adapter=str(checkpoint),
-        **{"adapter_gating": "mask", **config},
-    )
     # init_lora_weights=False: PEFT starts B random, so the ranks beyond the checkpoint's must be zeroed by us
     peft_config = LoraConfig(
         r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, init_lora_weights=False
     )
-    trainer = MARSTrainer(
-        model=model, args=args, train_dataset=chat_dataset(tokenizer), processing_class=tokenizer, peft_config=peft_config
+    settings = {"max_steps": 1, "learning_rate": 5e-2, "ar_weight": 0.0, "adapter_gating": "mask", **config}
+    trainer = make_trainer(
+        tmp_path, tokenizer, model, "gated", peft_config=peft_config, init_adapter=str(checkpoint), **settings
     )
     return trainer, tokenizer
 
