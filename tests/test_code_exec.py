@@ -211,7 +211,10 @@ def test_runs_unprivileged_cannot_write_our_files_and_process_count_is_capped():
     even visible (the program's /tmp is its own folder)."""
     _require("unprivileged_user", "running as nobody")
     _require("private_tmp_views", "the mount namespace's private /tmp")
-    outside = tempfile.mkdtemp(prefix="mars-hf-ours-", dir=os.path.dirname(os.path.abspath(__file__)))
+    # A folder outside the program's private views: beside this file, or in our home when the checkout is in /tmp.
+    here = os.path.dirname(os.path.abspath(__file__))
+    private = any(here == view or here.startswith(view + "/") for view in code_execution.PRIVATE_VIEWS)
+    outside = tempfile.mkdtemp(prefix="mars-hf-ours-", dir=os.path.expanduser("~") if private else here)
     inside = tempfile.mkdtemp(prefix="mars-hf-ours-", dir="/tmp")
     try:
         for folder, error in ((outside, "PermissionError"), (inside, "FileNotFoundError")):
