@@ -458,22 +458,22 @@ class _SharedInput:
         """Member ``member``'s block of ``gate * (x @ A.T)`` over flattened rows (all rows when ungated)."""
         serial = gate.serial if gate is not None else None
         parts = self._take(x, serial, "torch")
-        if parts is not None:
-            return parts[member]
+        if parts is None:
+            parts = self._products(x, gate)
+            if len(parts) > 1:
+                self._keep(x, parts, serial, "torch")
+        return parts[member]
+
+    def _products(self, x: torch.Tensor, gate: MaskGate | None) -> tuple:
+        """Every member's block of ``gate * (x @ A.T)`` over flattened rows (all rows when ungated), in one matmul."""
         buffers = self.leader._buffers
         A = buffers["mars_lora_A"] if "mars_lora_A" in buffers else buffers["mars_lora_AT"].t()
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != A.dtype:
-            x2 = x2.to(A.dtype)
-        xa = F.linear(x2, A)
+        xa = F.linear(x2 if x2.dtype == A.dtype else x2.to(A.dtype), A)
         if gate is not None:
             gate.check_rows(xa.shape[0])
             xa.mul_(gate.gate_for(xa.dtype))
-        if len(self.ranks) == 1:
-            return xa
-        parts = xa.split(self.ranks, dim=1)
-        self._keep(x, parts, serial, "torch")
-        return parts[member]
+        return xa.split(self.ranks, dim=1) if len(self.ranks) > 1 else (xa,)
 
     def kept_output(self, x: torch.Tensor, gate: MaskGate, member: int) -> torch.Tensor | None:
         """Member ``member``'s adapted output for input ``x``, if a sibling computed it in this forward."""
@@ -502,20 +502,8 @@ class _SharedInput:
         return y
 
     def _add_torch(self, x: torch.Tensor, gate: MaskGate, outputs: list) -> None:
-        buffers = self.leader._buffers
-        A = buffers["mars_lora_A"] if "mars_lora_A" in buffers else buffers["mars_lora_AT"].t()
-        x2 = x.reshape(-1, x.shape[-1])
-        xa = F.linear(x2 if x2.dtype == A.dtype else x2.to(A.dtype), A)
-        gate.check_rows(xa.shape[0])
-        xa.mul_(gate.gate_for(xa.dtype))
-        parts = xa.split(self.ranks, dim=1) if len(self.ranks) > 1 else (xa,)
-        for module, output, part in zip(self.members, outputs, parts):
-            flat = output.view(-1, output.shape[-1])
-            bt = module._buffers["mars_lora_BT"]
-            if part.dtype == flat.dtype:
-                flat.addmm_(part, bt)
-            else:  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
-                flat.add_(torch.mm(part, bt))
+        for module, output, part in zip(self.members, outputs, self._products(x, gate)):
+            _add_delta_in_place(output, part, module._buffers["mars_lora_BT"])
 
     def _add_kernel(self, dense: torch.Tensor, index, outputs: list) -> None:
         start, t = 0, None
@@ -565,16 +553,23 @@ def _adapted_forward(self, x, *args, **kwargs):
         return adapter.group.adapt_group(x, gate, adapter.member, y, index)
     xa = adapter.group.part(x, gate, adapter.member)
     bt = self._buffers["mars_lora_BT"]
+    if not torch.is_grad_enabled():
+        _add_delta_in_place(y, xa, bt)
+        return y
     y2 = y.view(-1, y.shape[-1])
     if xa.dtype != y.dtype:  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
-        if torch.is_grad_enabled():
-            return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
-        y2.add_(torch.mm(xa, bt))
-        return y
-    if torch.is_grad_enabled():
-        return torch.addmm(y2, xa, bt).view(y.shape)
-    y2.addmm_(xa, bt)
-    return y
+        return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
+    return torch.addmm(y2, xa, bt).view(y.shape)
+
+
+def _add_delta_in_place(y: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor) -> None:
+    """``y += xa @ bt`` in place over flattened rows; a float32 product on a 16-bit ``y`` (see lora_dtype) is
+    added, then rounded once."""
+    flat = y.view(-1, y.shape[-1])
+    if xa.dtype == flat.dtype:
+        flat.addmm_(xa, bt)
+    else:
+        flat.add_(torch.mm(xa, bt))
 
 
 def _shared_input_groups(paths) -> list[list[str]]:
