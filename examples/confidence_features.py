@@ -33,7 +33,7 @@ def _logit(p: float) -> float:
 def mask_samples(model, tokenizer, path: str, block_size: int, mask_token_id: int) -> list[dict]:
     """Per usable mask prediction: its offset, features and whether it is the model's own token."""
     from mars_hf.evaluation.runs import teacher_forced_forward
-    from mars_hf.training.calibration_fit import examples_from_records, read_jsonl
+    from mars_hf.training.calibration_fit import examples_from_records, read_jsonl, usable_mask_predictions
 
     samples = []
     for ids, labels in zip(*examples_from_records(tokenizer, read_jsonl(path))):
@@ -46,27 +46,22 @@ def mask_samples(model, tokenizer, path: str, block_size: int, mask_token_id: in
         entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1)
         top, prediction = top2.values[:, 0].tolist(), top2.indices[:, 0].tolist()
         second, entropy = top2.values[:, 1].tolist(), entropy.tolist()
-        clean, tokens, supervised = prediction[:length], tokens.tolist(), (labels_t != -100).tolist()
-        own = [False] + [tokens[p] == clean[p - 1] for p in range(1, length)]
-        for start in range(block_size, length, block_size):
-            for j in range(block_size):
-                p = start + j  # noisy row length + p predicts the token at p + 1, as clean row p does
-                if p >= length or not supervised[p] or not own[p]:
-                    break
-                q = length + p
-                right = prediction[q] == clean[p]
-                samples.append(
-                    {
-                        "offset": j + 1,
-                        "right": float(right),
-                        "top": _logit(top[q]),
-                        "margin": math.log(max(top[q] - second[q], 1e-6)),
-                        "entropy": entropy[q],
-                        "before": _logit(top[start - 1]),
-                    }
-                )
-                if not right:
-                    break
+        usable = usable_mask_predictions(
+            tokens.tolist(), (labels_t != -100).tolist(), prediction, length, block_size, conditional=True
+        )
+        for offset, p, right in usable:
+            q = length + p  # the mask's logit row
+            start = p - offset + 1  # the step's first mask position; the real row before it is start - 1
+            samples.append(
+                {
+                    "offset": offset,
+                    "right": float(right),
+                    "top": _logit(top[q]),
+                    "margin": math.log(max(top[q] - second[q], 1e-6)),
+                    "entropy": entropy[q],
+                    "before": _logit(top[start - 1]),
+                }
+            )
     return samples
 
 

@@ -171,23 +171,36 @@ def collect_samples(
     return per_example
 
 
-def _samples_of(tokens, supervised, prediction, confidence, length, block_size, conditional):
-    """The usable ``(offset, confidence, correct)`` of one example (lists from one forward)."""
-    clean, noisy, noisy_conf = prediction[:length], prediction[length:], confidence[length:]
+def usable_mask_predictions(tokens, supervised, prediction, length, block_size, conditional=True):
+    """``(offset, p, correct)`` of every usable mask prediction of one teacher-forced forward (lists).
+
+    Noisy position ``p`` (logit row ``length + p``) predicts the token at ``p + 1`` as mask ``offset``; it is
+    usable where the text up to it is the model's own greedy path, and ``correct`` when it is the clean
+    stream's argmax there (the model's own token). ``conditional``: a step's masks stop at its first wrong one.
+    """
+    clean, noisy = prediction[:length], prediction[length:]
     own = [False] + [tokens[p] == clean[p - 1] for p in range(1, length)]  # text on the model's own path
-    samples = []
     for start in range(block_size, length, block_size):
         if not supervised[start]:
             continue
         for j in range(block_size):
-            p = start + j  # noisy position p predicts the token at p + 1: mask offset j + 1
+            p = start + j
             if p >= length or not supervised[p] or not own[p]:
                 break
             correct = int(noisy[p] == clean[p])
-            samples.append((j + 1, noisy_conf[p], correct))
+            yield j + 1, p, correct
             if conditional and not correct:
                 break
-    return samples
+
+
+def _samples_of(tokens, supervised, prediction, confidence, length, block_size, conditional):
+    """The usable ``(offset, confidence, correct)`` of one example (lists from one forward)."""
+    return [
+        (offset, confidence[length + p], correct)
+        for offset, p, correct in usable_mask_predictions(
+            tokens, supervised, prediction, length, block_size, conditional
+        )
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
