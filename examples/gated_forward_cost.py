@@ -210,12 +210,12 @@ def step_ids(n: int, mask_id: int, plain: bool) -> torch.Tensor:
 
 
 class KernelClock:
-    """Time spent inside the C kernel's calls (``gated_lora``'s two entry points), per forward: measured
+    """Time spent inside the C kernel's calls (``gated_lora.mask_rows_group_delta``), per forward: measured
     directly, so it does not drown in the forward-to-forward noise of a shared VM as a difference would."""
 
     def __init__(self):
         self.seconds = 0.0
-        for name in ("mask_rows_delta", "add_mask_rows_delta"):
+        for name in ("mask_rows_group_delta",):
             setattr(gated_lora, name, self._timed(getattr(gated_lora, name)))
 
     def _timed(self, function):

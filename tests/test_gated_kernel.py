@@ -11,10 +11,14 @@ from mars_hf.decoding import gated_kernel, gated_lora
 from tests.test_gated_lora import decode_steps, shipped_gated
 
 
-def slow_delta(x, index, at, start, rank, bt):
-    """float64: ``x[index] @ at`` then its ``[start, start + rank)`` block times ``bt``."""
-    t = x.reshape(-1, x.shape[-1])[index].double() @ at.double()
-    return t, t[:, start : start + rank] @ bt.double()
+def runs_kernel(module) -> bool:
+    """Whether an adapted layer's inference forwards run the C kernel (else the torch form)."""
+    return module.__dict__["_mars_adapter"].group.kernel_dtype is not None
+
+
+def group_delta(x, index, a, outputs, bts):
+    """The kernel's one call for a sibling group: every member's delta at the mask rows, in place."""
+    gated_kernel.mask_rows_group_delta(gated_kernel.GroupPlan(outputs[0].dtype, bts), x, index, a, outputs)
 
 
 @pytest.mark.parametrize(
@@ -22,33 +26,32 @@ def slow_delta(x, index, at, start, rank, bt):
     [
         (torch.float64, torch.float64, 1e-12),
         (torch.float32, torch.float32, 1e-5),
+        (torch.float32, torch.bfloat16, 1e-5),
         (torch.bfloat16, torch.float32, 1e-2),
         (torch.bfloat16, torch.bfloat16, 1e-2),
     ],
 )
-@pytest.mark.parametrize("rank", [4, 12])  # 3 x 4 = 12 columns: one partial vector; 3 x 12 = 36: whole ones too
+@pytest.mark.parametrize("rank", [4, 12])  # 3 x 12 = 36 rows of A: enough work for the product to split
 # 40 outputs: whole vectors and a partial one; 200: also enough work (rows x rank x outputs) for the add to split
-# over threads (the product splits at rank 12)
+# over threads
 @pytest.mark.parametrize("outputs", [40, 200])
-def test_kernel_writes_the_delta_at_mask_rows_only(model_dtype, matrices, tolerance, rank, outputs):
+def test_kernel_writes_each_members_delta_at_mask_rows_only(model_dtype, matrices, tolerance, rank, outputs):
     torch.manual_seed(0)
     assert gated_kernel.library() is not None, gated_kernel.failure()
-    x = torch.randn(2, 5, 24, dtype=model_dtype)  # two sequences of five positions, flattened to ten rows
-    at = torch.randn(24, 3 * rank, dtype=matrices)  # three siblings, stacked
-    bt = torch.randn(rank, outputs, dtype=matrices)
-    y_first, y_second = torch.randn(2, 2, 5, outputs, dtype=model_dtype)
-    before_first, before_second = y_first.clone(), y_second.clone()
+    # two sequences of five positions, flattened to ten rows; 27 inputs: whole vectors and a tail
+    x = torch.randn(2, 5, 27, dtype=model_dtype)
+    a = torch.randn(3 * rank, 27, dtype=matrices)  # three siblings' A, stacked
+    bts = [torch.randn(rank, width, dtype=matrices) for width in (outputs, outputs + 3, 7)]
+    ys = [torch.randn(2, 5, width, dtype=model_dtype) for width in (outputs, outputs + 3, 7)]
+    before = [y.clone() for y in ys]
     index = torch.tensor([1, 4, 7, 8, 9])  # mask rows in both sequences: a block of four and one more
-    # the first member: the group's product and its own add in one call; a sibling adds from the kept product
-    t = gated_kernel.mask_rows_delta(x, index, at, y_first, 0, rank, bt)
-    gated_kernel.add_mask_rows_delta(y_second, index, t, rank, rank, bt)
+    group_delta(x, index, a, ys, bts)
 
-    slow_t, _ = slow_delta(x, index, at, 0, rank, bt)
-    torch.testing.assert_close(t.double(), slow_t, rtol=tolerance, atol=tolerance)
+    t = x.reshape(10, 27)[index].double() @ a.double().T  # float64, slowly
     real = [r for r in range(10) if r not in index.tolist()]
-    for y, before, start in ((y_first, before_first, 0), (y_second, before_second, rank)):
-        _, slow = slow_delta(x, index, at, start, rank, bt)
-        flat, old = y.reshape(10, outputs), before.reshape(10, outputs)
+    for member, (y, old, bt) in enumerate(zip(ys, before, bts)):
+        slow = t[:, member * rank : (member + 1) * rank] @ bt.double()
+        flat, old = y.reshape(10, -1), old.reshape(10, -1)
         assert torch.equal(flat[real], old[real])  # never written: the base layer's bits
         torch.testing.assert_close(flat[index].double(), old[index].double() + slow, rtol=tolerance, atol=tolerance)
 
@@ -57,12 +60,12 @@ def test_bfloat16_sum_is_rounded_once_to_nearest_even():
     """Integer-valued products are exact in float32 whatever the order: the result must be torch's rounding
     of the float32 sum, bit for bit (ties included: 256 + 1 is a tie in bf16, 256 + 3 is not)."""
     x = torch.tensor([[1.0, 2.0], [3.0, 1.0]], dtype=torch.bfloat16)
-    at = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.bfloat16)  # t = x at the mask rows
+    a = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.bfloat16)  # t = x at the mask rows
     bt = torch.tensor([[1.0, 3.0, -1.0, 0.5], [0.0, 1.0, 2.0, -3.0]], dtype=torch.bfloat16)
     y = torch.tensor([[256.0, 256.0, 256.0, 258.0], [256.0, 2.0**20, -256.0, 0.0]], dtype=torch.bfloat16)
     index = torch.tensor([0, 1])
     expected = (y.float() + x.float() @ bt.float()).to(torch.bfloat16)
-    gated_kernel.mask_rows_delta(x, index, at, y, 0, 2, bt)
+    group_delta(x, index, a, [y], [bt])
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
 
 
@@ -71,7 +74,7 @@ def test_bfloat16_rounding_of_whole_vectors_matches_the_scalar_rounding():
     generator = torch.Generator().manual_seed(1)
     rows, out = 3, 48  # three whole vectors of 16 per row
     x = torch.randint(1, 4, (rows, 2), generator=generator).to(torch.bfloat16)
-    at = torch.eye(2, dtype=torch.bfloat16)
+    a = torch.eye(2, dtype=torch.bfloat16)
     bt = torch.randint(-3, 4, (2, out), generator=generator).to(torch.bfloat16)
     magnitudes = torch.tensor([256.0, 258.0, 512.0, 2.0**20, 1.0, 0.0])
     y = magnitudes[torch.randint(0, 6, (rows, out), generator=generator)]
@@ -80,7 +83,7 @@ def test_bfloat16_rounding_of_whole_vectors_matches_the_scalar_rounding():
     y[2, 20] = float("inf")
     expected = (y.float() + x.float() @ bt.float()).to(torch.bfloat16)
     index = torch.arange(rows)
-    gated_kernel.mask_rows_delta(x, index, at, y, 0, 2, bt)
+    group_delta(x, index, a, [y], [bt])
     finite = ~expected.isnan()
     assert torch.equal(y[finite].view(torch.int16), expected[finite].view(torch.int16))
     assert y[1, 5].isnan() and not y[finite].isnan().any()
@@ -90,8 +93,8 @@ def test_the_kernel_and_the_torch_form_agree_on_a_shipped_adapter(tokenizer, tmp
     """Same checkpoint, both forms, float64: the logits at masks agree to round-off, real positions exactly."""
     _, with_kernel, _, _ = shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
     _, with_torch, _, _ = shipped_gated(tmp_path / "torch", "llama", tokenizer, kernel="torch")
-    assert "mars_lora_AT" in with_kernel.model.layers[0].self_attn.q_proj._buffers
-    assert "mars_lora_A" in with_torch.model.layers[0].self_attn.q_proj._buffers
+    assert runs_kernel(with_kernel.model.layers[0].self_attn.q_proj)
+    assert not runs_kernel(with_torch.model.layers[0].self_attn.q_proj)
     got, real = decode_steps(with_kernel, tokenizer)
     expected, _ = decode_steps(with_torch, tokenizer)
     assert torch.equal(got[1][real], expected[1][real])
@@ -145,21 +148,18 @@ def test_a_kernel_that_cannot_build_is_an_error_in_c_mode_and_a_warning_in_auto(
             tmp_path / "auto", "llama", tokenizer, dtype=torch.bfloat16, kernel="auto"
         )
     assert "torch form" in caplog.text and "no-such-compiler-here" in caplog.text
-    assert "mars_lora_A" in shipped.model.layers[0].self_attn.q_proj._buffers  # the torch form, working
+    assert not runs_kernel(shipped.model.layers[0].self_attn.q_proj)  # the torch form, working
     got, real = decode_steps(shipped, tokenizer)
     expected, _ = decode_steps(base, tokenizer)
     assert torch.equal(got[1][real], expected[1][real])
 
 
-@pytest.mark.parametrize(
-    "dtype, buffer",
-    [(torch.bfloat16, "mars_lora_AT"), (torch.float32, "mars_lora_A"), (torch.float64, "mars_lora_A")],
-)
-def test_auto_runs_the_kernel_for_bfloat16_models_only(dtype, buffer, tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, True), (torch.float32, False), (torch.float64, False)])
+def test_auto_runs_the_kernel_for_bfloat16_models_only(dtype, kernel, tokenizer, tmp_path, monkeypatch):
     """``auto``: the kernel where the torch form pays dtype round trips (bf16); BLAS's form for float32/64."""
     monkeypatch.delenv(gated_kernel.KERNEL_ENV, raising=False)
     _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, dtype=dtype, kernel=None)
-    assert buffer in shipped.model.layers[0].self_attn.q_proj._buffers
+    assert runs_kernel(shipped.model.layers[0].self_attn.q_proj) == kernel
 
 
 def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):
@@ -187,8 +187,8 @@ def test_verified_decoding_through_the_kernel_is_the_base_models_greedy_output(a
 
     base, shipped, _, _ = shipped_gated(tmp_path, arch, tokenizer, kernel="c")
     calls = []
-    original = gated_lora.add_mask_rows_delta
-    monkeypatch.setattr(gated_lora, "add_mask_rows_delta", lambda *a: (calls.append(1), original(*a))[1])
+    original = gated_lora.mask_rows_group_delta
+    monkeypatch.setattr(gated_lora, "mask_rows_group_delta", lambda *a: (calls.append(1), original(*a))[1])
     enable_mars(shipped)
     inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
     common = dict(max_new_tokens=12, do_sample=False)
@@ -208,9 +208,9 @@ def test_a_compiler_without_openmp_builds_it_single_threaded(monkeypatch, tmp_pa
     monkeypatch.setattr(gated_kernel, "OPENMP_FLAG", "-fno-such-openmp-flag")
     assert gated_kernel.library() is not None, gated_kernel.failure()
     torch.manual_seed(1)
-    x, at, bt = torch.randn(3, 20), torch.randn(20, 8), torch.randn(8, 33)
+    x, a, bt = torch.randn(3, 20), torch.randn(8, 20), torch.randn(8, 33)
     y, index = torch.zeros(3, 33), torch.tensor([0, 2])
-    gated_kernel.mask_rows_delta(x, index, at, y, 0, 8, bt)
-    _, slow = slow_delta(x, index, at, 0, 8, bt)
+    group_delta(x, index, a, [y], [bt])
+    slow = x[index].double() @ a.double().T @ bt.double()
     torch.testing.assert_close(y[index].double(), slow, rtol=1e-5, atol=1e-5)
     assert torch.equal(y[1], torch.zeros(33))

@@ -54,6 +54,8 @@ _SOURCE = r"""
 #include <omp.h>
 #else
 static int omp_get_max_threads(void) { return 1; }
+static int omp_get_num_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
 #endif
 
 #define MAX_THREADS 64
@@ -68,108 +70,160 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
     return (uint16_t)(u >> 16);
 }
 
-/* Register blocking: for 4 mask rows at a time, one vector of accumulators per row (GCC/Clang vector
-   extensions: 64 bytes, 16 floats or 8 doubles) stays in registers while the inner loop runs over the
-   reduced dimension, so each weight vector is loaded once per 4 rows and no accumulator goes through
-   memory. Columns that do not fill a vector are zero-padded on load and not stored. Threads split the
-   column blocks (one parallel region per call, over all mask rows). Missing rows of the last block of 4
-   multiply zeros and are not stored. */
-#define ROWS 4
-
-#define LOAD_BLOCK(dst, src, count, LOADW, CT)                                              \
-    do { CT lanes_[64 / sizeof(CT)] = {0};                                                  \
-         for (int64_t l_ = 0; l_ < (count); ++l_) lanes_[l_] = LOADW((src)[l_]);            \
-         memcpy(&(dst), lanes_, sizeof(lanes_)); } while (0)
-
-/* Whole 64-byte blocks load as one vector (bf16: 16 halves widened by a shift), not lane by lane. */
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef double f64x8 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-static inline f32x16 vload_f32(const float *p) { f32x16 v; memcpy(&v, p, 64); return v; }
-static inline f64x8 vload_f64(const double *p) { f64x8 v; memcpy(&v, p, 64); return v; }
-static inline f32x16 vload_bf16(const uint16_t *p) {
-    u16x16 h; memcpy(&h, p, 32);
-    u32x16 u = __builtin_convertvector(h, u32x16) << 16; f32x16 v; memcpy(&v, &u, 64); return v;
+/* Streaming order: both products read their matrix front to back, once per call, whatever the number of mask
+   rows (the row loop is innermost), so the hardware prefetchers see one sequential stream. The matrices are
+   read cold from memory on every forward (the base model's weights evict them), so the order matters more than
+   the arithmetic: the earlier column-block order read 64-byte pieces at a stride and ran at ~2 GB/s on an AVX2
+   EPYC. Accumulators live in small scratch rows (in L1). Whole 64-byte vectors (GCC/Clang vector extensions:
+   16 floats or 8 doubles; bf16 halves widened by a shift) are loaded at once, the tail lane by lane. */
+/* Vectors as wide as the CPU's registers: a 64-byte vector on an AVX2 CPU goes through the stack. */
+#if defined(__AVX512F__)
+#define VBYTES 64
+#else
+#define VBYTES 32
+#endif
+typedef float f32v __attribute__((vector_size(VBYTES)));
+typedef double f64v __attribute__((vector_size(VBYTES)));
+typedef uint16_t u16v __attribute__((vector_size(VBYTES / 2)));
+typedef uint32_t u32v __attribute__((vector_size(VBYTES)));
+static inline f32v vload_f32(const float *p) { f32v v; memcpy(&v, p, VBYTES); return v; }
+static inline f64v vload_f64(const double *p) { f64v v; memcpy(&v, p, VBYTES); return v; }
+static inline f32v vload_bf16(const uint16_t *p) {
+    u16v h; memcpy(&h, p, VBYTES / 2);
+    u32v u = __builtin_convertvector(h, u32v) << 16; f32v v; memcpy(&v, &u, VBYTES); return v;
 }
-/* y += acc over one whole block, rounded once (bf16: to nearest-even, NaN kept quiet, as f32_to_bf16). */
-static inline void vadd_f32(float *y, f32x16 acc) { f32x16 v = vload_f32(y) + acc; memcpy(y, &v, 64); }
-static inline void vadd_f64(double *y, f64x8 acc) { f64x8 v = vload_f64(y) + acc; memcpy(y, &v, 64); }
-static inline void vadd_bf16(uint16_t *y, f32x16 acc) {
-    f32x16 f = vload_bf16(y) + acc;
-    u32x16 u; memcpy(&u, &f, 64);
-    u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
-    u32x16 bits = (((u >> 16) | 0x40u) & nan) | (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan);
-    u16x16 h = __builtin_convertvector(bits, u16x16); memcpy(y, &h, 32);
+/* y += acc over one whole vector, rounded once (bf16: to nearest-even, NaN kept quiet, as f32_to_bf16). */
+static inline void vadd_f32(float *y, f32v acc) { f32v v = vload_f32(y) + acc; memcpy(y, &v, VBYTES); }
+static inline void vadd_f64(double *y, f64v acc) { f64v v = vload_f64(y) + acc; memcpy(y, &v, VBYTES); }
+static inline void vadd_bf16(uint16_t *y, f32v acc) {
+    f32v f = vload_bf16(y) + acc;
+    u32v u; memcpy(&u, &f, VBYTES);
+    u32v nan = (u32v)((u & 0x7fffffffu) > 0x7f800000u);
+    u32v bits = (((u >> 16) | 0x40u) & nan) | (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan);
+    u16v h = __builtin_convertvector(bits, u16v); memcpy(y, &h, VBYTES / 2);
 }
-#define LOAD_VECTOR(dst, src, count, LOADW, VLOADW, CT, lanes)                               \
-    do { if ((count) == (lanes)) (dst) = VLOADW(src); else LOAD_BLOCK(dst, src, count, LOADW, CT); } while (0)
 
-/* Threads pay a fork and join per call (~µs, torch's workers are still spinning from the last layer): only
-   products of at least this many multiply-adds split. The calls stream the adapter's matrices from memory,
-   which two threads do faster: 2^12 beat 2^18 at 8-16 mask rows (SmolLM2 bf16: 4.8 -> 3.7 and 6.5 -> 4.7 ms
-   per forward) and tied at 1-4. */
-#define MIN_PARALLEL_WORK (1 << 12)
+/* Threads pay a fork and join per call (~µs): only products of at least this many multiply-adds split. */
+#define MIN_PARALLEL_WORK (1 << 14)
+/* acc[i, :] += s_i * w[:] for the n rows, w one matrix row of `width` entries (widened from WT). */
+#define ROW_UPDATE(CT, WT, LOADW, VLOADW, acc, stride, scale, w, width, n)                 \
+    do { const int64_t lanes_ = VBYTES / sizeof(CT); int64_t c_ = 0;                          \
+         typedef CT vec_ __attribute__((vector_size(VBYTES)));                                   \
+         for (; c_ + lanes_ <= (width); c_ += lanes_) {                                     \
+             vec_ wv_ = VLOADW((w) + c_);                                                    \
+             for (int64_t i_ = 0; i_ < (n); ++i_) {                                          \
+                 vec_ a_; memcpy(&a_, (acc) + i_ * (stride) + c_, VBYTES);                       \
+                 a_ += (scale)[i_] * wv_; memcpy((acc) + i_ * (stride) + c_, &a_, VBYTES);       \
+             } }                                                                             \
+         for (; c_ < (width); ++c_) {                                                        \
+             CT wv_ = LOADW((w)[c_]);                                                        \
+             for (int64_t i_ = 0; i_ < (n); ++i_) (acc)[i_ * (stride) + c_] += (scale)[i_] * wv_; \
+         } } while (0)
 
-/* t[i, r] = sum_j x[idx[i], j] * at[j, r]   (x: rows x in, at: in x R row-major, t: n x R) */
+/* Sum of a vector's lanes, in lane order. */
+#define HSUM(CT, v, out)                                                                     \
+    do { CT l_[VBYTES / sizeof(CT)]; memcpy(l_, &(v), VBYTES); CT s_ = l_[0];                \
+         for (size_t k_ = 1; k_ < VBYTES / sizeof(CT); ++k_) s_ += l_[k_]; (out) = s_; } while (0)
+
+/* t[i, r] = sum_j x[idx[i], j] * a[r, j]   (x: rows x in, a: R x in row-major, t: n x R). Each row of `a`
+   is one dot product per mask row, four rows at a time with their partial sums in registers; threads take
+   contiguous ranges of a's rows, so each thread streams its part of the matrix once and every sum has the
+   same order for any thread count. */
 #define XA(NAME, XT, WT, CT, LOADX, LOADW, VLOADW)                                          \
-int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *at, int64_t R, CT *t) { \
-    typedef CT vec __attribute__((vector_size(64)));                                        \
-    const int64_t lanes = 64 / sizeof(CT), blocks = (R + lanes - 1) / lanes;                \
-    const int64_t padded = (n + ROWS - 1) / ROWS * ROWS;                                    \
+int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *a, int64_t R, CT *t) { \
+    typedef CT vec __attribute__((vector_size(VBYTES)));                                    \
+    const int64_t lanes = VBYTES / sizeof(CT), whole = in / lanes * lanes;                  \
+    const int64_t padded = (n + 3) / 4 * 4;                                                 \
     CT *rows = (CT *)calloc((size_t)(padded * in), sizeof(CT));  /* mask rows, widened */   \
     if (!rows) return 1;                                                                    \
     for (int64_t i = 0; i < n; ++i)                                                         \
         for (int64_t j = 0; j < in; ++j) rows[i * in + j] = LOADX(x[idx[i] * in + j]);      \
     int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
-    int split = n * in * R >= MIN_PARALLEL_WORK;                                            \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if(split)")             \
-    for (int64_t b = 0; b < blocks; ++b) {                                                  \
-        int64_t r0 = b * lanes, width = R - r0 < lanes ? R - r0 : lanes;                    \
-        for (int64_t i0 = 0; i0 < n; i0 += ROWS) {                                          \
-            int64_t nb = n - i0 < ROWS ? n - i0 : ROWS;                                     \
-            vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, w;                                  \
-            const CT *x0 = rows + i0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;     \
-            for (int64_t j = 0; j < in; ++j) {                                              \
-                LOAD_VECTOR(w, at + j * R + r0, width, LOADW, VLOADW, CT, lanes);          \
-                a0 += x0[j] * w; a1 += x1[j] * w; a2 += x2[j] * w; a3 += x3[j] * w;         \
+    if (threads > R) threads = (int)R;                                                      \
+    int split = n * in * R >= MIN_PARALLEL_WORK && threads > 1;                             \
+    _Pragma("omp parallel num_threads(threads) if(split)")                                  \
+    {                                                                                       \
+        int parts = split ? omp_get_num_threads() : 1, me = split ? omp_get_thread_num() : 0; \
+        for (int64_t r = R * me / parts; r < R * (me + 1) / parts; ++r) {                   \
+            const WT *w = a + r * in;                                                       \
+            for (int64_t i0 = 0; i0 < n; i0 += 4) {                                         \
+                const CT *x0 = rows + i0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in; \
+                /* two partial sums per row (even and odd vectors): twice the multiply-adds in flight */ \
+                vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0}; \
+                vec wv, xv;                                                                 \
+                int64_t j = 0;                                                              \
+                for (; j + 2 * lanes <= whole; j += 2 * lanes) {                            \
+                    wv = VLOADW(w + j);                                                     \
+                    memcpy(&xv, x0 + j, VBYTES); s0 += xv * wv;                             \
+                    memcpy(&xv, x1 + j, VBYTES); s1 += xv * wv;                             \
+                    memcpy(&xv, x2 + j, VBYTES); s2 += xv * wv;                             \
+                    memcpy(&xv, x3 + j, VBYTES); s3 += xv * wv;                             \
+                    wv = VLOADW(w + j + lanes);                                             \
+                    memcpy(&xv, x0 + j + lanes, VBYTES); e0 += xv * wv;                     \
+                    memcpy(&xv, x1 + j + lanes, VBYTES); e1 += xv * wv;                     \
+                    memcpy(&xv, x2 + j + lanes, VBYTES); e2 += xv * wv;                     \
+                    memcpy(&xv, x3 + j + lanes, VBYTES); e3 += xv * wv;                     \
+                }                                                                           \
+                for (; j < whole; j += lanes) {                                             \
+                    wv = VLOADW(w + j);                                                     \
+                    memcpy(&xv, x0 + j, VBYTES); s0 += xv * wv;                             \
+                    memcpy(&xv, x1 + j, VBYTES); s1 += xv * wv;                             \
+                    memcpy(&xv, x2 + j, VBYTES); s2 += xv * wv;                             \
+                    memcpy(&xv, x3 + j, VBYTES); s3 += xv * wv;                             \
+                }                                                                           \
+                s0 += e0; s1 += e1; s2 += e2; s3 += e3;                                     \
+                CT sums[4]; HSUM(CT, s0, sums[0]); HSUM(CT, s1, sums[1]);                   \
+                HSUM(CT, s2, sums[2]); HSUM(CT, s3, sums[3]);                               \
+                for (j = whole; j < in; ++j) {                                              \
+                    CT wj = LOADW(w[j]);                                                    \
+                    sums[0] += x0[j] * wj; sums[1] += x1[j] * wj;                           \
+                    sums[2] += x2[j] * wj; sums[3] += x3[j] * wj;                           \
+                }                                                                           \
+                for (int64_t k = 0; k < 4 && i0 + k < n; ++k) t[(i0 + k) * R + r] = sums[k]; \
             }                                                                               \
-            vec acc[ROWS] = {a0, a1, a2, a3};                                               \
-            for (int64_t ii = 0; ii < nb; ++ii)                                             \
-                memcpy(t + (i0 + ii) * R + r0, &acc[ii], sizeof(CT) * (size_t)width);      \
         }                                                                                   \
     }                                                                                       \
     free(rows);                                                                             \
     return 0;                                                                               \
 }
 
-/* y[idx[i], o] += sum_{r < rk} t[i, r0 + r] * bt[r, o]   (bt: rk x out row-major), rounded once */
+/* A vector of `count` entries of a matrix row (widened from WT), zero-padded to whole lanes. */
+#define LOAD_PART(CT, LOADW, VLOADW, dst, src, count, lanes)                                \
+    do { if ((count) >= (lanes)) (dst) = VLOADW(src);                                       \
+         else { CT l_[VBYTES / sizeof(CT)] = {0};                                            \
+                for (int64_t k_ = 0; k_ < (count); ++k_) l_[k_] = LOADW((src)[k_]);          \
+                memcpy(&(dst), l_, VBYTES); } } while (0)
+
+/* y[idx[i], o] += sum_{r < rk} t[i, r0 + r] * bt[r, o]   (bt: rk x out row-major), rounded once. Register
+   blocking: two vectors of outputs for four mask rows (eight sums) stay in registers while r runs; threads take
+   whole column chunks, so each output's sum has the same order for any thread count. */
 #define ADD(NAME, YT, WT, CT, LOADY, LOADW, VLOADW, STORE, VADD)                            \
 int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t R,         \
          int64_t r0, int64_t rk, const WT *bt) {                                            \
-    typedef CT vec __attribute__((vector_size(64)));                                        \
-    const int64_t lanes = 64 / sizeof(CT), blocks = (out + lanes - 1) / lanes;              \
+    typedef CT vec __attribute__((vector_size(VBYTES)));                                    \
+    const int64_t lanes = VBYTES / sizeof(CT), chunks = (out + 2 * lanes - 1) / (2 * lanes); \
     int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
     int split = n * rk * out >= MIN_PARALLEL_WORK;                                          \
     _Pragma("omp parallel for num_threads(threads) schedule(static) if(split)")             \
-    for (int64_t b = 0; b < blocks; ++b) {                                                  \
-        int64_t o0 = b * lanes, width = out - o0 < lanes ? out - o0 : lanes;                \
-        for (int64_t i0 = 0; i0 < n; i0 += ROWS) {                                          \
-            int64_t nb = n - i0 < ROWS ? n - i0 : ROWS;                                     \
-            vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, w;                                  \
+    for (int64_t c = 0; c < chunks; ++c) {                                                  \
+        const int64_t o = c * 2 * lanes, width = out - o < 2 * lanes ? out - o : 2 * lanes; \
+        for (int64_t i0 = 0; i0 < n; i0 += 4) {                                             \
+            const int64_t nb = n - i0 < 4 ? n - i0 : 4;                                     \
+            vec a[4] = {{0}}, b[4] = {{0}}, w0, w1;                                         \
             for (int64_t r = 0; r < rk; ++r) {                                              \
-                LOAD_VECTOR(w, bt + r * out + o0, width, LOADW, VLOADW, CT, lanes);        \
-                const CT *c = t + i0 * R + r0 + r;                                          \
-                a0 += c[0] * w;                                                             \
-                if (nb > 1) a1 += c[R] * w;                                                 \
-                if (nb > 2) a2 += c[2 * R] * w;                                             \
-                if (nb > 3) a3 += c[3 * R] * w;                                             \
+                const WT *row = bt + r * out + o;                                           \
+                LOAD_PART(CT, LOADW, VLOADW, w0, row, width, lanes);                        \
+                LOAD_PART(CT, LOADW, VLOADW, w1, row + lanes, width - lanes, lanes);        \
+                for (int64_t k = 0; k < 4; ++k) {                                           \
+                    CT scale = k < nb ? t[(i0 + k) * R + r0 + r] : (CT)0;                   \
+                    a[k] += scale * w0; b[k] += scale * w1;                                 \
+                }                                                                           \
             }                                                                               \
-            vec acc[ROWS] = {a0, a1, a2, a3};                                               \
-            for (int64_t ii = 0; ii < nb; ++ii) {                                           \
-                YT *yi = y + idx[i0 + ii] * out + o0;                                       \
-                if (width == lanes) { VADD(yi, acc[ii]); continue; }                        \
-                CT sums[64 / sizeof(CT)]; memcpy(sums, &acc[ii], sizeof(sums));             \
+            for (int64_t k = 0; k < nb; ++k) {                                              \
+                YT *yi = y + idx[i0 + k] * out + o;                                         \
+                CT sums[2 * VBYTES / sizeof(CT)];                                           \
+                memcpy(sums, &a[k], VBYTES); memcpy(sums + lanes, &b[k], VBYTES);           \
+                if (width == 2 * lanes) { VADD(yi, a[k]); VADD(yi + lanes, b[k]); continue; } \
                 for (int64_t l = 0; l < width; ++l) yi[l] = STORE(LOADY(yi[l]) + sums[l]);  \
             }                                                                               \
         }                                                                                   \
@@ -177,34 +231,43 @@ int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t
     return 0;                                                                               \
 }
 
-/* The first (or only) sibling of a group: t = x[idx] at, then its own y[idx] += t[:, r0:r0+rk] bt, in one call. */
-#define DELTA(NAME, XA_NAME, ADD_NAME, XT, WT, CT)                                          \
-int NAME(XT *y, int64_t out, const XT *x, int64_t in, const int64_t *idx, int64_t n,       \
-         const WT *at, int64_t R, CT *t, int64_t r0, int64_t rk, const WT *bt) {            \
-    int status = XA_NAME(x, in, idx, n, at, R, t);                                          \
-    return status ? status : ADD_NAME(y, out, idx, n, t, R, r0, rk, bt);                    \
+/* A sibling group (layers that read one input: q/k/v, gate/up; or one layer alone) in one call:
+   t = x[idx] aᵀ for the stacked A of all members, then each member's y_m[idx] += t[:, its ranks] bt_m. */
+#define GROUP(NAME, XA_NAME, ADD_NAME, XT, WT, CT)                                          \
+int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *a, int64_t R,   \
+         int64_t members, XT *const *ys, const int64_t *outs, const int64_t *ranks,         \
+         const WT *const *bts) {                                                            \
+    CT *t = (CT *)malloc(sizeof(CT) * (size_t)(n * R));                                     \
+    int status = t ? XA_NAME(x, in, idx, n, a, R, t) : 1;                                   \
+    for (int64_t m = 0, r0 = 0; m < members && !status; r0 += ranks[m++])                   \
+        status = ADD_NAME(ys[m], outs[m], idx, n, t, R, r0, ranks[m], bts[m]);              \
+    free(t);                                                                                \
+    return status;                                                                          \
 }
 
 #define SAME(v) (v)
 /* name suffix: model dtype _ adapter matrices' dtype */
 XA(mars_xa_f32_f32, float, float, float, SAME, SAME, vload_f32)
+XA(mars_xa_f32_bf16, float, uint16_t, float, SAME, bf16_to_f32, vload_bf16)
 XA(mars_xa_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, vload_bf16)
 XA(mars_xa_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, vload_f32)
 XA(mars_xa_f64_f64, double, double, double, SAME, SAME, vload_f64)
 ADD(mars_add_f32_f32, float, float, float, SAME, SAME, vload_f32, SAME, vadd_f32)
+ADD(mars_add_f32_bf16, float, uint16_t, float, SAME, bf16_to_f32, vload_bf16, SAME, vadd_f32)
 ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, vload_bf16, f32_to_bf16, vadd_bf16)
 ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, vload_f32, f32_to_bf16, vadd_bf16)
 ADD(mars_add_f64_f64, double, double, double, SAME, SAME, vload_f64, SAME, vadd_f64)
-DELTA(mars_delta_f32_f32, mars_xa_f32_f32, mars_add_f32_f32, float, float, float)
-DELTA(mars_delta_bf16_bf16, mars_xa_bf16_bf16, mars_add_bf16_bf16, uint16_t, uint16_t, float)
-DELTA(mars_delta_bf16_f32, mars_xa_bf16_f32, mars_add_bf16_f32, uint16_t, float, float)
-DELTA(mars_delta_f64_f64, mars_xa_f64_f64, mars_add_f64_f64, double, double, double)
+GROUP(mars_group_f32_f32, mars_xa_f32_f32, mars_add_f32_f32, float, float, float)
+GROUP(mars_group_f32_bf16, mars_xa_f32_bf16, mars_add_f32_bf16, float, uint16_t, float)
+GROUP(mars_group_bf16_bf16, mars_xa_bf16_bf16, mars_add_bf16_bf16, uint16_t, uint16_t, float)
+GROUP(mars_group_bf16_f32, mars_xa_bf16_f32, mars_add_bf16_f32, uint16_t, float, float)
+GROUP(mars_group_f64_f64, mars_xa_f64_f64, mars_add_f64_f64, double, double, double)
 """
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 # (model dtype, adapter matrices' dtype) pairs the kernel serves; the first per model dtype is its default.
 SERVED = {
-    torch.float32: (torch.float32,),
+    torch.float32: (torch.float32, torch.bfloat16),  # bf16 matrices (a checkpoint stored in bf16): exact, half the bytes
     torch.bfloat16: (torch.bfloat16, torch.float32),  # bf16 matrices: half the bytes; arithmetic is float32
     torch.float64: (torch.float64,),
 }
@@ -214,11 +277,9 @@ SERVED = {
 # BLAS calls, and on a 2-vCPU AVX-512 EPYC the kernel measured no faster (slower at 1 and 16 mask rows,
 # where BLAS's one-row and many-row paths beat its 4-row blocks; docs/gated_adapters.md).
 AUTO_DTYPES = (torch.bfloat16,)
-# Accumulator (t) dtype per model dtype.
-_ACCUMULATOR = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float64: torch.float64}
 
 _LIBRARY: ctypes.CDLL | None = None
-_FUNCTIONS: dict = {}  # ("add" | "delta", model dtype, matrices' dtype) -> C function
+_FUNCTIONS: dict = {}  # (model dtype, matrices' dtype) -> the C function of a sibling group
 _FAILURE: str | None = None
 _WARNED = False
 
@@ -283,15 +344,10 @@ def _build() -> ctypes.CDLL:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     for model_dtype, matrix_dtypes in SERVED.items():
         for matrices in matrix_dtypes:
-            suffix = f"{_SUFFIX[model_dtype]}_{_SUFFIX[matrices]}"
-            add = getattr(library, f"mars_add_{suffix}")
-            add.argtypes = [pointer, size, pointer, size, pointer, size, size, size, pointer]
-            add.restype = ctypes.c_int
-            delta = getattr(library, f"mars_delta_{suffix}")
-            delta.argtypes = [pointer, size, pointer, size, pointer, size, pointer, size, pointer, size, size, pointer]
-            delta.restype = ctypes.c_int
-            for kind, function in (("add", add), ("delta", delta)):
-                _FUNCTIONS[kind, model_dtype, matrices] = function
+            group = getattr(library, f"mars_group_{_SUFFIX[model_dtype]}_{_SUFFIX[matrices]}")
+            group.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer, pointer, pointer, pointer]
+            group.restype = ctypes.c_int
+            _FUNCTIONS[model_dtype, matrices] = group
     return library
 
 
@@ -338,28 +394,35 @@ def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-def mask_rows_delta(
-    x: torch.Tensor, index: torch.Tensor, at: torch.Tensor, y: torch.Tensor, start: int, rank: int, bt: torch.Tensor
-) -> torch.Tensor:
-    """``t = x[index] @ at`` over flattened rows of ``x`` (contiguous; ``at`` is ``in x R``), then
-    :func:`add_mask_rows_delta` for its ``[start, start + rank)`` block, in one C call (the first or only
-    member of a group); returns ``t`` (``(n, R)``) for the other members."""
-    t = torch.empty(index.numel(), at.shape[1], dtype=_ACCUMULATOR[x.dtype])
-    status = _FUNCTIONS["delta", y.dtype, bt.dtype](
-        y.data_ptr(), y.shape[-1], x.data_ptr(), x.shape[-1], index.data_ptr(), index.numel(), at.data_ptr(),
-        at.shape[1], t.data_ptr(), start, rank, bt.data_ptr()
-    )
-    if status:
-        raise MemoryError("the gated kernel could not allocate its scratch row")
-    return t
+class GroupPlan:
+    """What a sibling group's kernel call passes unchanged from forward to forward: the C function and the
+    members' output widths, ranks and ``Bᵀ`` matrices (each ``rank x out``, contiguous) as C arrays, built
+    once. :meth:`matches` tells whether the matrices are still where the plan points (``model.to`` moves them)."""
+
+    __slots__ = ("function", "members", "outs", "ranks", "pointers", "bts", "ys")
+
+    def __init__(self, model_dtype: torch.dtype, bts: list[torch.Tensor]):
+        self.function = _FUNCTIONS[model_dtype, bts[0].dtype]
+        self.members = len(bts)
+        self.outs = (ctypes.c_int64 * self.members)(*[bt.shape[1] for bt in bts])
+        self.ranks = (ctypes.c_int64 * self.members)(*[bt.shape[0] for bt in bts])
+        self.pointers = [bt.data_ptr() for bt in bts]
+        self.bts = (ctypes.c_void_p * self.members)(*self.pointers)
+        self.ys = ctypes.c_void_p * self.members
+
+    def matches(self, bts: list[torch.Tensor]) -> bool:
+        return [bt.data_ptr() for bt in bts] == self.pointers
 
 
-def add_mask_rows_delta(
-    y: torch.Tensor, index: torch.Tensor, t: torch.Tensor, start: int, rank: int, bt: torch.Tensor
+def mask_rows_group_delta(
+    plan: GroupPlan, x: torch.Tensor, index: torch.Tensor, a: torch.Tensor, outputs: list[torch.Tensor]
 ) -> None:
-    """``y[index] += t[:, start:start + rank] @ bt`` in place (``bt`` is ``rank x out``), rounded once."""
-    status = _FUNCTIONS["add", y.dtype, bt.dtype](
-        y.data_ptr(), y.shape[-1], index.data_ptr(), index.numel(), t.data_ptr(), t.shape[1], start, rank, bt.data_ptr()
-    )
+    """``outputs[m][index] += (x[index] @ a.T)[:, member m's ranks] @ Bᵀ_m`` in place for every member of
+    ``plan``'s group, each sum rounded once, in one C call. Flattened rows; ``x``, ``a`` (the members' stacked
+    ``A``, ``R x in``) and ``outputs`` contiguous, in the model dtype the plan was built for."""
+    status = plan.function(
+        x.data_ptr(), x.shape[-1], index.data_ptr(), index.numel(), a.data_ptr(), a.shape[0], plan.members,
+        plan.ys(*[y.data_ptr() for y in outputs]), plan.outs, plan.ranks, plan.bts,
+    )  # fmt: skip
     if status:
-        raise MemoryError("the gated kernel could not allocate its accumulators")
+        raise MemoryError("the gated kernel could not allocate its scratch rows")

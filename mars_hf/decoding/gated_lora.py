@@ -39,7 +39,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .gated_kernel import add_mask_rows_delta, kernel_mode, mask_rows_delta, matrix_dtype, use_kernel
+from .gated_kernel import SERVED, GroupPlan, kernel_mode, mask_rows_group_delta, matrix_dtype, use_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -426,17 +426,17 @@ SHARED_INPUT_NAMES = (
 class _SharedInput:
     """Adapted sibling layers fed the same input: ``x @ A.T`` for all of them in one matmul, once per forward.
 
-    ``leader`` carries the stacked ``mars_lora_A`` (or, for the C kernel, its transpose ``mars_lora_AT``)
-    as a (non-persistent) buffer, so ``model.to()`` moves it. The product (with autograd on), or in inference
+    ``leader`` carries the stacked ``mars_lora_A`` (both forms read it) as a (non-persistent) buffer, so ``model.to()`` moves it. The product (with autograd on), or in inference
     every member's adapted output, is kept, with the input it was computed from and the form that computed it,
     only until every sibling has taken its part (no activation outlives its forward).
     """
 
-    __slots__ = ("leader", "members", "ranks", "x", "parts", "serial", "waiting", "form")
+    __slots__ = ("leader", "members", "ranks", "kernel_dtype", "x", "parts", "serial", "waiting", "form", "plan")
 
-    def __init__(self, members: list, ranks: list[int]):
+    def __init__(self, members: list, ranks: list[int], kernel_dtype: torch.dtype | None = None):
         self.leader, self.members, self.ranks = members[0], list(members), list(ranks)
-        self.x = self.parts = self.serial = self.form = None
+        self.kernel_dtype = kernel_dtype  # the model dtype the C kernel serves (None: torch form only)
+        self.x = self.parts = self.serial = self.form = self.plan = None
         self.waiting = 0
 
     def _take(self, x: torch.Tensor, serial, form: str):
@@ -466,8 +466,7 @@ class _SharedInput:
 
     def _products(self, x: torch.Tensor, gate: MaskGate | None) -> tuple:
         """Every member's block of ``gate * (x @ A.T)`` over flattened rows (all rows when ungated), in one matmul."""
-        buffers = self.leader._buffers
-        A = buffers["mars_lora_A"] if "mars_lora_A" in buffers else buffers["mars_lora_AT"].t()
+        A = self.leader._buffers["mars_lora_A"]
         x2 = x.reshape(-1, x.shape[-1])
         xa = F.linear(x2 if x2.dtype == A.dtype else x2.to(A.dtype), A)
         if gate is not None:
@@ -475,55 +474,48 @@ class _SharedInput:
             xa.mul_(gate.gate_for(xa.dtype))
         return xa.split(self.ranks, dim=1) if len(self.ranks) > 1 else (xa,)
 
-    def kept_output(self, x: torch.Tensor, gate: MaskGate, member: int) -> torch.Tensor | None:
-        """Member ``member``'s adapted output for input ``x``, if a sibling computed it in this forward."""
+    def adapted_output(self, x: torch.Tensor, gate: MaskGate, member: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        """(inference, masks in this forward) member ``member``'s output for ``x`` with its mask rows adapted: the
+        output a sibling kept for this ``x``, else the whole group's, computed now (:meth:`adapt_group`)."""
         outputs = self._take(x, gate.serial, "outputs")
-        return None if outputs is None else outputs[member]
+        if outputs is None:
+            outputs = self.adapt_group(x, gate, args, kwargs)
+        return outputs[member]
 
-    def adapt_group(self, x: torch.Tensor, gate: MaskGate, member: int, y: torch.Tensor, index=None) -> torch.Tensor:
-        """(inference) ``y`` (member ``member``'s base output for ``x``) with its mask rows adapted.
-
-        The first member called in a forward also runs every sibling's base layer on the same ``x`` and adapts
-        it, in one pass over the group's ``x @ A.T``; the siblings then only take their output
-        (:meth:`kept_output`): per forward one Python call per group does the work, not one per layer.
-        ``index`` (the mask rows) selects the C kernel, which writes mask rows only; without it the torch form
-        adds ``gate * (x @ A.T) @ B^T`` to every row, an exact 0 at real rows.
-        """
+    def adapt_group(self, x: torch.Tensor, gate: MaskGate, args: tuple, kwargs: dict) -> list:
+        """(inference) Every member's base output for ``x``, its mask rows adapted in one pass over the group's
+        ``x @ A.T``, kept for the siblings: per forward one Python call per group does the work, not one per layer.
+        On CPU in the kernel's dtype the C kernel writes the mask rows only; otherwise the torch form adds
+        ``gate * (x @ A.T) @ B^T`` to every row, an exact 0 at real rows."""
         outputs = [
-            y if i == member else module.__dict__["_mars_adapter"].base_forward(x).contiguous()
-            for i, module in enumerate(self.members)
+            module.__dict__["_mars_adapter"].base_forward(x, *args, **kwargs).contiguous() for module in self.members
         ]
-        if index is None:
-            self._add_torch(x, gate, outputs)
+        if x.dtype == outputs[0].dtype == self.kernel_dtype and x.device.type == "cpu":
+            self._add_kernel(x.contiguous(), gate.positions_for(x), outputs)
         else:
-            self._add_kernel(x.contiguous(), index, outputs)
+            self._add_torch(x, gate, outputs)
         if len(outputs) > 1:
             self._keep(x, outputs, gate.serial, "outputs")
-        return y
+        return outputs
 
     def _add_torch(self, x: torch.Tensor, gate: MaskGate, outputs: list) -> None:
         for module, output, part in zip(self.members, outputs, self._products(x, gate)):
             _add_delta_in_place(output, part, module._buffers["mars_lora_BT"])
 
     def _add_kernel(self, dense: torch.Tensor, index, outputs: list) -> None:
-        start, t = 0, None
-        for module, output, rank in zip(self.members, outputs, self.ranks):
-            bt = module._buffers["mars_lora_BT"]
-            if t is None:
-                t = mask_rows_delta(dense, index, self.leader._buffers["mars_lora_AT"], output, start, rank, bt)
-            else:
-                add_mask_rows_delta(output, index, t, start, rank, bt)
-            start += rank
+        bts = [module._buffers["mars_lora_BT"] for module in self.members]
+        if self.plan is None or not self.plan.matches(bts):
+            self.plan = GroupPlan(dense.dtype, bts)
+        mask_rows_group_delta(self.plan, dense, index, self.leader._buffers["mars_lora_A"], outputs)
 
 
 class _Adapter:
     """What one adapted linear layer needs in its forward (kept in the module's ``__dict__``)."""
 
-    __slots__ = ("base_forward", "gate", "group", "member", "kernel_dtype")
+    __slots__ = ("base_forward", "gate", "group", "member")
 
-    def __init__(self, base_forward, gate, group, member, kernel_dtype=None):
+    def __init__(self, base_forward, gate, group, member):
         self.base_forward, self.gate, self.group, self.member = base_forward, gate, group, member
-        self.kernel_dtype = kernel_dtype  # the model dtype the C kernel serves (None: torch form only)
 
 
 def _adapted_forward(self, x, *args, **kwargs):
@@ -536,21 +528,13 @@ def _adapted_forward(self, x, *args, **kwargs):
     """
     adapter = self.__dict__["_mars_adapter"]
     gate = adapter.gate
-    inference = gate is not None and gate.gate is not None and not torch.is_grad_enabled()
-    if inference:
-        kept = adapter.group.kept_output(x, gate, adapter.member)
-        if kept is not None:
-            return kept
+    if gate is not None and gate.gate is not None and not torch.is_grad_enabled():
+        return adapter.group.adapted_output(x, gate, adapter.member, args, kwargs)
     y = adapter.base_forward(x, *args, **kwargs)
     if gate is not None and gate.gate is None:
         if gate.rows is None:
             gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
         return y
-    if inference and y.is_contiguous():
-        index = None
-        if adapter.kernel_dtype is not None and x.dtype == y.dtype == adapter.kernel_dtype and x.device.type == "cpu":
-            index = gate.positions_for(x)  # mask rows only: real rows are never written
-        return adapter.group.adapt_group(x, gate, adapter.member, y, index)
     xa = adapter.group.part(x, gate, adapter.member)
     bt = self._buffers["mars_lora_BT"]
     if not torch.is_grad_enabled():
@@ -632,7 +616,7 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
     dtype = _lora_dtype(weight, lora_dtype)
     kernel_dtype = None
     if gate is not None and use_kernel(kernel, weight.device, weight.dtype):
-        matrices = matrix_dtype(weight.dtype, lora_dtype)
+        matrices = matrix_dtype(weight.dtype, lora_dtype or _exact_narrower_dtype(weight.dtype, pairs, scaling))
         if matrices is not None:
             kernel_dtype, dtype = weight.dtype, matrices
         elif kernel == "c":
@@ -641,11 +625,8 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
                 "or use kernel='torch'."
             )
     stacked = torch.cat([pair["A"] for pair in pairs]).to(device=weight.device, dtype=dtype)
-    if kernel_dtype is None:
-        leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
-    else:  # the kernel reads A transposed; the torch form (autograd on) uses its transpose view
-        leader.register_buffer("mars_lora_AT", stacked.t().contiguous(), persistent=False)
-    group = _SharedInput(members, [pair["A"].shape[0] for pair in pairs])
+    leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
+    group = _SharedInput(members, [pair["A"].shape[0] for pair in pairs], kernel_dtype)
     for member, (module, pair) in enumerate(zip(members, pairs)):
         bt = (pair["B"].to(torch.float64) * scaling).t()  # the scale folded into B once, not per forward
         module.register_buffer(
@@ -653,9 +634,23 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
             bt.to(device=module.weight.device, dtype=dtype).contiguous(),
             persistent=False,
         )
-        adapter = _Adapter(module.forward, gate, group, member, kernel_dtype)
+        adapter = _Adapter(module.forward, gate, group, member)
         object.__setattr__(module, "_mars_adapter", adapter)
         module.forward = types.MethodType(_adapted_forward, module)
+
+
+def _exact_narrower_dtype(model_dtype: torch.dtype, pairs: list[dict], scaling: float) -> torch.dtype | None:
+    """The checkpoint's own dtype when it is narrower than the model's, the C kernel serves that pair and the
+    matrices it keeps (``A`` and ``scaling · B``) lose nothing in it: a float32 model then reads a bf16 adapter
+    in half the bytes, with the same values. None otherwise (the kernel's default)."""
+    stored = pairs[0]["A"].dtype
+    if stored.itemsize >= model_dtype.itemsize or stored not in SERVED.get(model_dtype, ()):
+        return None
+    for pair in pairs:
+        scaled = pair["B"].to(torch.float64) * scaling
+        if pair["A"].dtype != stored or pair["B"].dtype != stored or not torch.equal(scaled.to(stored).to(torch.float64), scaled):
+            return None
+    return stored
 
 
 def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:
