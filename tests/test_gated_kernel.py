@@ -154,9 +154,9 @@ def test_a_kernel_that_cannot_build_is_an_error_in_c_mode_and_a_warning_in_auto(
     assert torch.equal(got[1][real], expected[1][real])
 
 
-@pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, True), (torch.float32, False), (torch.float64, False)])
-def test_auto_runs_the_kernel_for_bfloat16_models_only(dtype, kernel, tokenizer, tmp_path, monkeypatch):
-    """``auto``: the kernel where the torch form pays dtype round trips (bf16); BLAS's form for float32/64."""
+@pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, True), (torch.float32, True), (torch.float64, False)])
+def test_auto_runs_the_kernel_for_bfloat16_and_float32_models(dtype, kernel, tokenizer, tmp_path, monkeypatch):
+    """``auto``: the kernel for the dtypes it was measured faster in (bf16, float32); BLAS's form for float64."""
     monkeypatch.delenv(gated_kernel.KERNEL_ENV, raising=False)
     _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, dtype=dtype, kernel=None)
     assert runs_kernel(shipped.model.layers[0].self_attn.q_proj) == kernel

@@ -1,13 +1,13 @@
-"""A small C kernel for the mask-gated adapter's delta on CPU: work on the mask rows only, one call per layer.
+"""A small C kernel for the mask-gated adapter's delta on CPU: work on the mask rows only, one call per group.
 
-Why: the torch form of the gated delta (``docs/gated_adapters.md``) runs ≈ 11 small products, 4 gate
-multiplies, 7 adds and, for a bf16 model, their dtype round trips per decoder layer. Each is a full torch
-op of a few to tens of µs, so on a 2-core CPU the adapter made a bf16 forward of a few rows cost
-1.3–1.5× the base model's although its arithmetic is tiny. The kernel does the same arithmetic with one
-C call per adapted layer, touching only the mask rows: the first (or only) layer of a group that reads one
-input computes ``t = x[mask rows] Aᵀ`` for the whole group and its own ``y[mask rows] += t Bᵀ``; its
-siblings (k and v after q, up after gate) add theirs from the kept ``t``. Real rows keep the base layer's
-bits because they are never written.
+Why: the torch form of the gated delta (``docs/gated_adapters.md``) runs a few small products, gate
+multiplies and adds (and, for a bf16 model, dtype round trips) per group of layers. Each is a full torch op
+of a few to tens of µs, so on a 2-core CPU the adapter cost 1.1–1.2× (float32) and 1.3–1.5× (bf16) a
+forward of the base model although its arithmetic is tiny. The kernel does the same arithmetic in one C call
+per sibling group (layers that read one input: q/k/v, gate/up; or a layer alone), touching only the mask
+rows: ``t = x[mask rows] Aᵀ`` for the group's stacked ``A``, then each member's ``y[mask rows] += t Bᵀ``.
+Real rows keep the base layer's bits because they are never written. The matrices are read cold on every
+forward (the base weights evict them), so both products stream their matrix front to back.
 
 Numerics: float32 and bfloat16 models accumulate in float32 (bfloat16 inputs are widened exactly, the sum
 ``y + delta`` is rounded once, to nearest-even, as ``(y.float() + delta).to(torch.bfloat16)`` rounds);
@@ -17,9 +17,9 @@ form to round-off, not bit for bit.
 The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``), for this CPU
 (``-march=native``), into ``$MARS_HF_HOME/kernels`` (default ``~/.cache/mars_hf/kernels``); the file
 name hashes the source, the flags, the compiler and the CPU's flags, so a cache shared between machines
-never loads a build for another CPU. ``MARS_HF_GATED_KERNEL``: ``auto`` (default: the kernel for bfloat16
-models on CPU where it builds, else the torch form, with one warning naming the reason), ``c`` (float32,
-bfloat16 and float64 models on CPU; an error where it cannot build) or ``torch`` (never).
+never loads a build for another CPU. ``MARS_HF_GATED_KERNEL``: ``auto`` (default: the kernel for float32 and
+bfloat16 models on CPU where it builds, else the torch form, with one warning naming the reason), ``c``
+(float32, bfloat16 and float64 models on CPU; an error where it cannot build) or ``torch`` (never).
 
 This file ships verbatim in checkpoints (``custom_generate/gated_kernel.py``): standard library and torch only.
 """
@@ -267,16 +267,16 @@ GROUP(mars_group_f64_f64, mars_xa_f64_f64, mars_add_f64_f64, double, double, dou
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 # (model dtype, adapter matrices' dtype) pairs the kernel serves; the first per model dtype is its default.
 SERVED = {
-    torch.float32: (torch.float32, torch.bfloat16),  # bf16 matrices (a checkpoint stored in bf16): exact, half the bytes
+    torch.float32: (torch.float32, torch.bfloat16),  # bf16 matrices (lora_dtype=torch.bfloat16): half the bytes
     torch.bfloat16: (torch.bfloat16, torch.float32),  # bf16 matrices: half the bytes; arithmetic is float32
     torch.float64: (torch.float64,),
 }
 # Model dtypes ``auto`` runs the kernel for. bfloat16: the torch form pays a float32 round trip per small
 # product (its arithmetic is float32 for precision, its operands bf16), the kernel widens in registers.
-# float32 (and float64) models get the kernel only on request (``c``): there the torch form is plain
-# BLAS calls, and on a 2-vCPU AVX-512 EPYC the kernel measured no faster (slower at 1 and 16 mask rows,
-# where BLAS's one-row and many-row paths beat its 4-row blocks; docs/gated_adapters.md).
-AUTO_DTYPES = (torch.bfloat16,)
+# float32: one C call per group instead of a dozen torch ops; on a 2-vCPU AVX2 EPYC with packed base
+# kernels a gated forward measured 1.11-1.13x the base against the torch form's 1.13-1.21x
+# (docs/gated_adapters.md, "Fifth pass"). float64 (the tests' exact models) keeps BLAS's torch form.
+AUTO_DTYPES = (torch.bfloat16, torch.float32)
 
 _LIBRARY: ctypes.CDLL | None = None
 _FUNCTIONS: dict = {}  # (model dtype, matrices' dtype) -> the C function of a sibling group

@@ -39,7 +39,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .gated_kernel import SERVED, GroupPlan, kernel_mode, mask_rows_group_delta, matrix_dtype, use_kernel
+from .gated_kernel import GroupPlan, kernel_mode, mask_rows_group_delta, matrix_dtype, use_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -616,7 +616,7 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
     dtype = _lora_dtype(weight, lora_dtype)
     kernel_dtype = None
     if gate is not None and use_kernel(kernel, weight.device, weight.dtype):
-        matrices = matrix_dtype(weight.dtype, lora_dtype or _exact_narrower_dtype(weight.dtype, pairs, scaling))
+        matrices = matrix_dtype(weight.dtype, lora_dtype)
         if matrices is not None:
             kernel_dtype, dtype = weight.dtype, matrices
         elif kernel == "c":
@@ -637,20 +637,6 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
         adapter = _Adapter(module.forward, gate, group, member)
         object.__setattr__(module, "_mars_adapter", adapter)
         module.forward = types.MethodType(_adapted_forward, module)
-
-
-def _exact_narrower_dtype(model_dtype: torch.dtype, pairs: list[dict], scaling: float) -> torch.dtype | None:
-    """The checkpoint's own dtype when it is narrower than the model's, the C kernel serves that pair and the
-    matrices it keeps (``A`` and ``scaling · B``) lose nothing in it: a float32 model then reads a bf16 adapter
-    in half the bytes, with the same values. None otherwise (the kernel's default)."""
-    stored = pairs[0]["A"].dtype
-    if stored.itemsize >= model_dtype.itemsize or stored not in SERVED.get(model_dtype, ()):
-        return None
-    for pair in pairs:
-        scaled = pair["B"].to(torch.float64) * scaling
-        if pair["A"].dtype != stored or pair["B"].dtype != stored or not torch.equal(scaled.to(stored).to(torch.float64), scaled):
-            return None
-    return stored
 
 
 def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:
