@@ -397,21 +397,26 @@ def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
 class GroupPlan:
     """What a sibling group's kernel call passes unchanged from forward to forward: the C function and the
     members' output widths, ranks and ``Bᵀ`` matrices (each ``rank x out``, contiguous) as C arrays, built
-    once. :meth:`matches` tells whether the matrices are still where the plan points (``model.to`` moves them)."""
+    once. :meth:`matches` tells whether the layers still hold those matrices (``model.to`` replaces them)."""
 
-    __slots__ = ("function", "members", "outs", "ranks", "pointers", "bts", "ys")
+    __slots__ = ("function", "members", "outs", "ranks", "matrices", "bts", "ys")
 
     def __init__(self, model_dtype: torch.dtype, bts: list[torch.Tensor]):
         self.function = _FUNCTIONS[model_dtype, bts[0].dtype]
         self.members = len(bts)
         self.outs = (ctypes.c_int64 * self.members)(*[bt.shape[1] for bt in bts])
         self.ranks = (ctypes.c_int64 * self.members)(*[bt.shape[0] for bt in bts])
-        self.pointers = [bt.data_ptr() for bt in bts]
-        self.bts = (ctypes.c_void_p * self.members)(*self.pointers)
+        self.matrices = [(bt, bt.data_ptr()) for bt in bts]
+        self.bts = (ctypes.c_void_p * self.members)(*[pointer for _, pointer in self.matrices])
         self.ys = ctypes.c_void_p * self.members
 
-    def matches(self, bts: list[torch.Tensor]) -> bool:
-        return [bt.data_ptr() for bt in bts] == self.pointers
+    def matches(self, layers: list, name: str = "mars_lora_BT") -> bool:
+        """Whether each layer's buffer ``name`` is still the matrix this plan points to, unmoved."""
+        for layer, (bt, pointer) in zip(layers, self.matrices):
+            held = layer._buffers[name]
+            if held is not bt or held.data_ptr() != pointer:
+                return False
+        return True
 
 
 def mask_rows_group_delta(

@@ -490,8 +490,11 @@ class _SharedInput:
         outputs = [
             module.__dict__["_mars_adapter"].base_forward(x, *args, **kwargs).contiguous() for module in self.members
         ]
-        if x.dtype == outputs[0].dtype == self.kernel_dtype and x.device.type == "cpu":
-            self._add_kernel(x.contiguous(), gate.positions_for(x), outputs)
+        if x.dtype == outputs[0].dtype == self.kernel_dtype and x.is_cpu:
+            plan = self.plan
+            if plan is None or not plan.matches(self.members):
+                plan = self.plan = GroupPlan(x.dtype, [module._buffers["mars_lora_BT"] for module in self.members])
+            mask_rows_group_delta(plan, x.contiguous(), gate.positions_for(x), self.leader._buffers["mars_lora_A"], outputs)
         else:
             self._add_torch(x, gate, outputs)
         if len(outputs) > 1:
@@ -501,12 +504,6 @@ class _SharedInput:
     def _add_torch(self, x: torch.Tensor, gate: MaskGate, outputs: list) -> None:
         for module, output, part in zip(self.members, outputs, self._products(x, gate)):
             _add_delta_in_place(output, part, module._buffers["mars_lora_BT"])
-
-    def _add_kernel(self, dense: torch.Tensor, index, outputs: list) -> None:
-        bts = [module._buffers["mars_lora_BT"] for module in self.members]
-        if self.plan is None or not self.plan.matches(bts):
-            self.plan = GroupPlan(dense.dtype, bts)
-        mask_rows_group_delta(self.plan, dense, index, self.leader._buffers["mars_lora_A"], outputs)
 
 
 class _Adapter:
