@@ -103,88 +103,59 @@ static inline void vadd_bf16(uint16_t *y, f32v acc) {
     u16v h = __builtin_convertvector(bits, u16v); memcpy(y, &h, VBYTES / 2);
 }
 
-/* Threads pay a fork and join per call (~µs): only products of at least this many multiply-adds split. */
+/* Threads pay a fork and join per call (~µs): only groups of at least this many multiply-adds split. */
 #define MIN_PARALLEL_WORK (1 << 14)
-/* acc[i, :] += s_i * w[:] for the n rows, w one matrix row of `width` entries (widened from WT). */
-#define ROW_UPDATE(CT, WT, LOADW, VLOADW, acc, stride, scale, w, width, n)                 \
-    do { const int64_t lanes_ = VBYTES / sizeof(CT); int64_t c_ = 0;                          \
-         typedef CT vec_ __attribute__((vector_size(VBYTES)));                                   \
-         for (; c_ + lanes_ <= (width); c_ += lanes_) {                                     \
-             vec_ wv_ = VLOADW((w) + c_);                                                    \
-             for (int64_t i_ = 0; i_ < (n); ++i_) {                                          \
-                 vec_ a_; memcpy(&a_, (acc) + i_ * (stride) + c_, VBYTES);                       \
-                 a_ += (scale)[i_] * wv_; memcpy((acc) + i_ * (stride) + c_, &a_, VBYTES);       \
-             } }                                                                             \
-         for (; c_ < (width); ++c_) {                                                        \
-             CT wv_ = LOADW((w)[c_]);                                                        \
-             for (int64_t i_ = 0; i_ < (n); ++i_) (acc)[i_ * (stride) + c_] += (scale)[i_] * wv_; \
-         } } while (0)
-
 /* Sum of a vector's lanes, in lane order. */
 #define HSUM(CT, v, out)                                                                     \
     do { CT l_[VBYTES / sizeof(CT)]; memcpy(l_, &(v), VBYTES); CT s_ = l_[0];                \
          for (size_t k_ = 1; k_ < VBYTES / sizeof(CT); ++k_) s_ += l_[k_]; (out) = s_; } while (0)
 
-/* t[i, r] = sum_j x[idx[i], j] * a[r, j]   (x: rows x in, a: R x in row-major, t: n x R). Each row of `a`
-   is one dot product per mask row, four rows at a time with their partial sums in registers; threads take
-   contiguous ranges of a's rows, so each thread streams its part of the matrix once and every sum has the
-   same order for any thread count. */
-#define XA(NAME, XT, WT, CT, LOADX, LOADW, VLOADW)                                          \
-int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *a, int64_t R, CT *t) { \
+/* t[i, r] = sum_j rows[i, j] * a[r, j] for r in [r_lo, r_hi)   (rows: the n mask rows widened, zero-padded
+   to a multiple of 4 rows; a: R x in row-major; t: n x R). Each row of `a` is one dot product per mask row, four
+   rows at a time with their partial sums in registers, so a thread streams its rows of the matrix once. */
+#define XA(NAME, WT, CT, LOADW, VLOADW)                                                      \
+static void NAME(const CT *rows, int64_t in, int64_t n, const WT *a, int64_t R, CT *t,      \
+                 int64_t r_lo, int64_t r_hi) {                                              \
     typedef CT vec __attribute__((vector_size(VBYTES)));                                    \
     const int64_t lanes = VBYTES / sizeof(CT), whole = in / lanes * lanes;                  \
-    const int64_t padded = (n + 3) / 4 * 4;                                                 \
-    CT *rows = (CT *)calloc((size_t)(padded * in), sizeof(CT));  /* mask rows, widened */   \
-    if (!rows) return 1;                                                                    \
-    for (int64_t i = 0; i < n; ++i)                                                         \
-        for (int64_t j = 0; j < in; ++j) rows[i * in + j] = LOADX(x[idx[i] * in + j]);      \
-    int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
-    if (threads > R) threads = (int)R;                                                      \
-    int split = n * in * R >= MIN_PARALLEL_WORK && threads > 1;                             \
-    _Pragma("omp parallel num_threads(threads) if(split)")                                  \
-    {                                                                                       \
-        int parts = split ? omp_get_num_threads() : 1, me = split ? omp_get_thread_num() : 0; \
-        for (int64_t r = R * me / parts; r < R * (me + 1) / parts; ++r) {                   \
-            const WT *w = a + r * in;                                                       \
-            for (int64_t i0 = 0; i0 < n; i0 += 4) {                                         \
-                const CT *x0 = rows + i0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in; \
-                /* two partial sums per row (even and odd vectors): twice the multiply-adds in flight */ \
-                vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0}; \
-                vec wv, xv;                                                                 \
-                int64_t j = 0;                                                              \
-                for (; j + 2 * lanes <= whole; j += 2 * lanes) {                            \
-                    wv = VLOADW(w + j);                                                     \
-                    memcpy(&xv, x0 + j, VBYTES); s0 += xv * wv;                             \
-                    memcpy(&xv, x1 + j, VBYTES); s1 += xv * wv;                             \
-                    memcpy(&xv, x2 + j, VBYTES); s2 += xv * wv;                             \
-                    memcpy(&xv, x3 + j, VBYTES); s3 += xv * wv;                             \
-                    wv = VLOADW(w + j + lanes);                                             \
-                    memcpy(&xv, x0 + j + lanes, VBYTES); e0 += xv * wv;                     \
-                    memcpy(&xv, x1 + j + lanes, VBYTES); e1 += xv * wv;                     \
-                    memcpy(&xv, x2 + j + lanes, VBYTES); e2 += xv * wv;                     \
-                    memcpy(&xv, x3 + j + lanes, VBYTES); e3 += xv * wv;                     \
-                }                                                                           \
-                for (; j < whole; j += lanes) {                                             \
-                    wv = VLOADW(w + j);                                                     \
-                    memcpy(&xv, x0 + j, VBYTES); s0 += xv * wv;                             \
-                    memcpy(&xv, x1 + j, VBYTES); s1 += xv * wv;                             \
-                    memcpy(&xv, x2 + j, VBYTES); s2 += xv * wv;                             \
-                    memcpy(&xv, x3 + j, VBYTES); s3 += xv * wv;                             \
-                }                                                                           \
-                s0 += e0; s1 += e1; s2 += e2; s3 += e3;                                     \
-                CT sums[4]; HSUM(CT, s0, sums[0]); HSUM(CT, s1, sums[1]);                   \
-                HSUM(CT, s2, sums[2]); HSUM(CT, s3, sums[3]);                               \
-                for (j = whole; j < in; ++j) {                                              \
-                    CT wj = LOADW(w[j]);                                                    \
-                    sums[0] += x0[j] * wj; sums[1] += x1[j] * wj;                           \
-                    sums[2] += x2[j] * wj; sums[3] += x3[j] * wj;                           \
-                }                                                                           \
-                for (int64_t k = 0; k < 4 && i0 + k < n; ++k) t[(i0 + k) * R + r] = sums[k]; \
+    for (int64_t r = r_lo; r < r_hi; ++r) {                                                 \
+        const WT *w = a + r * in;                                                           \
+        for (int64_t i0 = 0; i0 < n; i0 += 4) {                                             \
+            const CT *x0 = rows + i0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;     \
+            /* two partial sums per row (even and odd vectors): twice the multiply-adds in flight */     \
+            vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0};     \
+            vec wv, xv;                                                                     \
+            int64_t j = 0;                                                                  \
+            for (; j + 2 * lanes <= whole; j += 2 * lanes) {                                \
+                wv = VLOADW(w + j);                                                         \
+                memcpy(&xv, x0 + j, VBYTES); s0 += xv * wv;                                 \
+                memcpy(&xv, x1 + j, VBYTES); s1 += xv * wv;                                 \
+                memcpy(&xv, x2 + j, VBYTES); s2 += xv * wv;                                 \
+                memcpy(&xv, x3 + j, VBYTES); s3 += xv * wv;                                 \
+                wv = VLOADW(w + j + lanes);                                                 \
+                memcpy(&xv, x0 + j + lanes, VBYTES); e0 += xv * wv;                         \
+                memcpy(&xv, x1 + j + lanes, VBYTES); e1 += xv * wv;                         \
+                memcpy(&xv, x2 + j + lanes, VBYTES); e2 += xv * wv;                         \
+                memcpy(&xv, x3 + j + lanes, VBYTES); e3 += xv * wv;                         \
             }                                                                               \
+            for (; j < whole; j += lanes) {                                                 \
+                wv = VLOADW(w + j);                                                         \
+                memcpy(&xv, x0 + j, VBYTES); s0 += xv * wv;                                 \
+                memcpy(&xv, x1 + j, VBYTES); s1 += xv * wv;                                 \
+                memcpy(&xv, x2 + j, VBYTES); s2 += xv * wv;                                 \
+                memcpy(&xv, x3 + j, VBYTES); s3 += xv * wv;                                 \
+            }                                                                               \
+            s0 += e0; s1 += e1; s2 += e2; s3 += e3;                                         \
+            CT sums[4]; HSUM(CT, s0, sums[0]); HSUM(CT, s1, sums[1]);                       \
+            HSUM(CT, s2, sums[2]); HSUM(CT, s3, sums[3]);                                   \
+            for (j = whole; j < in; ++j) {                                                  \
+                CT wj = LOADW(w[j]);                                                        \
+                sums[0] += x0[j] * wj; sums[1] += x1[j] * wj;                               \
+                sums[2] += x2[j] * wj; sums[3] += x3[j] * wj;                               \
+            }                                                                               \
+            for (int64_t k = 0; k < 4 && i0 + k < n; ++k) t[(i0 + k) * R + r] = sums[k];     \
         }                                                                                   \
     }                                                                                       \
-    free(rows);                                                                             \
-    return 0;                                                                               \
 }
 
 /* A vector of `count` entries of a matrix row (widened from WT), zero-padded to whole lanes. */
@@ -194,18 +165,15 @@ int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *a, in
                 for (int64_t k_ = 0; k_ < (count); ++k_) l_[k_] = LOADW((src)[k_]);          \
                 memcpy(&(dst), l_, VBYTES); } } while (0)
 
-/* y[idx[i], o] += sum_{r < rk} t[i, r0 + r] * bt[r, o]   (bt: rk x out row-major), rounded once. Register
-   blocking: two vectors of outputs for four mask rows (eight sums) stay in registers while r runs; threads take
-   whole column chunks, so each output's sum has the same order for any thread count. */
+/* y[idx[i], o] += sum_{r < rk} t[i, r0 + r] * bt[r, o] for the column chunks [c_lo, c_hi) of two vectors each
+   (bt: rk x out row-major), rounded once. Register blocking: two vectors of outputs for four mask rows (eight
+   sums) stay in registers while r runs; each output's sum has the same order whoever computes it. */
 #define ADD(NAME, YT, WT, CT, LOADY, LOADW, VLOADW, STORE, VADD)                            \
-int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t R,         \
-         int64_t r0, int64_t rk, const WT *bt) {                                            \
+static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t R, \
+                 int64_t r0, int64_t rk, const WT *bt, int64_t c_lo, int64_t c_hi) {        \
     typedef CT vec __attribute__((vector_size(VBYTES)));                                    \
-    const int64_t lanes = VBYTES / sizeof(CT), chunks = (out + 2 * lanes - 1) / (2 * lanes); \
-    int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
-    int split = n * rk * out >= MIN_PARALLEL_WORK;                                          \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if(split)")             \
-    for (int64_t c = 0; c < chunks; ++c) {                                                  \
+    const int64_t lanes = VBYTES / sizeof(CT);                                              \
+    for (int64_t c = c_lo; c < c_hi; ++c) {                                                 \
         const int64_t o = c * 2 * lanes, width = out - o < 2 * lanes ? out - o : 2 * lanes; \
         for (int64_t i0 = 0; i0 < n; i0 += 4) {                                             \
             const int64_t nb = n - i0 < 4 ? n - i0 : 4;                                     \
@@ -228,40 +196,67 @@ int NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
+}
+
+/* A sibling group (layers that read one input: q/k/v, gate/up; or one layer alone) in one call and one parallel
+   region: t = x[idx] aᵀ for the stacked A of all members (threads split a's rows), then, after a barrier, each
+   member's y_m[idx] += t[:, its ranks] bt_m (threads split the output columns). */
+/* One group's arguments, passed by address: Python fills only what changes between calls (x, idx, n, a, ys),
+   which costs less than converting eleven arguments per call. */
+#define MAX_MEMBERS 8
+typedef struct {
+    const void *x; int64_t in; const int64_t *idx; int64_t n; const void *a; int64_t R; int64_t members;
+    void *ys[MAX_MEMBERS]; int64_t outs[MAX_MEMBERS]; int64_t ranks[MAX_MEMBERS]; const void *bts[MAX_MEMBERS];
+} group_call;
+
+#define GROUP(NAME, XA_NAME, ADD_NAME, XT, WT, CT, LOADX)                                   \
+int NAME(const group_call *call) {                                                          \
+    const XT *x = (const XT *)call->x; const WT *a = (const WT *)call->a;                   \
+    const int64_t in = call->in, n = call->n, R = call->R, members = call->members;         \
+    const int64_t *idx = call->idx, *outs = call->outs, *ranks = call->ranks;               \
+    if (members > MAX_MEMBERS) return 2;                                                    \
+    const int64_t lanes = VBYTES / sizeof(CT), padded = (n + 3) / 4 * 4;                    \
+    CT *rows = (CT *)calloc((size_t)(padded * in), sizeof(CT));  /* mask rows, widened */   \
+    CT *t = (CT *)malloc(sizeof(CT) * (size_t)(n * R));                                     \
+    if (!rows || !t) { free(rows); free(t); return 1; }                                     \
+    for (int64_t i = 0; i < n; ++i)                                                         \
+        for (int64_t j = 0; j < in; ++j) rows[i * in + j] = LOADX(x[idx[i] * in + j]);      \
+    int64_t work = n * in * R;                                                              \
+    for (int64_t m = 0; m < members; ++m) work += n * ranks[m] * outs[m];                   \
+    int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
+    int split = work >= MIN_PARALLEL_WORK && threads > 1;                                  \
+    _Pragma("omp parallel num_threads(threads) if(split)")                                  \
+    {                                                                                       \
+        const int64_t parts = split ? omp_get_num_threads() : 1, me = split ? omp_get_thread_num() : 0; \
+        XA_NAME(rows, in, n, a, R, t, R * me / parts, R * (me + 1) / parts);                \
+        _Pragma("omp barrier")                                                              \
+        for (int64_t m = 0, r0 = 0; m < members; r0 += ranks[m++]) {                        \
+            const int64_t chunks = (outs[m] + 2 * lanes - 1) / (2 * lanes);                 \
+            ADD_NAME((XT *)call->ys[m], outs[m], idx, n, t, R, r0, ranks[m], (const WT *)call->bts[m], \
+                                        \
+                     chunks * me / parts, chunks * (me + 1) / parts);                       \
+        }                                                                                   \
+    }                                                                                       \
+    free(rows); free(t);                                                                    \
     return 0;                                                                               \
 }
 
-/* A sibling group (layers that read one input: q/k/v, gate/up; or one layer alone) in one call:
-   t = x[idx] aᵀ for the stacked A of all members, then each member's y_m[idx] += t[:, its ranks] bt_m. */
-#define GROUP(NAME, XA_NAME, ADD_NAME, XT, WT, CT)                                          \
-int NAME(const XT *x, int64_t in, const int64_t *idx, int64_t n, const WT *a, int64_t R,   \
-         int64_t members, XT *const *ys, const int64_t *outs, const int64_t *ranks,         \
-         const WT *const *bts) {                                                            \
-    CT *t = (CT *)malloc(sizeof(CT) * (size_t)(n * R));                                     \
-    int status = t ? XA_NAME(x, in, idx, n, a, R, t) : 1;                                   \
-    for (int64_t m = 0, r0 = 0; m < members && !status; r0 += ranks[m++])                   \
-        status = ADD_NAME(ys[m], outs[m], idx, n, t, R, r0, ranks[m], bts[m]);              \
-    free(t);                                                                                \
-    return status;                                                                          \
-}
-
 #define SAME(v) (v)
-/* name suffix: model dtype _ adapter matrices' dtype */
-XA(mars_xa_f32_f32, float, float, float, SAME, SAME, vload_f32)
-XA(mars_xa_f32_bf16, float, uint16_t, float, SAME, bf16_to_f32, vload_bf16)
-XA(mars_xa_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, vload_bf16)
-XA(mars_xa_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, vload_f32)
-XA(mars_xa_f64_f64, double, double, double, SAME, SAME, vload_f64)
+/* XA name suffix: the matrices' dtype (rows are widened to the accumulator's first); the others: model dtype _
+   adapter matrices' dtype */
+XA(mars_xa_f32, float, float, SAME, vload_f32)
+XA(mars_xa_bf16, uint16_t, float, bf16_to_f32, vload_bf16)
+XA(mars_xa_f64, double, double, SAME, vload_f64)
 ADD(mars_add_f32_f32, float, float, float, SAME, SAME, vload_f32, SAME, vadd_f32)
 ADD(mars_add_f32_bf16, float, uint16_t, float, SAME, bf16_to_f32, vload_bf16, SAME, vadd_f32)
 ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, vload_bf16, f32_to_bf16, vadd_bf16)
 ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, vload_f32, f32_to_bf16, vadd_bf16)
 ADD(mars_add_f64_f64, double, double, double, SAME, SAME, vload_f64, SAME, vadd_f64)
-GROUP(mars_group_f32_f32, mars_xa_f32_f32, mars_add_f32_f32, float, float, float)
-GROUP(mars_group_f32_bf16, mars_xa_f32_bf16, mars_add_f32_bf16, float, uint16_t, float)
-GROUP(mars_group_bf16_bf16, mars_xa_bf16_bf16, mars_add_bf16_bf16, uint16_t, uint16_t, float)
-GROUP(mars_group_bf16_f32, mars_xa_bf16_f32, mars_add_bf16_f32, uint16_t, float, float)
-GROUP(mars_group_f64_f64, mars_xa_f64_f64, mars_add_f64_f64, double, double, double)
+GROUP(mars_group_f32_f32, mars_xa_f32, mars_add_f32_f32, float, float, float, SAME)
+GROUP(mars_group_f32_bf16, mars_xa_bf16, mars_add_f32_bf16, float, uint16_t, float, SAME)
+GROUP(mars_group_bf16_bf16, mars_xa_bf16, mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32)
+GROUP(mars_group_bf16_f32, mars_xa_f32, mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32)
+GROUP(mars_group_f64_f64, mars_xa_f64, mars_add_f64_f64, double, double, double, SAME)
 """
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
@@ -341,11 +336,10 @@ def _build() -> ctypes.CDLL:
                 raise OSError(f"{compiler} failed to build the gated kernel: {result.stderr.strip()[-400:]}")
             os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
     library = ctypes.CDLL(str(target))
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
     for model_dtype, matrix_dtypes in SERVED.items():
         for matrices in matrix_dtypes:
             group = getattr(library, f"mars_group_{_SUFFIX[model_dtype]}_{_SUFFIX[matrices]}")
-            group.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer, pointer, pointer, pointer]
+            group.argtypes = [ctypes.c_void_p]  # the address of a group_call struct
             group.restype = ctypes.c_int
             _FUNCTIONS[model_dtype, matrices] = group
     return library
@@ -394,21 +388,44 @@ def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-class GroupPlan:
-    """What a sibling group's kernel call passes unchanged from forward to forward: the C function and the
-    members' output widths, ranks and ``Bᵀ`` matrices (each ``rank x out``, contiguous) as C arrays, built
-    once. :meth:`matches` tells whether the layers still hold those matrices (``model.to`` replaces them)."""
+MAX_MEMBERS = 8  # the C struct's room for sibling layers (q/k/v: 3)
 
-    __slots__ = ("function", "members", "outs", "ranks", "matrices", "bts", "ys")
+
+class _GroupCall(ctypes.Structure):
+    """The C ``group_call`` struct: one group's arguments."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("in_features", ctypes.c_int64),
+        ("idx", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("a", ctypes.c_void_p),
+        ("R", ctypes.c_int64),
+        ("members", ctypes.c_int64),
+        ("ys", ctypes.c_void_p * MAX_MEMBERS),
+        ("outs", ctypes.c_int64 * MAX_MEMBERS),
+        ("ranks", ctypes.c_int64 * MAX_MEMBERS),
+        ("bts", ctypes.c_void_p * MAX_MEMBERS),
+    ]
+
+
+class GroupPlan:
+    """A sibling group's kernel call: the C function and its argument struct, with what stays the same from
+    forward to forward (the members' output widths, ranks and ``Bᵀ`` matrices, each ``rank x out`` and
+    contiguous) filled once. :meth:`matches` tells whether the layers still hold those matrices (``model.to``
+    replaces them)."""
+
+    __slots__ = ("function", "call", "address", "matrices")
 
     def __init__(self, model_dtype: torch.dtype, bts: list[torch.Tensor]):
+        if len(bts) > MAX_MEMBERS:
+            raise ValueError(f"the gated kernel adapts at most {MAX_MEMBERS} sibling layers in one call, not {len(bts)}")
         self.function = _FUNCTIONS[model_dtype, bts[0].dtype]
-        self.members = len(bts)
-        self.outs = (ctypes.c_int64 * self.members)(*[bt.shape[1] for bt in bts])
-        self.ranks = (ctypes.c_int64 * self.members)(*[bt.shape[0] for bt in bts])
         self.matrices = [(bt, bt.data_ptr()) for bt in bts]
-        self.bts = (ctypes.c_void_p * self.members)(*[pointer for _, pointer in self.matrices])
-        self.ys = ctypes.c_void_p * self.members
+        self.call = _GroupCall(members=len(bts))
+        for m, (bt, pointer) in enumerate(self.matrices):
+            self.call.outs[m], self.call.ranks[m], self.call.bts[m] = bt.shape[1], bt.shape[0], pointer
+        self.address = ctypes.addressof(self.call)
 
     def matches(self, layers: list, name: str = "mars_lora_BT") -> bool:
         """Whether each layer's buffer ``name`` is still the matrix this plan points to, unmoved."""
@@ -425,9 +442,11 @@ def mask_rows_group_delta(
     """``outputs[m][index] += (x[index] @ a.T)[:, member m's ranks] @ Bᵀ_m`` in place for every member of
     ``plan``'s group, each sum rounded once, in one C call. Flattened rows; ``x``, ``a`` (the members' stacked
     ``A``, ``R x in``) and ``outputs`` contiguous, in the model dtype the plan was built for."""
-    status = plan.function(
-        x.data_ptr(), x.shape[-1], index.data_ptr(), index.numel(), a.data_ptr(), a.shape[0], plan.members,
-        plan.ys(*[y.data_ptr() for y in outputs]), plan.outs, plan.ranks, plan.bts,
-    )  # fmt: skip
-    if status:
+    call = plan.call
+    call.x, call.in_features, call.idx, call.n = x.data_ptr(), x.shape[-1], index.data_ptr(), index.numel()
+    call.a, call.R = a.data_ptr(), a.shape[0]
+    ys = call.ys
+    for m, y in enumerate(outputs):
+        ys[m] = y.data_ptr()
+    if plan.function(plan.address):
         raise MemoryError("the gated kernel could not allocate its scratch rows")
