@@ -426,9 +426,10 @@ SHARED_INPUT_NAMES = (
 class _SharedInput:
     """Adapted sibling layers fed the same input: ``x @ A.T`` for all of them in one matmul, once per forward.
 
-    ``leader`` carries the stacked ``mars_lora_A`` (both forms read it) as a (non-persistent) buffer, so ``model.to()`` moves it. The product (with autograd on), or in inference
-    every member's adapted output, is kept, with the input it was computed from and the form that computed it,
-    only until every sibling has taken its part (no activation outlives its forward).
+    ``leader`` carries the stacked ``mars_lora_A`` (``ranks x inputs``; both forms read it) as a (non-persistent)
+    buffer, so ``model.to()`` moves it. The product (with autograd on), or in inference every member's adapted
+    output, is kept, with the input it was computed from and the form that computed it, only until every sibling
+    has taken its part (no activation outlives its forward).
     """
 
     __slots__ = ("leader", "members", "ranks", "kernel_dtype", "x", "parts", "serial", "waiting", "form", "plan")
