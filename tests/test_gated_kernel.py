@@ -31,9 +31,9 @@ def group_delta(x, index, a, outputs, bts):
         (torch.bfloat16, torch.bfloat16, 1e-2),
     ],
 )
-@pytest.mark.parametrize("rank", [4, 12])  # 3 x 12 = 36 rows of A: enough work for the product to split
-# 40 outputs: whole vectors and a partial one; 200: also enough work (rows x rank x outputs) for the add to split
-# over threads
+@pytest.mark.parametrize("rank", [4, 12])
+# 40 outputs: whole vectors and a partial one; rank 12 with 200 outputs: enough multiply-adds for the group's call
+# to split over threads (the others run on one)
 @pytest.mark.parametrize("outputs", [40, 200])
 def test_kernel_writes_each_members_delta_at_mask_rows_only(model_dtype, matrices, tolerance, rank, outputs):
     torch.manual_seed(0)
@@ -70,9 +70,9 @@ def test_bfloat16_sum_is_rounded_once_to_nearest_even():
 
 
 def test_bfloat16_rounding_of_whole_vectors_matches_the_scalar_rounding():
-    """Outputs that fill 64-byte vectors take the vector path: the same rounding, ties and NaN included."""
+    """Outputs that fill whole vectors take the vector path: the same rounding, ties and NaN included."""
     generator = torch.Generator().manual_seed(1)
-    rows, out = 3, 48  # three whole vectors of 16 per row
+    rows, out = 3, 64  # whole chunks of two vectors per row, with AVX2's vectors and AVX-512's
     x = torch.randint(1, 4, (rows, 2), generator=generator).to(torch.bfloat16)
     a = torch.eye(2, dtype=torch.bfloat16)
     bt = torch.randint(-3, 4, (2, out), generator=generator).to(torch.bfloat16)

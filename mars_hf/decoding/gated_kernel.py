@@ -12,7 +12,7 @@ forward (the base weights evict them), so both products stream their matrix fron
 Numerics: float32 and bfloat16 models accumulate in float32 (bfloat16 inputs are widened exactly, the sum
 ``y + delta`` is rounded once, to nearest-even, as ``(y.float() + delta).to(torch.bfloat16)`` rounds);
 float64 models in float64. Summation order differs from torch's GEMM, so mask rows agree with the torch
-form to round-off, not bit for bit.
+form to round-off, not bit for bit; it does not depend on the thread count.
 
 The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``), for this CPU
 (``-march=native``), into ``$MARS_HF_HOME/kernels`` (default ``~/.cache/mars_hf/kernels``); the file
@@ -70,13 +70,10 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
     return (uint16_t)(u >> 16);
 }
 
-/* Streaming order: both products read their matrix front to back, once per call, whatever the number of mask
-   rows (the row loop is innermost), so the hardware prefetchers see one sequential stream. The matrices are
-   read cold from memory on every forward (the base model's weights evict them), so the order matters more than
-   the arithmetic: the earlier column-block order read 64-byte pieces at a stride and ran at ~2 GB/s on an AVX2
-   EPYC. Accumulators live in small scratch rows (in L1). Whole 64-byte vectors (GCC/Clang vector extensions:
-   16 floats or 8 doubles; bf16 halves widened by a shift) are loaded at once, the tail lane by lane. */
-/* Vectors as wide as the CPU's registers: a 64-byte vector on an AVX2 CPU goes through the stack. */
+/* Layout: x Aᵀ reads A (ranks x inputs) row by row, one dot product per mask row with its partial sums in
+   registers; the add reads Bᵀ (rank x outputs) in chunks of columns, its sums in registers too. Vectors are as
+   wide as the CPU's registers (GCC/Clang vector extensions): a 64-byte vector on an AVX2 CPU goes through the
+   stack, which made an earlier version of this kernel run at 1-5 GFMA/s there. bf16 halves widen by a shift. */
 #if defined(__AVX512F__)
 #define VBYTES 64
 #else
