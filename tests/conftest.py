@@ -1,3 +1,5 @@
+import socket
+
 import pytest
 import torch
 
@@ -27,3 +29,12 @@ def model(arch):
 def bare_venv(tmp_path_factory):
     """A virtual environment with only torch and transformers (no mars_hf, peft or trl); its python."""
     return make_bare_venv(tmp_path_factory.mktemp("bare_venv"))
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it): servers and process groups a test starts then meet
+    no other run's (torchrun's default 29500 is shared by every launch on the machine)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

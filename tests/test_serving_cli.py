@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,19 +17,13 @@ from mars_hf.decoding.generation import enable_mars
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_serve_command_answers_verify_and_tau_requests_and_shuts_down(tmp_path):
+def test_serve_command_answers_verify_and_tau_requests_and_shuts_down(tmp_path, free_port):
     tok = tiny_tokenizer()
     model = tiny_model("llama", tokenizer=tok, dtype=torch.float32)
     folder = tmp_path / "mars-checkpoint"
     hub.save_pretrained(model, tok, folder, base_model="tiny")
-    port = _free_port()
+    port = free_port
     process = subprocess.Popen(
         [sys.executable, "-m", "mars_hf.cli", "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
          "--max-rows", "4", "--tau-min", "0.7", "--tau-max", "0.95"],

@@ -218,8 +218,11 @@ def run_train(argv, tmp_path, name):
 
 
 @pytest.mark.slow
-def test_two_cpu_processes_give_the_one_process_loss_curve(model_dir, tmp_path):
-    """Same data, seed and global batch (2 rows x 2 processes = 2 rows x 2 accumulation steps): same losses."""
+def test_two_cpu_processes_give_the_one_process_loss_curve(model_dir, tmp_path, free_port):
+    """Same data, seed and global batch (2 rows x 2 processes = 2 rows x 2 accumulation steps): same losses.
+
+    The processes meet on a free port (``free_port``), not torchrun's default 29500: another launch on the
+    machine (a second test run) would otherwise join or block their group."""
     jsonl = tmp_path / "distinct.jsonl"
     words = (
         "the cat sat on mat is red blue green one two three four five six seven yes no hello world".split()
@@ -237,7 +240,7 @@ def test_two_cpu_processes_give_the_one_process_loss_curve(model_dir, tmp_path):
     assert cli_main(["train", "--config", str(recipe), "--output_dir", str(one), "--gradient_accumulation_steps", "2",
                      "--use_cpu"]) == 0  # fmt: skip
     result = run_train(["--config", str(recipe), "--output_dir", str(two), "--accelerate_config", "multi_cpu",
-                        "--use_cpu"], tmp_path, "2 processes")  # fmt: skip
+                        "--main_process_port", str(free_port), "--use_cpu"], tmp_path, "2 processes")  # fmt: skip
     assert "mars/noisy_loss" in result.stdout + result.stderr
     curve_one, curve_two = loss_curve(one), loss_curve(two)
     assert len(curve_one) == len(curve_two) == 4
