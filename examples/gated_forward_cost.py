@@ -215,8 +215,7 @@ class KernelClock:
 
     def __init__(self):
         self.seconds = 0.0
-        for name in ("mask_rows_group_delta",):
-            setattr(gated_lora, name, self._timed(getattr(gated_lora, name)))
+        gated_lora.mask_rows_group_delta = self._timed(gated_lora.mask_rows_group_delta)
 
     def _timed(self, function):
         def timed(*args):

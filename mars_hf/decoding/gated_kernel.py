@@ -107,6 +107,15 @@ static inline void vadd_bf16(uint16_t *y, f32v acc) {
     do { CT l_[VBYTES / sizeof(CT)]; memcpy(l_, &(v), VBYTES); CT s_ = l_[0];                \
          for (size_t k_ = 1; k_ < VBYTES / sizeof(CT); ++k_) s_ += l_[k_]; (out) = s_; } while (0)
 
+/* XA's step: the four rows' sums a0..a3 += x_k[off : off + lanes] * w[off : off + lanes] (w, x0..x3 and the
+   scratch vectors wv, xv are XA's). */
+#define FMA4(VLOADW, a0, a1, a2, a3, off)                                                    \
+    do { wv = VLOADW(w + (off));                                                             \
+         memcpy(&xv, x0 + (off), VBYTES); a0 += xv * wv;                                     \
+         memcpy(&xv, x1 + (off), VBYTES); a1 += xv * wv;                                     \
+         memcpy(&xv, x2 + (off), VBYTES); a2 += xv * wv;                                     \
+         memcpy(&xv, x3 + (off), VBYTES); a3 += xv * wv; } while (0)
+
 /* t[i, r] = sum_j rows[i, j] * a[r, j] for r in [r_lo, r_hi)   (rows: the n mask rows widened, zero-padded
    to a multiple of 4 rows; a: R x in row-major; t: n x R). Each row of `a` is one dot product per mask row, four
    rows at a time with their partial sums in registers, so a thread streams its rows of the matrix once. */
@@ -124,24 +133,9 @@ static void NAME(const CT *rows, int64_t in, int64_t n, const WT *a, int64_t R, 
             vec wv, xv;                                                                     \
             int64_t j = 0;                                                                  \
             for (; j + 2 * lanes <= whole; j += 2 * lanes) {                                \
-                wv = VLOADW(w + j);                                                         \
-                memcpy(&xv, x0 + j, VBYTES); s0 += xv * wv;                                 \
-                memcpy(&xv, x1 + j, VBYTES); s1 += xv * wv;                                 \
-                memcpy(&xv, x2 + j, VBYTES); s2 += xv * wv;                                 \
-                memcpy(&xv, x3 + j, VBYTES); s3 += xv * wv;                                 \
-                wv = VLOADW(w + j + lanes);                                                 \
-                memcpy(&xv, x0 + j + lanes, VBYTES); e0 += xv * wv;                         \
-                memcpy(&xv, x1 + j + lanes, VBYTES); e1 += xv * wv;                         \
-                memcpy(&xv, x2 + j + lanes, VBYTES); e2 += xv * wv;                         \
-                memcpy(&xv, x3 + j + lanes, VBYTES); e3 += xv * wv;                         \
+                FMA4(VLOADW, s0, s1, s2, s3, j); FMA4(VLOADW, e0, e1, e2, e3, j + lanes);   \
             }                                                                               \
-            for (; j < whole; j += lanes) {                                                 \
-                wv = VLOADW(w + j);                                                         \
-                memcpy(&xv, x0 + j, VBYTES); s0 += xv * wv;                                 \
-                memcpy(&xv, x1 + j, VBYTES); s1 += xv * wv;                                 \
-                memcpy(&xv, x2 + j, VBYTES); s2 += xv * wv;                                 \
-                memcpy(&xv, x3 + j, VBYTES); s3 += xv * wv;                                 \
-            }                                                                               \
+            for (; j < whole; j += lanes) FMA4(VLOADW, s0, s1, s2, s3, j);                  \
             s0 += e0; s1 += e1; s2 += e2; s3 += e3;                                         \
             CT sums[4]; HSUM(CT, s0, sums[0]); HSUM(CT, s1, sums[1]);                       \
             HSUM(CT, s2, sums[2]); HSUM(CT, s3, sums[3]);                                   \
@@ -195,9 +189,6 @@ static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t,
     }                                                                                       \
 }
 
-/* A sibling group (layers that read one input: q/k/v, gate/up; or one layer alone) in one call and one parallel
-   region: t = x[idx] aᵀ for the stacked A of all members (threads split a's rows), then, after a barrier, each
-   member's y_m[idx] += t[:, its ranks] bt_m (threads split the output columns). */
 /* One group's arguments, passed by address: Python fills only what changes between calls (x, idx, n, a, ys),
    which costs less than converting eleven arguments per call. */
 #define MAX_MEMBERS 8
@@ -206,6 +197,9 @@ typedef struct {
     void *ys[MAX_MEMBERS]; int64_t outs[MAX_MEMBERS]; int64_t ranks[MAX_MEMBERS]; const void *bts[MAX_MEMBERS];
 } group_call;
 
+/* A sibling group (layers that read one input: q/k/v, gate/up; or one layer alone) in one call and one parallel
+   region: t = x[idx] aᵀ for the stacked A of all members (threads split a's rows), then, after a barrier, each
+   member's y_m[idx] += t[:, its ranks] bt_m (threads split the output columns). */
 #define GROUP(NAME, XA_NAME, ADD_NAME, XT, WT, CT, LOADX)                                   \
 int NAME(const group_call *call) {                                                          \
     const XT *x = (const XT *)call->x; const WT *a = (const WT *)call->a;                   \
@@ -229,8 +223,7 @@ int NAME(const group_call *call) {                                              
         _Pragma("omp barrier")                                                              \
         for (int64_t m = 0, r0 = 0; m < members; r0 += ranks[m++]) {                        \
             const int64_t chunks = (outs[m] + 2 * lanes - 1) / (2 * lanes);                 \
-            ADD_NAME((XT *)call->ys[m], outs[m], idx, n, t, R, r0, ranks[m], (const WT *)call->bts[m], \
-                                        \
+            ADD_NAME((XT *)call->ys[m], outs[m], idx, n, t, R, r0, ranks[m], (const WT *)call->bts[m],       \
                      chunks * me / parts, chunks * (me + 1) / parts);                       \
         }                                                                                   \
     }                                                                                       \
@@ -266,7 +259,7 @@ SERVED = {
 # Model dtypes ``auto`` runs the kernel for. bfloat16: the torch form pays a float32 round trip per small
 # product (its arithmetic is float32 for precision, its operands bf16), the kernel widens in registers.
 # float32: one C call per group instead of a dozen torch ops; on a 2-vCPU AVX2 EPYC with packed base
-# kernels a gated forward measured 1.11-1.13x the base against the torch form's 1.13-1.21x
+# kernels a gated forward measured 1.09-1.11x the base against the torch form's 1.14-1.21x
 # (docs/gated_adapters.md, "Fifth pass"). float64 (the tests' exact models) keeps BLAS's torch form.
 AUTO_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -409,7 +402,7 @@ class _GroupCall(ctypes.Structure):
 class GroupPlan:
     """A sibling group's kernel call: the C function and its argument struct, with what stays the same from
     forward to forward (the members' output widths, ranks and ``Bᵀ`` matrices, each ``rank x out`` and
-    contiguous) filled once. :meth:`matches` tells whether the layers still hold those matrices (``model.to``
+    contiguous) filled once. :meth:`matches` tells whether the layers' matrices are still those (``model.to``
     replaces them)."""
 
     __slots__ = ("function", "call", "address", "matrices")
@@ -424,13 +417,9 @@ class GroupPlan:
             self.call.outs[m], self.call.ranks[m], self.call.bts[m] = bt.shape[1], bt.shape[0], pointer
         self.address = ctypes.addressof(self.call)
 
-    def matches(self, layers: list, name: str = "mars_lora_BT") -> bool:
-        """Whether each layer's buffer ``name`` is still the matrix this plan points to, unmoved."""
-        for layer, (bt, pointer) in zip(layers, self.matrices):
-            held = layer._buffers[name]
-            if held is not bt or held.data_ptr() != pointer:
-                return False
-        return True
+    def matches(self, bts: list[torch.Tensor]) -> bool:
+        """Whether ``bts`` are the matrices this plan points to, unmoved."""
+        return all(held is bt and held.data_ptr() == pointer for held, (bt, pointer) in zip(bts, self.matrices))
 
 
 def mask_rows_group_delta(
@@ -445,5 +434,8 @@ def mask_rows_group_delta(
     ys = call.ys
     for m, y in enumerate(outputs):
         ys[m] = y.data_ptr()
-    if plan.function(plan.address):
+    status = plan.function(plan.address)
+    if status == 1:
         raise MemoryError("the gated kernel could not allocate its scratch rows")
+    if status:
+        raise RuntimeError(f"the gated kernel refused the call (status {status}: more than {MAX_MEMBERS} members)")
