@@ -16,6 +16,17 @@ def runs_kernel(module) -> bool:
     return module.__dict__["_mars_adapter"].group.kernel_dtype is not None
 
 
+@pytest.fixture(params=gated_kernel.VECTOR_BYTES)
+def vector_bytes(request, monkeypatch) -> int:
+    """Each of the kernel's vector widths, whatever this CPU's registers (a build per width, cached): the AVX-512
+    width's code paths are tested on an AVX2 machine too, where GCC runs them slowly but exactly."""
+    monkeypatch.setenv(gated_kernel.VECTOR_BYTES_ENV, request.param)
+    for name, value in (("_LIBRARY", None), ("_FAILURE", None), ("_FUNCTIONS", {})):
+        monkeypatch.setattr(gated_kernel, name, value)
+    assert gated_kernel.vector_bytes() == int(request.param), gated_kernel.failure()
+    return int(request.param)
+
+
 def group_delta(x, index, a, outputs, bts):
     """The kernel's one call for a sibling group: every member's delta at the mask rows, in place."""
     gated_kernel.mask_rows_group_delta(gated_kernel.GroupPlan(outputs[0].dtype, bts), x, index, a, outputs)
@@ -35,9 +46,8 @@ def group_delta(x, index, a, outputs, bts):
 # 40 outputs: whole vectors and a partial one; rank 12 with 200 outputs: enough multiply-adds for the group's call
 # to split over threads (the others run on one)
 @pytest.mark.parametrize("outputs", [40, 200])
-def test_kernel_writes_each_members_delta_at_mask_rows_only(model_dtype, matrices, tolerance, rank, outputs):
+def test_kernel_writes_each_members_delta_at_mask_rows_only(model_dtype, matrices, tolerance, rank, outputs, vector_bytes):
     torch.manual_seed(0)
-    assert gated_kernel.library() is not None, gated_kernel.failure()
     # two sequences of five positions, flattened to ten rows; 27 inputs: whole vectors and a tail
     x = torch.randn(2, 5, 27, dtype=model_dtype)
     a = torch.randn(3 * rank, 27, dtype=matrices)  # three siblings' A, stacked
@@ -56,7 +66,7 @@ def test_kernel_writes_each_members_delta_at_mask_rows_only(model_dtype, matrice
         torch.testing.assert_close(flat[index].double(), old[index].double() + slow, rtol=tolerance, atol=tolerance)
 
 
-def test_bfloat16_sum_is_rounded_once_to_nearest_even():
+def test_bfloat16_sum_is_rounded_once_to_nearest_even(vector_bytes):
     """Integer-valued products are exact in float32 whatever the order: the result must be torch's rounding
     of the float32 sum, bit for bit (ties included: 256 + 1 is a tie in bf16, 256 + 3 is not)."""
     x = torch.tensor([[1.0, 2.0], [3.0, 1.0]], dtype=torch.bfloat16)
@@ -69,7 +79,7 @@ def test_bfloat16_sum_is_rounded_once_to_nearest_even():
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
 
 
-def test_bfloat16_rounding_of_whole_vectors_matches_the_scalar_rounding():
+def test_bfloat16_rounding_of_whole_vectors_matches_the_scalar_rounding(vector_bytes):
     """Outputs that fill whole vectors take the vector path: the same rounding, ties and NaN included."""
     generator = torch.Generator().manual_seed(1)
     rows, out = 3, 64  # whole chunks of two vectors per row, with AVX2's vectors and AVX-512's
@@ -196,7 +206,9 @@ def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_verified_decoding_through_the_kernel_is_the_base_models_greedy_output(arch, tokenizer, tmp_path, monkeypatch):
+def test_verified_decoding_through_the_kernel_is_the_base_models_greedy_output(
+    arch, tokenizer, tmp_path, monkeypatch, vector_bytes
+):
     """float64 tiny models, batched with padding: verify and τ = 1 decode exactly like the base model, and
     the mask rows really went through the kernel."""
     from mars_hf.decoding.generation import enable_mars
@@ -213,6 +225,25 @@ def test_verified_decoding_through_the_kernel_is_the_base_models_greedy_output(a
     assert torch.equal(shipped.generate(**inputs, mars_acceptance="verify", **common), expected)
     assert torch.equal(shipped.generate(**inputs, mars_threshold=1.0, **common), expected)
     assert calls  # the masks' delta came from the C kernel
+
+
+def test_a_forced_vector_width_is_checked_and_builds_its_own_file(monkeypatch, tmp_path):
+    """Unset: the CPU's width; forced: that width, in a build of its own (flags are in the cache key); anything
+    else: an error naming the variable, not a silent default."""
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    widths = {}
+    for forced in ("", "64", "48"):
+        monkeypatch.setenv(gated_kernel.VECTOR_BYTES_ENV, forced)
+        for name, value in (("_LIBRARY", None), ("_FAILURE", None), ("_FUNCTIONS", {})):
+            monkeypatch.setattr(gated_kernel, name, value)
+        if forced == "48":
+            with pytest.raises(ValueError, match="MARS_HF_KERNEL_VECTOR_BYTES must be one of 32, 64"):
+                gated_kernel.library()
+        else:
+            widths[forced] = gated_kernel.vector_bytes()
+    avx512 = "avx512f" in gated_kernel._cpu_flags().split()
+    assert widths == {"": 64 if avx512 else 32, "64": 64}
+    assert len(sorted((tmp_path / "kernels").glob("mars_gated_*.so"))) == 2
 
 
 def test_a_compiler_without_openmp_builds_it_single_threaded(monkeypatch, tmp_path):

@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "c", "torch")
 KERNEL_ENV = "MARS_HF_GATED_KERNEL"
+# Forces the kernel's vector width in bytes (32 or 64; unset: the CPU's registers, 64 with AVX-512). Like torch's
+# ATEN_CPU_CAPABILITY it exists so that both code paths can be tested on one machine: GCC runs 64-byte vectors on
+# an AVX2 CPU too, correctly but slowly.
+VECTOR_BYTES_ENV = "MARS_HF_KERNEL_VECTOR_BYTES"
+VECTOR_BYTES = ("32", "64")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99")
 OPENMP_FLAG = "-fopenmp"  # torch's thread count (same runtime); a compiler without OpenMP builds it single-threaded
 
@@ -74,10 +79,12 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
    registers; the add reads Bᵀ (rank x outputs) in chunks of columns, its sums in registers too. Vectors are as
    wide as the CPU's registers (GCC/Clang vector extensions): a 64-byte vector on an AVX2 CPU goes through the
    stack, which made an earlier version of this kernel run at 1-5 GFMA/s there. bf16 halves widen by a shift. */
+#ifndef VBYTES  /* -DVBYTES=32|64 (MARS_HF_KERNEL_VECTOR_BYTES) forces a width: tests run both on any x86 CPU */
 #if defined(__AVX512F__)
 #define VBYTES 64
 #else
 #define VBYTES 32
+#endif
 #endif
 typedef float f32v __attribute__((vector_size(VBYTES)));
 typedef double f64v __attribute__((vector_size(VBYTES)));
@@ -250,6 +257,7 @@ GROUP(mars_group_f32_bf16, mars_xa_bf16, mars_add_f32_bf16, float, uint16_t, flo
 GROUP(mars_group_bf16_bf16, mars_xa_bf16, mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32)
 GROUP(mars_group_bf16_f32, mars_xa_f32, mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32)
 GROUP(mars_group_f64_f64, mars_xa_f64, mars_add_f64_f64, double, double, double, SAME)
+int mars_vector_bytes(void) { return VBYTES; }
 """
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
@@ -305,13 +313,24 @@ def _cache_dir() -> Path:
     return mars_hf_home() / "kernels"
 
 
+def _compile_flags() -> list[str]:
+    """:data:`COMPILE_FLAGS`, with the vector width :data:`VECTOR_BYTES_ENV` forces, if any."""
+    forced = os.environ.get(VECTOR_BYTES_ENV, "").strip()
+    if not forced:
+        return list(COMPILE_FLAGS)
+    if forced not in VECTOR_BYTES:
+        raise ValueError(f"{VECTOR_BYTES_ENV} must be one of {', '.join(VECTOR_BYTES)} (or unset), got {forced!r}.")
+    return [*COMPILE_FLAGS, f"-DVBYTES={forced}"]
+
+
 def _build() -> ctypes.CDLL:
     """Compile (once per source, flags, compiler and CPU) and load the kernel library."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler {compiler!r} on PATH (install gcc, or set CC)")
+    flags = _compile_flags()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    fields = [_SOURCE, *COMPILE_FLAGS, OPENMP_FLAG, version, _cpu_flags()]
+    fields = [_SOURCE, *flags, OPENMP_FLAG, version, _cpu_flags()]
     key = hashlib.sha256("\0".join(fields).encode()).hexdigest()[:16]
     target = _cache_dir() / f"mars_gated_{key}.so"
     if not target.is_file():
@@ -321,7 +340,7 @@ def _build() -> ctypes.CDLL:
             source.write_text(_SOURCE)
             built = Path(scratch) / target.name
             for extra in ([OPENMP_FLAG], []):
-                command = [compiler, *COMPILE_FLAGS, *extra, "-o", str(built), str(source)]
+                command = [compiler, *flags, *extra, "-o", str(built), str(source)]
                 result = subprocess.run(command, capture_output=True, text=True)
                 if result.returncode == 0:
                     break
@@ -329,6 +348,7 @@ def _build() -> ctypes.CDLL:
                 raise OSError(f"{compiler} failed to build the gated kernel: {result.stderr.strip()[-400:]}")
             os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
     library = ctypes.CDLL(str(target))
+    library.mars_vector_bytes.restype = ctypes.c_int
     for model_dtype, matrix_dtypes in SERVED.items():
         for matrices in matrix_dtypes:
             group = getattr(library, f"mars_group_{_SUFFIX[model_dtype]}_{_SUFFIX[matrices]}")
@@ -351,6 +371,11 @@ def library() -> ctypes.CDLL | None:
 
 def failure() -> str | None:
     return _FAILURE
+
+
+def vector_bytes() -> int | None:
+    """The loaded build's vector width in bytes (None: no build)."""
+    return None if library() is None else int(_LIBRARY.mars_vector_bytes())
 
 
 def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
