@@ -138,6 +138,22 @@ def test_a_nested_block_keeps_the_outer_packing_and_generate_routes_the_layers_o
     assert out.num_forwards > 2 and len(installs) == len(_linears(model)) and not active(model)
 
 
+def test_a_nested_block_keeps_an_outer_block_that_did_not_pack(monkeypatch):
+    """An outer block that chose stock kernels is not decided again by the blocks inside it (a step inside a
+    whole `generate` call): they run stock too, without asking."""
+    model = tiny_model("llama", seed=1, dtype=torch.float32)
+    asked = []
+    original = cpu_kernels.use_packed
+    monkeypatch.setattr(cpu_kernels, "use_packed", lambda *args: (asked.append(args[1:]), original(*args))[1])
+    with packed_linears(model, "stock") as outer:
+        with packed_linears(model, "packed") as inner:
+            assert not outer and not inner and not active(model)
+    assert asked == [("stock",)]
+    with packed_linears(model, "packed") as alone:  # the outer block has closed: asked again
+        assert alone and active(model)
+    assert asked == [("stock",), ("packed",)] and not active(model)
+
+
 def test_packs_follow_weight_updates():
     model = tiny_model("llama", dtype=torch.float32, block_size=None)
     ids = torch.tensor([[3, 9, 4, 7]])

@@ -422,6 +422,25 @@ def test_decoding_forwards_correct_the_probes_curve():
         assert cost_model.observe(model, given, 2, 0.01) is given
 
 
+def test_a_trusted_width_rebuilds_the_curve_only_when_its_median_moves():
+    """Once trusted, a width's new forwards rebuild the curve only when they move its median by more than
+    OBSERVED_TOLERANCE; the curve in use then holds the new median."""
+    model = tiny_model("llama", seed=6)
+    probe = CostTable((1, 2), (1.0, 1.75), "measured", 1, unit_seconds=0.1)
+    cost_model._TABLES[model] = {"key": probe}
+    table = probe
+    for seconds in (0.12, 0.12, 0.12):
+        table = cost_model.observe(model, table, 2, seconds)
+    assert table is not probe and table.cost(2) == pytest.approx(1.2)
+    trusted = table
+    for seconds in (0.121, 0.1205):  # the median stays within 2 % of 1.2: the same curve
+        table = cost_model.observe(model, table, 2, seconds)
+    assert table is trusted
+    for seconds in (0.15, 0.15, 0.15):  # the median moves to 1.5: a new curve that says so
+        table = cost_model.observe(model, table, 2, seconds)
+    assert table is not trusted and table.cost(2) == pytest.approx(1.5)
+
+
 def test_the_decoder_learns_the_curve_from_its_own_forwards(tok, monkeypatch):
     """The probe reads a flat curve (wide steps look free) but every real forward costs its width in
     seconds: once a wide width has been run three times the curve says so, and worthless masks go back

@@ -259,6 +259,9 @@ def _write(path: str, table: CostTable) -> None:
 
 OBSERVED_RECENT = 5  # observations kept per width (medians of the most recent)
 OBSERVED_MIN = 3  # observations of a width before they replace the probe's reading of it
+# A trusted width's median must move by more than this share before the curve is rebuilt: rebuilding it after
+# every forward (its median of five moves by a hair each time) cost ≈ 2 % of a small model's decoding time.
+OBSERVED_TOLERANCE = 0.02
 REFINABLE = ("measured", "disk", "observed")  # a given or flat curve is the user's: never corrected
 
 _OBSERVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: ObservedCosts}
@@ -274,9 +277,11 @@ class ObservedCosts:
         # that believes wide steps are cheap may never run one)
         self.ones: collections.deque = collections.deque([unit_seconds] if unit_seconds else [], OBSERVED_RECENT)
         self.ratios: dict[int, collections.deque] = {}
+        self.applied: dict[int, float] = {}  # each trusted width's median as the current curve has it
 
     def record(self, width: int, seconds: float) -> bool:
-        """Add one forward; True when the width's observed cost is now trusted (worth a new table)."""
+        """Add one forward; True when the width's observed cost is newly trusted or has moved by more than
+        :data:`OBSERVED_TOLERANCE` since the curve last took it (worth a new table)."""
         if width == 1:
             self.ones.append(seconds)
             return False
@@ -284,14 +289,18 @@ class ObservedCosts:
             return False
         ratios = self.ratios.setdefault(width, collections.deque(maxlen=OBSERVED_RECENT))
         ratios.append(seconds / statistics.median(self.ones))
-        return len(ratios) >= OBSERVED_MIN
+        if len(ratios) < OBSERVED_MIN:
+            return False
+        applied = self.applied.get(width)
+        return applied is None or abs(statistics.median(ratios) - applied) > OBSERVED_TOLERANCE * applied
 
     def refine(self, table: CostTable) -> CostTable:
         """``table`` with every trusted width's observed cost (never below one column's)."""
         points = table.as_dict()
         for width, ratios in self.ratios.items():
             if len(ratios) >= OBSERVED_MIN:
-                points[width] = max(1.0, statistics.median(ratios))
+                self.applied[width] = statistics.median(ratios)
+                points[width] = max(1.0, self.applied[width])
         refined = CostTable.from_mapping(points, "observed", table.batch)
         return dataclasses.replace(refined, unit_seconds=table.unit_seconds)
 

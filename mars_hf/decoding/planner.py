@@ -37,6 +37,7 @@ This file depends on the standard library only (it ships in a checkpoint's ``cus
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # row kinds
 AUTO = "auto"  # verify rows the planner serves: drafts, linear or quadratic groups, or none
@@ -74,9 +75,9 @@ class RowSpec:
     force_drafts: bool = False
 
 
-@dataclass(frozen=True)
-class RowChoice:
-    """The planner's choice for a row: ``drafts`` fed, ``masks`` per group, quadratic or linear."""
+class RowChoice(NamedTuple):
+    """The planner's choice for a row: ``drafts`` fed, ``masks`` per group, quadratic or linear. (A named
+    tuple: every step builds one per plan a row may take, and a frozen dataclass costs several times more.)"""
 
     drafts: int = 0
     masks: int = 0
