@@ -8,6 +8,7 @@ tested through the same server in tests/test_serving_decoder.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -50,6 +51,9 @@ class ScriptedEngine:
         self.hold_after, self.release_at = hold_after, release_at
         self.release = threading.Event()
         self.submitted = 0
+
+    def kernels(self):
+        return contextlib.nullcontext()
 
     def on_submit(self):
         self.submitted += 1

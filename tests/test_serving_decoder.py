@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import openai
 import pytest
@@ -180,3 +181,42 @@ def test_synthetic_controller_lowers_tau_under_load_and_keeps_tau_max_at_low_loa
     assert min(taus) < 0.95  # 16 requests on 4 slots: the queue pushed τ down
     tpf = [r.usage.model_dump()["mars_tokens_per_forward"] for r in results]
     assert sum(tpf) / len(tpf) > 2.0  # high acceptance: several tokens per forward
+
+
+def test_the_scheduler_routes_the_decoders_kernels_once_for_its_whole_loop(monkeypatch):
+    """A served float32 model on packed kernels: the scheduler's thread routes the linears once, not at every
+    step (each step's own block then costs nothing), serves the same tokens as `generate`, and restores the
+    model's stock kernels when it stops."""
+    from mars_hf.decoding import cpu_kernels
+    from mars_hf.decoding.rows import RowSettings
+    from mars_hf.serving import TauController
+    from mars_hf.serving.engine import DecoderEngine
+    from mars_hf.serving.request import GenerationRequest, Tokens
+    from mars_hf.serving.scheduler import Scheduler
+
+    tok = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tok, dtype=torch.float32))
+    installs, install = [], cpu_kernels._install
+    monkeypatch.setattr(cpu_kernels, "_install", lambda linear: (installs.append(linear), install(linear))[1])
+    monkeypatch.setattr(cpu_kernels, "use_packed", lambda model, mode="auto": True)
+    prompt = tok(PROMPTS[0])["input_ids"]
+    ids = torch.tensor([prompt])
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    installs.clear()
+    engine = DecoderEngine(model, max_rows=2, max_length=96)
+    scheduler = Scheduler(engine, TauController(ControllerConfig(tau_min=1.0, tau_max=1.0, enabled=False), slots=2))
+    settings = RowSettings(threshold=1.0, max_new_tokens=12, eos_token_ids=(tok.eos_token_id,))
+    request = GenerationRequest(list(prompt), settings, pinned=True)
+    served = []
+    monkeypatch.setattr(request, "deliver", lambda event: served.append(event), raising=False)
+    scheduler.start()
+    scheduler.submit(request)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while request.finished_at is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    scheduler.shutdown(grace_s=0.0)
+    assert request.finished_at is not None, "the request never finished (a hang guard)"
+    assert engine.num_forwards > 2 and len(installs) == len(cpu_kernels._linears(model))
+    assert not cpu_kernels.active(model)
+    tokens = [token for event in served if isinstance(event, Tokens) for token in event.tokens]
+    assert tokens == expected[0, ids.shape[1] :].tolist()

@@ -285,13 +285,14 @@ class Scheduler:
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            if not self.rows and not self.waiting:
-                self.metrics.idle()
-                self.waiting.wait(self.idle_poll_s, unless=lambda: self._stop)
-            if self._stop:
-                break
-            self._turn(time.monotonic())
+        with self.engine.kernels():  # the engine's per-step setup, done once for the thread's life
+            while True:
+                if not self.rows and not self.waiting:
+                    self.metrics.idle()
+                    self.waiting.wait(self.idle_poll_s, unless=lambda: self._stop)
+                if self._stop:
+                    break
+                self._turn(time.monotonic())
         self._cancel_all(SHUTDOWN_MESSAGE)
 
     def _turn(self, now: float) -> None:
