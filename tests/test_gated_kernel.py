@@ -16,13 +16,18 @@ def runs_kernel(module) -> bool:
     return module.__dict__["_mars_adapter"].group.kernel_dtype is not None
 
 
+def unload_kernel(monkeypatch) -> None:
+    """The module as a new process finds it: no library loaded, no failure recorded (restored after the test)."""
+    for name, value in (("_LIBRARY", None), ("_FAILURE", None), ("_FUNCTIONS", {})):
+        monkeypatch.setattr(gated_kernel, name, value)
+
+
 @pytest.fixture(params=gated_kernel.VECTOR_BYTES)
 def vector_bytes(request, monkeypatch) -> int:
     """Each of the kernel's vector widths, whatever this CPU's registers (a build per width, cached): the AVX-512
     width's code paths are tested on an AVX2 machine too, where GCC runs them slowly but exactly."""
     monkeypatch.setenv(gated_kernel.VECTOR_BYTES_ENV, request.param)
-    for name, value in (("_LIBRARY", None), ("_FAILURE", None), ("_FUNCTIONS", {})):
-        monkeypatch.setattr(gated_kernel, name, value)
+    unload_kernel(monkeypatch)
     assert gated_kernel.vector_bytes() == int(request.param), gated_kernel.failure()
     return int(request.param)
 
@@ -161,9 +166,7 @@ def test_mode_is_read_from_the_environment_and_checked(monkeypatch):
 def test_a_kernel_that_cannot_build_is_an_error_in_c_mode_and_a_warning_in_auto(
     monkeypatch, tokenizer, tmp_path, caplog
 ):
-    monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
-    monkeypatch.setattr(gated_kernel, "_FAILURE", None)
-    monkeypatch.setattr(gated_kernel, "_FUNCTIONS", {})
+    unload_kernel(monkeypatch)
     monkeypatch.setattr(gated_kernel, "_WARNED", False)
     monkeypatch.setenv("CC", "no-such-compiler-here")
     monkeypatch.setenv("MARS_HF_HOME", str(tmp_path / "home"))  # no cached build to fall back on
@@ -192,15 +195,13 @@ def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):
     """A second process (here: a reset module) loads the cached build instead of compiling again; another
     CPU's flags name another file."""
     monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
-    monkeypatch.setattr(gated_kernel, "_FUNCTIONS", {})
     for _ in range(2):
-        monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
-        monkeypatch.setattr(gated_kernel, "_FAILURE", None)
+        unload_kernel(monkeypatch)
         assert gated_kernel.library() is not None, gated_kernel.failure()
     builds = sorted((tmp_path / "kernels").glob("mars_gated_*.so"))
     assert len(builds) == 1
     monkeypatch.setattr(gated_kernel, "_cpu_flags", lambda: "some other cpu")
-    monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
+    unload_kernel(monkeypatch)
     assert gated_kernel.library() is not None
     assert len(sorted((tmp_path / "kernels").glob("mars_gated_*.so"))) == 2
 
@@ -234,8 +235,7 @@ def test_a_forced_vector_width_is_checked_and_builds_its_own_file(monkeypatch, t
     widths = {}
     for forced in ("", "64", "48"):
         monkeypatch.setenv(gated_kernel.VECTOR_BYTES_ENV, forced)
-        for name, value in (("_LIBRARY", None), ("_FAILURE", None), ("_FUNCTIONS", {})):
-            monkeypatch.setattr(gated_kernel, name, value)
+        unload_kernel(monkeypatch)
         if forced == "48":
             with pytest.raises(ValueError, match="MARS_HF_KERNEL_VECTOR_BYTES must be one of 32, 64"):
                 gated_kernel.library()
@@ -249,9 +249,7 @@ def test_a_forced_vector_width_is_checked_and_builds_its_own_file(monkeypatch, t
 def test_a_compiler_without_openmp_builds_it_single_threaded(monkeypatch, tmp_path):
     """The OpenMP build fails (here: an unknown flag): the plain build serves, with the same results."""
     monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
-    monkeypatch.setattr(gated_kernel, "_LIBRARY", None)
-    monkeypatch.setattr(gated_kernel, "_FAILURE", None)
-    monkeypatch.setattr(gated_kernel, "_FUNCTIONS", {})
+    unload_kernel(monkeypatch)
     monkeypatch.setattr(gated_kernel, "OPENMP_FLAG", "-fno-such-openmp-flag")
     assert gated_kernel.library() is not None, gated_kernel.failure()
     torch.manual_seed(1)

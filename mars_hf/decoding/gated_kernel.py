@@ -50,6 +50,7 @@ VECTOR_BYTES_ENV = "MARS_HF_KERNEL_VECTOR_BYTES"
 VECTOR_BYTES = ("32", "64")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99")
 OPENMP_FLAG = "-fopenmp"  # torch's thread count (same runtime); a compiler without OpenMP builds it single-threaded
+MAX_MEMBERS = 8  # the C struct's room for sibling layers (q/k/v: 3); the C source below is given this value
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -201,7 +202,7 @@ static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t,
 
 /* One group's arguments, passed by address: Python fills only what changes between calls (x, idx, n, a, ys),
    which costs less than converting eleven arguments per call. */
-#define MAX_MEMBERS 8
+#define MAX_MEMBERS @MAX_MEMBERS@
 typedef struct {
     const void *x; int64_t in; const int64_t *idx; int64_t n; const void *a; int64_t R; int64_t members;
     void *ys[MAX_MEMBERS]; int64_t outs[MAX_MEMBERS]; int64_t ranks[MAX_MEMBERS]; const void *bts[MAX_MEMBERS];
@@ -258,7 +259,7 @@ GROUP(mars_group_bf16_bf16, mars_xa_bf16, mars_add_bf16_bf16, uint16_t, uint16_t
 GROUP(mars_group_bf16_f32, mars_xa_f32, mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32)
 GROUP(mars_group_f64_f64, mars_xa_f64, mars_add_f64_f64, double, double, double, SAME)
 int mars_vector_bytes(void) { return VBYTES; }
-"""
+""".replace("@MAX_MEMBERS@", str(MAX_MEMBERS))
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 # (model dtype, adapter matrices' dtype) pairs the kernel serves; the first per model dtype is its default.
@@ -404,9 +405,6 @@ def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
             KERNEL_ENV,
         )
     return False
-
-
-MAX_MEMBERS = 8  # the C struct's room for sibling layers (q/k/v: 3)
 
 
 class _GroupCall(ctypes.Structure):
