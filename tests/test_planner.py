@@ -422,6 +422,27 @@ def test_decoding_forwards_correct_the_probes_curve():
         assert cost_model.observe(model, given, 2, 0.01) is given
 
 
+def test_a_wide_forward_is_compared_with_one_column_forwards_of_as_many_rows():
+    """A batch bucket holds several row counts (a batch of 4 runs 3 rows once one finishes): a 3-row forward
+    of 2 columns is compared with 3-row one-column forwards, not with the dearer 4-row ones."""
+    model = tiny_model("llama", seed=7)
+    probe = CostTable((1, 2), (1.0, 1.75), "measured", 4, unit_seconds=0.1)
+    cost_model._TABLES[model] = {"key": probe}
+    table = probe
+    for _ in range(3):
+        table = cost_model.observe(model, table, 1, 0.075, rows=3)
+        table = cost_model.observe(model, table, 1, 0.1, rows=4)
+    for _ in range(3):
+        table = cost_model.observe(model, table, 2, 0.09, rows=3)  # 1.2× a 3-row column (0.9× a 4-row one)
+    assert table.source == "observed" and table.cost(2) == pytest.approx(1.2)
+    fresh = tiny_model("llama", seed=8)
+    cost_model._TABLES[fresh] = {"key": probe}
+    table = probe
+    for _ in range(3):  # no one-column forward of 2 rows seen yet: nothing to compare with
+        table = cost_model.observe(fresh, table, 2, 0.09, rows=2)
+    assert table is probe
+
+
 def test_a_trusted_width_rebuilds_the_curve_only_when_its_median_moves():
     """Once trusted, a width's new forwards rebuild the curve only when they move its median by more than
     OBSERVED_TOLERANCE; the curve in use then holds the new median."""

@@ -12,6 +12,12 @@ import textwrap
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, StoppingCriteriaList
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
 
 from mars_hf.decoding.acceptance import verify_sampled
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings
@@ -131,6 +137,51 @@ def test_scores_are_the_models_own(tok):
             ours.sequences[b, prompt_length : prompt_length + n].tolist()
             == stock.sequences[b, prompt_length : prompt_length + n].tolist()
         )
+
+
+class CountedSuppress(SuppressTokensLogitsProcessor):
+    """A position-free processor (it sees each row of scores alone) that counts its calls."""
+
+    def __init__(self, suppress_tokens):
+        super().__init__(suppress_tokens)
+        self.calls = 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        return super().__call__(input_ids, scores)
+
+
+def test_mixed_processors_keep_their_order_and_run_once_per_pass(tok):
+    """Prefix-dependent processors around a position-free one (repetition penalty, a suppression, min-length):
+    verify's tokens and scores are stock's, while the position-free processor runs once per pass over the
+    step's checks or new drafts, not once per prefix length (a whole-vocabulary pass each)."""
+    model = peaked_model("llama")
+    encoded = _batch(tok)
+    suppressed = [tok.convert_tokens_to_ids("red")]
+
+    def processors():
+        counted = CountedSuppress(suppressed)
+        return counted, LogitsProcessorList(
+            [
+                RepetitionPenaltyLogitsProcessor(1.3),
+                counted,
+                MinNewTokensLengthLogitsProcessor(encoded.input_ids.shape[1], 9, tok.eos_token_id),
+            ]
+        )
+
+    kwargs = dict(max_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    stock = model.generate(**encoded, logits_processor=processors()[1], **kwargs)
+    for layout in LAYOUTS:
+        counted, mixed = processors()
+        ours = model.generate(
+            **encoded, mars_acceptance="verify", mars_layout=layout, logits_processor=mixed, **kwargs
+        )
+        assert torch.equal(ours.sequences, stock.sequences), layout
+        assert int(ours.drafts_accepted.sum()) >= 5, layout
+        for b in range(len(PROMPTS)):
+            for j in range(int(ours.accepted_counts[:, b].sum())):
+                assert torch.equal(ours.scores[j][b].float(), stock.scores[j][b].float()), (layout, j, b)
+        assert counted.calls <= 2 * ours.num_forwards, (layout, counted.calls, ours.num_forwards)
 
 
 def test_streamer_only_ever_receives_verified_tokens(tok):

@@ -62,6 +62,7 @@ class ScoreProcessing:
         self.free_part = LogitsProcessorList(
             [p for p in self.processors if isinstance(p, POSITION_FREE_PROCESSORS)]
         )
+        self.runs = _runs(self.processors)
         self.sequences = sequences
         if not self.position_free and sequences is None:
             raise ValueError("prefix-dependent logits processors need the rows' token buffer")
@@ -85,20 +86,47 @@ class ScoreProcessing:
         return self._apply_free(self.free_part, scores)
 
     def at_prefixes(self, scores: torch.Tensor, rows: list[int], lengths: list[int]) -> torch.Tensor:
-        """Process ``scores[i]`` as the prediction after ``sequences[rows[i], :lengths[i]]``."""
+        """Process ``scores[i]`` as the prediction after ``sequences[rows[i], :lengths[i]]``.
+
+        The processors run in their order, but each run of consecutive position-free ones in one call on
+        every prediction (they treat each row alone), and only the prefix-dependent ones once per prefix
+        length on the whole token buffer: a step that checks drafts of several lengths (a batch, verify)
+        would otherwise run every processor, a whole-vocabulary pass, once per length."""
         if self.position_free:
             return self.free(scores)
-        out = torch.empty_like(scores)
         groups: dict[int, list[int]] = {}
         for i, length in enumerate(lengths):
             groups.setdefault(length, []).append(i)
+        for position_free, processors in self.runs:
+            if position_free:
+                scores = self._apply_free(processors, scores)
+            else:
+                scores = self._by_prefix(processors, scores, rows, groups)
+        return scores
+
+    def _by_prefix(self, processors, scores: torch.Tensor, rows: list[int], groups: dict) -> torch.Tensor:
+        """``processors`` applied to each prefix length's predictions, on the token buffer cut to that length
+        (rows outside the group hold zeros and are not read back: a processor may keep state per row)."""
+        out = torch.empty_like(scores)
         for length, members in groups.items():
             full = scores.new_zeros((self.sequences.shape[0], scores.shape[-1]))
             index = torch.tensor([rows[i] for i in members], device=scores.device)
             picked = torch.tensor(members, device=scores.device)
             full[index] = scores[picked]
-            out[picked] = self.processors(self.sequences[:, :length], full)[index]
+            out[picked] = processors(self.sequences[:, :length], full)[index]
         return out
+
+
+def _runs(processors: LogitsProcessorList) -> list[tuple[bool, LogitsProcessorList]]:
+    """The processors cut into maximal runs of consecutive position-free ones and of the others, in order."""
+    runs: list[tuple[bool, LogitsProcessorList]] = []
+    for processor in processors:
+        position_free = isinstance(processor, POSITION_FREE_PROCESSORS)
+        if runs and runs[-1][0] == position_free:
+            runs[-1][1].append(processor)
+        else:
+            runs.append((position_free, LogitsProcessorList([processor])))
+    return runs
 
 
 def choose(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -269,26 +269,33 @@ _OBSERVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model 
 
 class ObservedCosts:
     """Decoding's own forwards of one model and batch bucket: each wider forward's time over the median
-    of the recent one-column forwards (the context grows while decoding, so a ratio to *recent* one-column
-    forwards, not to the first ones)."""
+    of the recent one-column forwards *of as many rows* (the context grows while decoding, so a ratio to
+    *recent* one-column forwards, not to the first ones; and a bucket holds several row counts — a batch of
+    4 passes through 3 rows as its rows finish — whose forwards cost differently)."""
 
-    def __init__(self, unit_seconds: float | None = None):
-        # the probe's one-column time stands in until decoding runs one-column forwards itself (a planner
-        # that believes wide steps are cheap may never run one)
-        self.ones: collections.deque = collections.deque([unit_seconds] if unit_seconds else [], OBSERVED_RECENT)
+    def __init__(self, unit_seconds: float | None = None, batch: int = 1):
+        # the probe's one-column time (of ``batch`` rows) stands in until decoding runs one-column forwards
+        # itself (a planner that believes wide steps are cheap may never run one)
+        self.ones: dict[int, collections.deque] = {}
+        if unit_seconds:
+            self._ones(batch).append(unit_seconds)
         self.ratios: dict[int, collections.deque] = {}
         self.applied: dict[int, float] = {}  # each trusted width's median as the current curve has it
 
-    def record(self, width: int, seconds: float) -> bool:
-        """Add one forward; True when the width's observed cost is newly trusted or has moved by more than
-        :data:`OBSERVED_TOLERANCE` since the curve last took it (worth a new table)."""
+    def _ones(self, rows: int) -> collections.deque:
+        return self.ones.setdefault(rows, collections.deque(maxlen=OBSERVED_RECENT))
+
+    def record(self, width: int, seconds: float, rows: int) -> bool:
+        """Add one forward of ``rows`` rows; True when the width's observed cost is newly trusted or has moved
+        by more than :data:`OBSERVED_TOLERANCE` since the curve last took it (worth a new table)."""
+        ones = self._ones(rows)
         if width == 1:
-            self.ones.append(seconds)
+            ones.append(seconds)
             return False
-        if not self.ones:
+        if not ones:
             return False
         ratios = self.ratios.setdefault(width, collections.deque(maxlen=OBSERVED_RECENT))
-        ratios.append(seconds / statistics.median(self.ones))
+        ratios.append(seconds / statistics.median(ones))
         if len(ratios) < OBSERVED_MIN:
             return False
         applied = self.applied.get(width)
@@ -305,9 +312,10 @@ class ObservedCosts:
         return dataclasses.replace(refined, unit_seconds=table.unit_seconds)
 
 
-def observe(model, table: CostTable, width: int, seconds: float) -> CostTable:
-    """Record that a forward of ``width`` columns per sequence took ``seconds`` where ``table`` was the
-    curve in use; returns the curve to use from now on (the same one until the width is trusted).
+def observe(model, table: CostTable, width: int, seconds: float, rows: int | None = None) -> CostTable:
+    """Record that a forward of ``rows`` rows (default: the table's batch) of ``width`` columns per sequence
+    took ``seconds`` where ``table`` was the curve in use; returns the curve to use from now on (the same one
+    until the width is trusted).
 
     The refined curve replaces the probe's for the rest of the process (later ``generate`` calls start
     from it). Only curves this module measured or read are refined.
@@ -319,8 +327,10 @@ def observe(model, table: CostTable, width: int, seconds: float) -> CostTable:
     if key is None:  # not this process's curve for the model (e.g. handed over by a caller): no memory
         return table
     observations = _OBSERVATIONS.setdefault(model, {})
-    observed = observations.get(key) or observations.setdefault(key, ObservedCosts(table.unit_seconds))
-    if not observed.record(width, seconds):
+    observed = observations.get(key)
+    if observed is None:
+        observed = observations[key] = ObservedCosts(table.unit_seconds, table.batch)
+    if not observed.record(width, seconds, table.batch if rows is None else rows):
         return table
     refined = observed.refine(table)
     per_model[key] = refined

@@ -237,7 +237,7 @@ class StepFeed:
         bucket = batch_bucket(rows)
         table = self.cost_tables.get(bucket)
         if table is not None:
-            self.cost_tables[bucket] = observe(self.model, table, width, seconds)
+            self.cost_tables[bucket] = observe(self.model, table, width, seconds, rows)
 
     def cost_table(self, rows: int):
         """The cost curve of a batch of ``rows`` rows (its bucket's), measured or read at first need."""
