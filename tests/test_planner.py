@@ -365,7 +365,7 @@ def test_the_probe_is_bounded_cached_and_changes_nothing(tok, monkeypatch):
     its own tests below.)"""
     from mars_hf.decoding import feeding
 
-    monkeypatch.setattr(feeding, "observe", lambda model, table, width, seconds: table)
+    monkeypatch.setattr(feeding, "observe", lambda model, table, width, seconds, rows=None: table)
     model = enable_mars(tiny_model("llama", seed=5))
     encoded = _batch(tok)
     calls = []
