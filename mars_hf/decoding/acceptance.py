@@ -92,21 +92,19 @@ class ScoreProcessing:
         every prediction (they treat each row alone), and only the prefix-dependent ones once per prefix
         length on the whole token buffer: a step that checks drafts of several lengths (a batch, verify)
         would otherwise run every processor, a whole-vocabulary pass, once per length."""
-        if self.position_free:
-            return self.free(scores)
-        groups: dict[int, list[int]] = {}
-        for i, length in enumerate(lengths):
-            groups.setdefault(length, []).append(i)
         for position_free, processors in self.runs:
             if position_free:
                 scores = self._apply_free(processors, scores)
             else:
-                scores = self._by_prefix(processors, scores, rows, groups)
+                scores = self._by_prefix(processors, scores, rows, lengths)
         return scores
 
-    def _by_prefix(self, processors, scores: torch.Tensor, rows: list[int], groups: dict) -> torch.Tensor:
+    def _by_prefix(self, processors, scores: torch.Tensor, rows: list[int], lengths: list[int]) -> torch.Tensor:
         """``processors`` applied to each prefix length's predictions, on the token buffer cut to that length
         (rows outside the group hold zeros and are not read back: a processor may keep state per row)."""
+        groups: dict[int, list[int]] = {}
+        for i, length in enumerate(lengths):
+            groups.setdefault(length, []).append(i)
         out = torch.empty_like(scores)
         for length, members in groups.items():
             full = scores.new_zeros((self.sequences.shape[0], scores.shape[-1]))
