@@ -64,6 +64,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch
         thresholds=(1.0, 0.5, 0.0),
         track_every=1,
         calibration_holdout=2,
+        num_eval_prompts=4,  # one group of 4 at batch 4 too
     )
     results = run_quickstart(config)
     out = tmp_path / "out"
@@ -76,6 +77,12 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch
     if method in ("gated_lora", "mask_row"):  # the base model exactly, by construction
         assert by_label["stock"]["agreement"] == 1.0 and by_label["mars@1"]["agreement"] == 1.0
     assert by_label["verify"]["agreement"] == by_label["stock"]["agreement"]  # lossless
+    batch4 = {row["label"]: row for row in saved["evaluation_batch4"]}
+    assert list(batch4) == labels and saved["data"]["eval_batch_prompts"] == 4
+    # Left-padded batch 4 against the same batch-1 references: still the base model where it must be.
+    if method in ("gated_lora", "mask_row"):
+        assert batch4["stock"]["exact_match"] == 1.0 and batch4["mars@1"]["exact_match"] == 1.0
+    assert batch4["verify"]["agreement"] == batch4["stock"]["agreement"]
     for row in saved["evaluation"]:
         assert row["tokens_per_forward"] >= 1.0 - 1e-9
         assert 0.0 <= row["agreement"] <= 1.0
@@ -87,7 +94,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch
     assert saved["training"]["steps"] == 2
     assert [point["step"] for point in saved["training"]["curve"]] == [0, 1, 2]
     assert saved["training"]["teacher_forced"]["tokens_per_step@1"] == 1.0
-    assert saved["data"]["train_prompts"] == 6 and saved["data"]["eval_prompts"] == 3
+    assert saved["data"]["train_prompts"] == 6 and saved["data"]["eval_prompts"] == 4
     png = (out / "pareto.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     checkpoint = out / "checkpoint"
@@ -334,12 +341,19 @@ def test_quickstart_shows_the_shipped_model_first_then_its_own(tiny_model_dir, t
 
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["shipped"]["rows"] == json.loads(json.dumps(shipped["rows"]))
-    assert [row["label"] for row in saved["evaluation"]][:3] == ["stock", "mars@1", "mars@0.5"]
+    own_labels = ["stock", "mars@1", "mars@0.5", "verify"]
+    # This run's model too, at batch 1 and (one group of 4 within its spent budget) at batch 4.
+    assert [row["label"] for row in saved["evaluation"]] == own_labels
+    assert [row["label"] for row in saved["evaluation_batch4"]] == own_labels
+    assert saved["data"]["eval_prompts"] == 4 and saved["data"]["eval_batch_prompts"] == 4
+    for row in saved["evaluation_batch4"]:
+        assert row["num_tokens"] > 0 and row["speedup_vs_stock"] > 0
     assert "shipped" in saved["timings_seconds"]
     text = summary(results)
+    assert "4 prompts at batch 1 and 4 at batch 4" in text
     table = text[text.index("model  batch") :]
-    assert table.count("embedded-mars") == 2 * len(labels) and table.count("this run (") == len(
-        saved["evaluation"]
+    assert table.count("embedded-mars") == 2 * len(labels) and table.count("this run (") == 2 * len(
+        own_labels
     )
     assert table.index("embedded-mars") < table.index("this run (")
     assert "prefix agreement" in text and "identical answers" in text

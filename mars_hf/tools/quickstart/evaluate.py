@@ -7,8 +7,8 @@ Two sections share one table:
   faster), at batch 1 and at batch 4 (4 held-out prompts decoded together, left-padded), within its
   own time budget. The reference is the base model's batch-1 greedy answer in that same precision
   (the stock rows), so "identical answers" means "what ``generate`` would have said".
-* **this run** — the model the quickstart has just trained for its budget, at batch 1 (float32,
-  reference = the base model's float32 greedy answers), as before.
+* **this run** — the model the quickstart has just trained for its budget, at batch 1 and at batch 4 alike
+  (float32, reference = the base model's float32 greedy answers).
 
 Every loop here stops *before* it would overrun its budget (the last item's duration predicts the
 next one's), after a minimum amount of work whose answer length is fitted to the budget from a measured
@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 VERIFY_LABEL = "verify"
 SHIPPED_SECTION = "embedded-mars"
 OWN_SECTION = "this run"
-SHIPPED_BATCH_SIZE = 4
-# Share of the shipped model's budget spent at batch 1 before the batch-4 groups start.
-SHIPPED_BATCH1_SHARE = 0.6
+BATCH_SIZE = 4  # prompts decoded together in a section's batched rows
+# Share of a section's budget spent at batch 1 before the batch-4 groups start.
+BATCH1_SHARE = 0.6
 # Prompts every batch-1 evaluation decodes, however short its budget.
 MIN_PROMPTS = 4
 # New tokens per decoding when measuring the pace that fits the answer length to a budget.
@@ -141,28 +141,74 @@ def evaluate_prompts(
     return runs
 
 
-def evaluate(model, tokenizer, eval_ids, config) -> tuple[dict[str, DecodingRun], int]:
-    """The quickstart's own model at batch 1 (``config.thresholds``, ``config.eval_minutes``).
-
-    Returns ``(runs, answer length)``: with a budget, the answers are cut to the length at which the
-    minimum work (:data:`MIN_PROMPTS` prompts) fits in it here; compare them with references cut alike.
-    """
-    deadline = Deadline(config.eval_minutes)
-    configurations = _configurations(config.thresholds, config.verify)
-    work = [([eval_ids[0]], MIN_PROMPTS)] if eval_ids else []
-    length = fit_answer_length(model, tokenizer, work, configurations, deadline, config.max_new_tokens)
-    runs = evaluate_prompts(
+def evaluate(
+    model, tokenizer, eval_ids, config
+) -> tuple[dict[str, DecodingRun], dict[str, DecodingRun], int]:
+    """The quickstart's own model at batch 1 and 4 (``config.thresholds``, ``config.eval_minutes``):
+    ``(batch-1 runs, batch-4 runs, answer length)``, as :func:`evaluate_both_batches`."""
+    return evaluate_both_batches(
         model,
         tokenizer,
         eval_ids,
         config.thresholds,
+        minutes=config.eval_minutes,
         verify=config.verify,
-        minutes=None if config.eval_minutes is None else deadline.left() / 60,
-        max_new_tokens=length,
+        max_new_tokens=config.max_new_tokens,
         progress=config.progress,
-        warm_up=config.eval_minutes is None,  # else paced above
     )
-    return runs, length
+
+
+def evaluate_both_batches(
+    model,
+    tokenizer,
+    eval_ids: Sequence[Sequence[int]],
+    thresholds: Sequence[float],
+    *,
+    minutes: float | None,
+    verify: bool = True,
+    max_new_tokens: int = 128,
+    progress: bool = False,
+    desc: str = "Evaluating stock, MARS at each τ and verify at batch 1",
+) -> tuple[dict[str, DecodingRun], dict[str, DecodingRun], int]:
+    """Batch 1, then groups of :data:`BATCH_SIZE` of the prompts batch 1 evaluated, within ``minutes``
+    (about :data:`BATCH1_SHARE` / the rest): ``(batch-1 runs, batch-4 runs, answer length)``.
+
+    With a budget, the answers are cut to the length at which the minimum work (:data:`MIN_PROMPTS`
+    prompts at batch 1, one group) fits in it on this machine; compare them with references cut alike
+    (the first n tokens of a greedy answer are the greedy answer of length n).
+    """
+    deadline = Deadline(minutes)
+    configurations = _configurations(thresholds, verify)
+    work = [([eval_ids[0]], MIN_PROMPTS)] if eval_ids else []
+    if len(eval_ids) >= BATCH_SIZE:
+        work.append((list(eval_ids[:BATCH_SIZE]), 1))
+    length = fit_answer_length(model, tokenizer, work, configurations, deadline, max_new_tokens)
+    paced = minutes is not None  # fit_answer_length paid the first calls' one-off costs
+    batch1 = evaluate_prompts(
+        model,
+        tokenizer,
+        eval_ids,
+        thresholds,
+        verify=verify,
+        minutes=None if minutes is None else deadline.left() * BATCH1_SHARE / 60,
+        min_prompts=max(MIN_PROMPTS, BATCH_SIZE),
+        max_new_tokens=length,
+        progress=progress,
+        desc=desc,
+        warm_up=not paced,
+    )
+    evaluated = len(batch1["stock"].outputs) if batch1 else 0
+    batch4 = evaluate_batched(
+        model,
+        tokenizer,
+        eval_ids[:evaluated],
+        thresholds,
+        verify=verify,
+        minutes=None if minutes is None else deadline.left() / 60,
+        max_new_tokens=length,
+        warm_up=not paced,
+    )
+    return batch1, batch4, length
 
 
 def _configurations(thresholds: Sequence[float], verify: bool) -> list[tuple[str, float | None, bool]]:
@@ -251,7 +297,7 @@ def evaluate_batched(
     thresholds: Sequence[float],
     *,
     verify: bool = True,
-    batch_size: int = SHIPPED_BATCH_SIZE,
+    batch_size: int = BATCH_SIZE,
     minutes: float | None = None,
     min_groups: int = 1,
     max_new_tokens: int = 128,
@@ -312,41 +358,22 @@ def evaluate_shipped(
     (same weights, same dtype). With a budget, the answer length is fitted so that the minimum work
     (4 prompts at batch 1, one group of 4) fits in it on this machine.
     """
-    deadline = Deadline(minutes)
-    configurations = _configurations(thresholds, verify)
-    work = [([eval_ids[0]], MIN_PROMPTS)] if eval_ids else []
-    if len(eval_ids) >= SHIPPED_BATCH_SIZE:
-        work.append((list(eval_ids[:SHIPPED_BATCH_SIZE]), 1))
-    length = fit_answer_length(model, tokenizer, work, configurations, deadline, max_new_tokens)
-    paced = minutes is not None
-    batch1 = evaluate_prompts(
+    batch1, batch4, length = evaluate_both_batches(
         model,
         tokenizer,
         eval_ids,
         thresholds,
+        minutes=minutes,
         verify=verify,
-        minutes=None if minutes is None else deadline.left() * SHIPPED_BATCH1_SHARE / 60,
-        min_prompts=max(MIN_PROMPTS, SHIPPED_BATCH_SIZE),
-        max_new_tokens=length,
+        max_new_tokens=max_new_tokens,
         progress=progress,
         desc="Shipped embedded-mars: stock, τ, verify at batch 1",
-        warm_up=not paced,
     )
     reference = batch1["stock"].outputs
     evaluated = len(reference)
-    batch4 = evaluate_batched(
-        model,
-        tokenizer,
-        eval_ids[:evaluated],
-        thresholds,
-        verify=verify,
-        minutes=None if minutes is None else deadline.left() / 60,
-        max_new_tokens=length,
-        warm_up=not paced,
-    )
     dtype = _dtype_name(model)
     rows = []
-    for batch, runs in ((1, batch1), (SHIPPED_BATCH_SIZE, batch4)):
+    for batch, runs in ((1, batch1), (BATCH_SIZE, batch4)):
         if not runs:
             continue
         decoded = len(runs["stock"].outputs)
@@ -362,9 +389,9 @@ def evaluate_shipped(
     }
 
 
-def own_rows(rows: list[dict], section: str, dtype: str = "float32") -> list[dict]:
-    """The quickstart's own batch-1 rows, labelled for the shared table."""
-    return [{"section": section, "batch": 1, "dtype": dtype, **row} for row in rows]
+def own_rows(rows: list[dict], section: str, dtype: str = "float32", batch: int = 1) -> list[dict]:
+    """The quickstart's own rows at ``batch``, labelled for the shared table."""
+    return [{"section": section, "batch": batch, "dtype": dtype, **row} for row in rows]
 
 
 def results_table(results: dict) -> str:
@@ -372,7 +399,11 @@ def results_table(results: dict) -> str:
     shipped = (results.get("shipped") or {}).get("rows") or []
     training = results["training"]
     section = f"{OWN_SECTION} ({training['seconds'] / 60:.0f} min, {training['steps']} steps)"
-    rows = [*shipped, *own_rows(results["evaluation"], section)]
+    rows = [
+        *shipped,
+        *own_rows(results["evaluation"], section),
+        *own_rows(results.get("evaluation_batch4") or [], section, batch=BATCH_SIZE),
+    ]
     return format_table(rows, SUMMARY_COLUMNS)
 
 

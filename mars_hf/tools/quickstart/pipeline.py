@@ -13,8 +13,9 @@ SmolLM2-135M-Instruct by default:
 4. MARS training (:class:`mars_hf.MARSTrainer`) until ``budget_minutes`` have passed, with a learning
    rate that warms up and decays linearly *in time*, so it reaches zero when the budget ends on any
    machine (or for exactly ``max_steps`` steps with the usual step-based schedule);
-5. evaluation on the held-out prompts: stock ``generate`` and MARS at each τ, interleaved per prompt,
-   tokens per forward, wall-clock and token agreement with the base model;
+5. evaluation on the held-out prompts in float32, at batch 1 (stock ``generate``, MARS at each τ and
+   verify, interleaved per prompt) and then at batch 4 like the shipped model: tokens per forward,
+   wall-clock and token agreement with the base model;
 6. ``results.json``, ``pareto.png`` (tokens per forward against agreement, one point per τ, the shipped
    model's curve next to this run's), one table on the terminal with both models' rows (what the
    quickstart's minutes bought next to what the long run bought), and the trained model as a Hub-ready folder (:func:`mars_hf.hub.save_pretrained`).
@@ -278,9 +279,9 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     data = _base_answers(config, base, timings)
     trained, training = _train(config, base, data, timings)
     with _timed(timings, "evaluate"):
-        runs, rows, length = _evaluate_own(config, base, data, trained)
+        own = _evaluate_own(config, base, data, trained)
     timings["total"] = time.monotonic() - total_start
-    results = _results(config, machine, base, data, training, runs, rows, shipped, timings, length)
+    results = _results(config, machine, base, data, training, own, shipped, timings)
     _write_report(results, trained, base.tokenizer, config, timings, total_start)
     return results
 
@@ -371,25 +372,43 @@ def _train(config: QuickstartConfig, base: _Base, data: _BaseAnswers, timings: d
     return trained, training
 
 
-def _evaluate_own(config: QuickstartConfig, base: _Base, data: _BaseAnswers, trained):
-    """The trained model at batch 1 against the base model's reference: ``(runs, summary rows, answer length)``."""
+@dataclasses.dataclass
+class _OwnEvaluation:
+    """The trained model's rows: batch 1 (``runs``, kept for the samples) and batch 4, one answer length."""
+
+    runs: dict
+    rows: list
+    batch4_rows: list
+    batch4_prompts: int
+    length: int
+
+
+def _evaluate_own(config: QuickstartConfig, base: _Base, data: _BaseAnswers, trained) -> _OwnEvaluation:
+    """The trained model at batch 1 and 4 against the base model's float32 reference answers."""
     if config.method == "gated_lora":
         # Evaluate what ships: the saved adapter on the base model, gated by forward hooks (as
         # custom_generate/ and hub.load apply it); PEFT's wrapper decodes several times slower.
         trained = _reload_gated(trained, base.tokenizer, base.path)
-    runs, length = evaluate(trained, base.tokenizer, data.eval_ids, config)
-    evaluated = len(runs["stock"].outputs)
+    batch1, batch4, length = evaluate(trained, base.tokenizer, data.eval_ids, config)
     # A budget may have cut the answers: the first `length` tokens of a greedy answer are the greedy
     # answer of that length, so the references are cut alike.
-    references = [answer[:length] for answer in data.reference[:evaluated]]
-    return runs, summarize_runs(runs, references=references), length
+    references = [answer[:length] for answer in data.reference]
+    evaluated = len(batch1["stock"].outputs)
+    batch4_prompts = len(batch4["stock"].outputs) if batch4 else 0
+    return _OwnEvaluation(
+        runs=batch1,
+        rows=summarize_runs(batch1, references=references[:evaluated]),
+        batch4_rows=summarize_runs(batch4, references=references[:batch4_prompts]) if batch4 else [],
+        batch4_prompts=batch4_prompts,
+        length=length,
+    )
 
 
 def _results(
-    config, machine, base: _Base, data: _BaseAnswers, training, runs, rows, shipped, timings, length: int
+    config, machine, base: _Base, data: _BaseAnswers, training, own: _OwnEvaluation, shipped, timings
 ) -> dict:
     """Everything measured, JSON-able: settings, machine, data, training, evaluation, samples."""
-    evaluated = len(runs["stock"].outputs)
+    evaluated = len(own.runs["stock"].outputs)
     dataset = data.dataset
     return {
         "config": {
@@ -403,16 +422,18 @@ def _results(
             "train_tokens": int(sum(sum(1 for t in labels if t != -100) for labels in dataset["labels"])),
             "ended_with_eos": int(sum(dataset["ends_with_eos"])),
             "eval_prompts": evaluated,
-            "eval_max_new_tokens": length,
+            "eval_batch_prompts": own.batch4_prompts,
+            "eval_max_new_tokens": own.length,
             "self_distill_cached": data.distill_cached,
             "reference_cached": data.reference_cached,
         },
         "training": training,
-        "evaluation": rows,
+        "evaluation": own.rows,
+        "evaluation_batch4": own.batch4_rows,
         "shipped": shipped,
         "timings_seconds": timings,
         "checkpoint": str(Path(config.output_dir) / "checkpoint") if config.save_checkpoint else None,
-        "samples": _samples(base.tokenizer, data, runs, evaluated),
+        "samples": _samples(base.tokenizer, data, own.runs, evaluated),
     }
 
 
@@ -465,8 +486,9 @@ def summary(results: dict) -> str:
     header = [
         "",
         f"MARS quickstart: held-out prompts never trained on, greedy; {OWN_SECTION}: the model trained "
-        f"just now, {results['data']['eval_prompts']} prompts at batch 1 (≤ {results['data']['eval_max_new_tokens']} "
-        "new tokens) against the base model's float32 greedy answers.",
+        f"just now, {results['data']['eval_prompts']} prompts at batch 1 and "
+        f"{results['data'].get('eval_batch_prompts', 0)} at batch 4 (≤ {results['data']['eval_max_new_tokens']} "
+        "new tokens), in float32, against the base model's float32 greedy answers.",
     ]
     if shipped:
         header.append(
@@ -476,11 +498,11 @@ def summary(results: dict) -> str:
             f"in {shipped['dtype']}, against stock "
             "generate's batch-1 answers in the same dtype."
         )
-        header.append(
-            "agreement: matching token positions; prefix agreement: share of the answer before the first "
-            "difference; batch 4 tokens/forward: tokens / (4 × batch forwards), so rows that end early "
-            "lower stock too; vs stock: speed against stock generate at the same batch."
-        )
+    header.append(
+        "agreement: matching token positions; prefix agreement: share of the answer before the first "
+        "difference; batch 4 tokens/forward: tokens / (4 × batch forwards), so rows that end early "
+        "lower stock too; vs stock: speed against stock generate at the same batch."
+    )
     lines = [
         *header,
         "",
