@@ -213,9 +213,46 @@ def test_acceptance_stats_learn_and_reprobe():
     assert stats.probe_due()
     stats.observe_step(1, 1.0, fed_masks=True)
     assert not stats.probe_due()
-    stats.probing = True
-    stats.observe(4, 0, [0.1] * 4)  # a probe that found nothing: probe less often
-    assert stats.probe_every == 2 * AcceptanceStats.FIRST_PROBE_EVERY
+
+
+def test_probes_spread_out_until_the_planner_feeds_masks_itself():
+    """Every probe doubles the interval to the next, kept drafts or not (good drafts on a curve where
+    masks do not pay are nothing to feed); masks the planner chose reset it, forced ones do not."""
+    first = AcceptanceStats.FIRST_PROBE_EVERY
+    stats = AcceptanceStats(4)
+    stats.start_probe()  # the probe's mask step
+    stats.observe_step(1, 1.3, fed_masks=True, forced=True)
+    stats.observe(1, 1, [0.9])  # its draft was kept ...
+    stats.observe_step(2, 1.3, fed_masks=True, forced=True)  # ... on the probe's draft step
+    assert stats.probe_every == 2 * first and not stats.probe_due()
+    for _ in range(2 * first - 1):
+        stats.observe_step(1, 1.0, fed_masks=False)  # the planner still feeds no masks
+    assert not stats.probe_due()
+    stats.observe_step(1, 1.0, fed_masks=False)
+    assert stats.probe_due()
+    for _ in range(10):
+        stats.start_probe()
+    assert stats.probe_every == AcceptanceStats.MAX_PROBE_EVERY
+    stats.observe_step(2, 1.2, fed_masks=True)  # masks of the planner's own choosing
+    assert stats.probe_every == first
+
+
+def test_good_drafts_on_a_curve_where_masks_never_pay_are_probed_ever_more_rarely(tok, monkeypatch):
+    """A model whose drafts are often right, on a curve where a second column costs 2.5x one (no draft
+    can pay for it): the re-probes find kept drafts, yet they come at 8, 16, 32, ... plain steps, not
+    every 8; the output is stock's."""
+    from mars_hf.decoding import planner
+
+    monkeypatch.setattr(planner, "PROBE_SHARE", 1e6)  # no stretching: probes every FIRST_PROBE_EVERY
+    model = peaked_model("llama")
+    encoded = _batch(tok)
+    stock = model.generate(**encoded, max_new_tokens=96, do_sample=False)
+    out = _verify(model, encoded, {1: 1.0, 2: 2.5, 64: 160.0}, max_new_tokens=96)
+    assert torch.equal(out.sequences, stock)
+    assert int(out.drafts_accepted.sum()) > 0  # the probes did find kept drafts
+    widths = out.forward_widths[1:].tolist()
+    probes = sum(1 for w, before in zip(widths, [1] + widths) if w > 1 and before == 1)
+    assert 1 <= probes <= 4, widths  # 8 + 16 + 32 + 64 > 95 plain steps
 
 
 def test_reprobes_spread_out_where_extra_columns_are_dear():

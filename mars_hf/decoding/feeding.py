@@ -222,8 +222,9 @@ class StepFeed:
             if spec.force_drafts:
                 stats.probing = False
             elif spec.force_masks and choice.masks:
-                stats.probing = True
-            stats.observe_step(len(tokens), cost, fed_masks=choice.masks > 0)
+                stats.start_probe()
+            forced = spec.force_masks or spec.force_drafts
+            stats.observe_step(len(tokens), cost, fed_masks=choice.masks > 0, forced=forced)
 
     def measure_costs(self, max_rows: int) -> None:
         """Measure the cost curves of every batch bucket up to ``max_rows`` now (a server at start-up),

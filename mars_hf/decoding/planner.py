@@ -198,8 +198,10 @@ class AcceptanceStats:
     prose) is re-estimated within a few dozen steps. ``PRIOR`` (weight ``PRIOR_WEIGHT``) is what an
     unobserved offset is assumed to keep. A row that feeds no masks learns nothing about its drafts, so
     after ``probe_every`` such steps it is made to feed masks once and then every draft they propose
-    (the interval doubles, up to ``MAX_PROBE_EVERY``, while probes find nothing; resets when they do;
-    stretched by ``probe_spacing`` where extra columns are dear).
+    (:meth:`start_probe`; stretched by ``probe_spacing`` where extra columns are dear). The interval
+    doubles with every probe, up to ``MAX_PROBE_EVERY``, and resets only when the row feeds masks of
+    the planner's own choosing: a probe whose drafts were kept but did not make masks worth their
+    columns (good drafts on a steep curve, a batch whose width every row pays) found nothing to feed.
     """
 
     DECAY = 0.9
@@ -266,16 +268,21 @@ class AcceptanceStats:
             self.kept[j] += 1.0 if j < kept else 0.0
             if confidences is not None and j < len(confidences):
                 self.predicted[j] += confidences[j]
-        if kept:
-            self.probe_every = self.FIRST_PROBE_EVERY
-        elif self.probing:
-            self.probe_every = min(2 * self.probe_every, self.MAX_PROBE_EVERY)
 
-    def observe_step(self, tokens: int, cost: float, fed_masks: bool) -> None:
-        """The row's gain (tokens per unit cost) and its steps without masks."""
+    def start_probe(self) -> None:
+        """Masks were forced on this row: their drafts are fed in full next step; the next probe waits
+        twice as long unless the planner feeds masks of its own accord before it."""
+        self.probing = True
+        self.probe_every = min(2 * self.probe_every, self.MAX_PROBE_EVERY)
+
+    def observe_step(self, tokens: int, cost: float, fed_masks: bool, forced: bool = False) -> None:
+        """The row's gain (tokens per unit cost) and its steps without masks; masks the planner chose
+        (not ``forced`` by a probe) reset the probe interval."""
         rate = tokens / max(cost, 1e-9)
         self.gain = self.GAIN_DECAY * self.gain + (1 - self.GAIN_DECAY) * rate
         self.idle_steps = 0 if fed_masks else self.idle_steps + 1
+        if fed_masks and not forced:
+            self.probe_every = self.FIRST_PROBE_EVERY
 
     def probe_due(self, spacing: float = 1.0) -> bool:
         """Masks are due again (``spacing``: see ``probe_spacing``)."""
