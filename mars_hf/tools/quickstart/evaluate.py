@@ -374,10 +374,7 @@ def evaluate_shipped(
     dtype = _dtype_name(model)
     rows = []
     for batch, runs in ((1, batch1), (BATCH_SIZE, batch4)):
-        if not runs:
-            continue
-        decoded = len(runs["stock"].outputs)
-        for row in summarize_runs(runs, references=reference[:decoded]):
+        for row in summarize_against(runs, reference):
             rows.append({"section": SHIPPED_SECTION, "batch": batch, "dtype": dtype, **row})
     batch_prompts = len(batch4["stock"].outputs) if batch4 else 0
     return {
@@ -387,6 +384,14 @@ def evaluate_shipped(
         "dtype": dtype,
         "max_new_tokens": length,
     }
+
+
+def summarize_against(runs: dict[str, DecodingRun], references: Sequence[Sequence[int]]) -> list[dict]:
+    """One batch size's summary rows (none without runs), each compared with the references of the prompts
+    that batch size decoded (a budget may have stopped it before the last ones)."""
+    if not runs:
+        return []
+    return summarize_runs(runs, references=references[: len(runs["stock"].outputs)])
 
 
 def own_rows(rows: list[dict], section: str, dtype: str = "float32", batch: int = 1) -> list[dict]:

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mars_hf.evaluation.runs import run_label, summarize_runs, teacher_forced_acceptance
+from mars_hf.evaluation.runs import run_label, teacher_forced_acceptance
 from mars_hf.models.embedded_model import resolve_model_path
 from mars_hf.models.precision import matmul_rate as _matmul_rate
 from mars_hf.tools.quickstart.config import QuickstartConfig
@@ -67,6 +67,7 @@ from mars_hf.tools.quickstart.evaluate import (
     hub_rows,
     pareto_plot,
     results_table,
+    summarize_against,
 )
 from mars_hf.tools.quickstart.train import resolved, train_mars
 from mars_hf.training.calibration_fit import attach_calibration, held_out_split
@@ -393,13 +394,11 @@ def _evaluate_own(config: QuickstartConfig, base: _Base, data: _BaseAnswers, tra
     # A budget may have cut the answers: the first `length` tokens of a greedy answer are the greedy
     # answer of that length, so the references are cut alike.
     references = [answer[:length] for answer in data.reference]
-    evaluated = len(batch1["stock"].outputs)
-    batch4_prompts = len(batch4["stock"].outputs) if batch4 else 0
     return _OwnEvaluation(
         runs=batch1,
-        rows=summarize_runs(batch1, references=references[:evaluated]),
-        batch4_rows=summarize_runs(batch4, references=references[:batch4_prompts]) if batch4 else [],
-        batch4_prompts=batch4_prompts,
+        rows=summarize_against(batch1, references),
+        batch4_rows=summarize_against(batch4, references),
+        batch4_prompts=len(batch4["stock"].outputs) if batch4 else 0,
         length=length,
     )
 
