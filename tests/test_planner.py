@@ -535,6 +535,59 @@ def test_the_decoder_learns_the_curve_from_its_own_forwards(tok, monkeypatch):
     assert decode[learned_at + 1 :].count(1) > len(decode[learned_at + 1 :]) // 2
 
 
+def test_rows_that_finish_mid_call_borrow_the_batch_curve_instead_of_probing(tok, monkeypatch):
+    """Rows stop at different steps and leave the decoder, so the call passes through 2 rows, then 1: those
+    buckets are not measured in the middle of the call (a probe of about two seconds each on a CPU), they
+    borrow the call's own curve. A call that starts at 2 rows measures bucket 2, and a later call that
+    shrinks to 2 rows takes that curve. The output is stock greedy's throughout."""
+    import weakref
+
+    from tests.test_generation import StopOnToken
+    from transformers import StoppingCriteriaList
+
+    model = peaked_model("llama")
+    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())  # this test's own process memory
+    measured = []
+
+    def reading(model, *, batch, **_):
+        measured.append(batch)
+        return CostTable.from_mapping(MIDDLE, "measured", batch)
+
+    monkeypatch.setattr(cost_model, "measure", reading)
+    rows_fed = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows_fed.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    stop = StoppingCriteriaList([StopOnToken(tok.convert_tokens_to_ids("three"))])
+    encoded, pair = _batch(tok), _batch(tok, ["the cat sat", "one two"])
+    try:
+        stock = model.generate(**encoded, max_new_tokens=16, do_sample=False, stopping_criteria=stop)
+        rows_fed.clear()
+        out = _verify(model, encoded, None, max_new_tokens=16, stopping_criteria=stop)
+        assert {4, 2, 1} <= set(rows_fed)  # the batch shrank to 2 rows, then 1, while decoding
+        assert measured == [4] and torch.equal(out.sequences, stock)
+        _verify(model, pair, None, max_new_tokens=16, stopping_criteria=stop)  # starts at 2 rows: measured
+        assert measured == [4, 2]
+        again = _verify(model, encoded, None, max_new_tokens=16, stopping_criteria=stop)
+        assert measured == [4, 2] and torch.equal(again.sequences, stock)
+        feed = StepFeedProbe(model)  # (the hook above is part of the curves' key: still attached)
+        feed.cost_table(4)
+        assert feed.cost_table(2).source in cost_model.REFINABLE  # the process knows bucket 2: not borrowed
+        borrowed = feed.cost_table(1)
+        assert borrowed.source == "borrowed" and borrowed.as_dict() == feed.cost_table(4).as_dict()
+        assert measured == [4, 2]
+    finally:
+        handle.remove()
+
+
+def StepFeedProbe(model):
+    """A bare ``StepFeed`` on ``model`` (the planner's curves, nothing fed)."""
+    from mars_hf.decoding.feeding import StepFeed
+
+    mars = model.config.mars
+    return StepFeed(model, window=mars["block_size"], mask_token_id=mars["mask_token_id"], pad_token_id=0)
+
+
 def test_candidate_widths_cover_every_feed():
     widths = cost_model.candidate_widths(4)
     assert widths[:9] == list(range(1, 10)) and 25 in widths and max(widths) <= cost_model.MAX_PROBED_WIDTH

@@ -7,7 +7,9 @@ so the decoder asks this module, which measures the curve where decoding runs:
 
 - at first use, for the model, device, dtype, thread count and batch bucket in use (the batch rounded up
   to a power of two), on a *scratch* cache: warm-up, a few interleaved rounds over the sizes, medians,
-  about two seconds at most (fewer sizes, interpolated, when a forward is slow);
+  about two seconds at most (fewer sizes, interpolated, when a forward is slow); a smaller bucket that a
+  call reaches only as its rows finish is not measured there (``known_only``: the caller borrows the
+  batch's own curve, see ``feeding.StepFeed.cost_table``);
 - kept for the process (per model object and everything else the cost depends on), and on disk when
   the environment variable ``MARS_HF_COST_CACHE`` names a folder;
 - overridable: ``generate(..., mars_cost_table={1: 1.0, 2: 1.05, ...})`` uses the given curve
@@ -64,7 +66,8 @@ class CostTable:
 
     sizes: tuple[int, ...]
     costs: tuple[float, ...]
-    source: str  # "measured", "disk", "observed" (measured, then corrected by decoding), "given" or "flat"
+    source: str  # "measured", "disk", "observed" (measured, then corrected by decoding), "given", "flat",
+    # or "borrowed" (a larger batch's curve, for the tail of a call whose rows finish: feeding.StepFeed.cost_table)
     batch: int = 1
     unit_seconds: float | None = None  # what one column took when measured (None: not measured here)
 
@@ -212,9 +215,11 @@ def cost_table(
     mask_token_id: int,
     given=None,
     probe: bool = True,
-) -> CostTable:
+    known_only: bool = False,
+) -> CostTable | None:
     """The cost curve for this model and batch: ``given`` if any, flat without ``probe``, else measured
-    once (per process, or read from ``MARS_HF_COST_CACHE``)."""
+    once (per process, or read from ``MARS_HF_COST_CACHE``). ``known_only``: None instead of measuring
+    when neither this process nor the disk cache has the curve yet."""
     batch = batch_bucket(batch_size)
     if given is not None:
         return CostTable.from_mapping(given, "given", batch)
@@ -228,6 +233,8 @@ def cost_table(
     path = _disk_path(model, key)
     table = _read(path, batch) if path else None
     if table is None:
+        if known_only:
+            return None
         table = measure(model, batch=batch, sizes=sizes, mask_token_id=mask_token_id)
         if path:
             _write(path, table)
