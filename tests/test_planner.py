@@ -16,12 +16,15 @@ from __future__ import annotations
 import itertools
 import random
 import time
+import weakref
 
 import pytest
 import torch
+from transformers import StoppingCriteriaList
 
 from mars_hf.decoding import cost_model
 from mars_hf.decoding.cost_model import CostTable
+from mars_hf.decoding.feeding import StepFeed
 from mars_hf.decoding.generation import enable_mars
 from mars_hf.decoding.planner import (
     AUTO,
@@ -35,7 +38,7 @@ from mars_hf.decoding.planner import (
     plan_width,
     probe_spacing,
 )
-from tests.test_generation import _batch, peaked_model
+from tests.test_generation import StopOnToken, _batch, peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
 FLAT = {1: 1.0}
@@ -540,11 +543,6 @@ def test_rows_that_finish_mid_call_borrow_the_batch_curve_instead_of_probing(tok
     buckets are not measured in the middle of the call (a probe of about two seconds each on a CPU), they
     borrow the call's own curve. A call that starts at 2 rows measures bucket 2, and a later call that
     shrinks to 2 rows takes that curve. The output is stock greedy's throughout."""
-    import weakref
-
-    from tests.test_generation import StopOnToken
-    from transformers import StoppingCriteriaList
-
     model = peaked_model("llama")
     monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())  # this test's own process memory
     measured = []
@@ -570,7 +568,7 @@ def test_rows_that_finish_mid_call_borrow_the_batch_curve_instead_of_probing(tok
         assert measured == [4, 2]
         again = _verify(model, encoded, None, max_new_tokens=16, stopping_criteria=stop)
         assert measured == [4, 2] and torch.equal(again.sequences, stock)
-        feed = StepFeedProbe(model)  # (the hook above is part of the curves' key: still attached)
+        feed = _bare_feed(model)  # (the hook above is part of the curves' key: still attached)
         feed.cost_table(4)
         assert feed.cost_table(2).source in cost_model.REFINABLE  # the process knows bucket 2: not borrowed
         borrowed = feed.cost_table(1)
@@ -580,10 +578,8 @@ def test_rows_that_finish_mid_call_borrow_the_batch_curve_instead_of_probing(tok
         handle.remove()
 
 
-def StepFeedProbe(model):
+def _bare_feed(model):
     """A bare ``StepFeed`` on ``model`` (the planner's curves, nothing fed)."""
-    from mars_hf.decoding.feeding import StepFeed
-
     mars = model.config.mars
     return StepFeed(model, window=mars["block_size"], mask_token_id=mars["mask_token_id"], pad_token_id=0)
 
