@@ -442,6 +442,28 @@ def test_the_probe_respects_its_budget():
     assert table.sizes == (1, 2, max(sizes))
 
 
+def test_the_probe_stops_before_a_round_would_pass_its_budget(monkeypatch):
+    """Every forward takes 0.05 s on a fake clock: rounds of five sizes take 0.25 s, so a 1 s budget holds
+    the set-up (0.2 s) and three rounds; a fourth would end at 1.2 s and is not started."""
+    model = tiny_model("llama", seed=5)
+    clock = [0.0]
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    monkeypatch.setattr(cost_model, "time", Clock)
+    handle = model.register_forward_pre_hook(lambda *args: clock.__setitem__(0, clock[0] + 0.05))
+    try:
+        table = cost_model.measure(
+            model, batch=1, sizes=[1, 2, 3, 4, 5], mask_token_id=model.config.mars["mask_token_id"], budget_s=1.0
+        )
+    finally:
+        handle.remove()
+    assert table.sizes == (1, 2, 3, 4, 5) and clock[0] == pytest.approx(0.95)
+
+
 def test_decoding_forwards_correct_the_probes_curve():
     """A width's cost becomes the median of its last observed forwards over the recent one-column ones,
     once seen three times (a busy spell does not move it), for the rest of the process; a given curve

@@ -403,11 +403,14 @@ def measure(
         sizes = sizes[:-2] + sizes[-1:]
         per_round = sum(first + (widest - first) * (n - 1) / max(sizes[-1] - 1, 1) for n in sizes)
     times = {n: [] for n in sizes}
-    count = 0
-    while count < rounds and (count == 0 or time.perf_counter() - started < budget_s):
+    count, last_round = 0, 0.0
+    # another round only if it fits the budget (the first always runs; a round as long as the last one)
+    while count < rounds and (count == 0 or time.perf_counter() - started + last_round <= budget_s):
+        round_started = time.perf_counter()
         for n in sizes:  # interleaved: a busy spell of a shared machine hits every size alike
             times[n].append(timed(n))
         count += 1
+        last_round = time.perf_counter() - round_started
     medians = {n: statistics.median(values) for n, values in times.items()}
     one = medians[1]
     table = CostTable(tuple(sizes), tuple(medians[n] / one for n in sizes), "measured", batch, one)
