@@ -202,8 +202,8 @@ def test_the_scheduler_routes_the_decoders_kernels_once_for_its_whole_loop(monke
     prompt = tok(PROMPTS[0])["input_ids"]
     ids = torch.tensor([prompt])
     expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    engine = DecoderEngine(model, max_rows=2, max_length=96)  # measures its cost curves on packed kernels
     installs.clear()
-    engine = DecoderEngine(model, max_rows=2, max_length=96)
     scheduler = Scheduler(engine, TauController(ControllerConfig(tau_min=1.0, tau_max=1.0, enabled=False), slots=2))
     settings = RowSettings(threshold=1.0, max_new_tokens=12, eos_token_ids=(tok.eos_token_id,))
     request = GenerationRequest(list(prompt), settings, pinned=True)
@@ -220,3 +220,49 @@ def test_the_scheduler_routes_the_decoders_kernels_once_for_its_whole_loop(monke
     assert not cpu_kernels.active(model)
     tokens = [token for event in served if isinstance(event, Tokens) for token in event.tokens]
     assert tokens == expected[0, ids.shape[1] :].tolist()
+
+
+def test_the_engine_measures_every_batch_size_at_start_and_never_while_serving(monkeypatch):
+    """A server's batch grows and shrinks as requests come and go: the engine measures the planner's cost
+    curve of every batch bucket up to ``max_rows`` when it is built, and none while serving (a probe there
+    would stall every request in the batch). Verify rows of different lengths served together, joining
+    and leaving, decode what `generate` decodes for each alone."""
+    import weakref
+
+    from mars_hf.decoding import cost_model
+    from mars_hf.decoding.cost_model import CostTable
+    from mars_hf.decoding.rows import RowSettings
+    from mars_hf.serving.engine import DecoderEngine
+
+    tok = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tok))
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
+    measured = []
+
+    def reading(model, *, batch, **_):
+        measured.append(batch)
+        return CostTable.from_mapping({1: 1.0, 9: 1.2, 10: 3.0}, "measured", batch)
+
+    monkeypatch.setattr(cost_model, "measure", reading)
+    engine = DecoderEngine(model, max_rows=4, max_length=96)
+    assert sorted(measured) == [1, 2, 4]
+    lengths = {PROMPTS[0]: 3, PROMPTS[1]: 11, PROMPTS[2]: 6, PROMPTS[3]: 9, PROMPTS[4]: 2}
+    waiting, served, ids = list(lengths), {}, {}
+    while waiting or ids:
+        while waiting and engine.free_slots:
+            prompt = waiting.pop(0)
+            settings = RowSettings(
+                acceptance="verify", max_new_tokens=lengths[prompt], eos_token_ids=(tok.eos_token_id,)
+            )
+            ids[engine.add_row(tok(prompt)["input_ids"], settings)] = prompt
+            served[prompt] = []
+        for update in engine.step():
+            served[ids[update.row_id]] += list(update.tokens)
+            if update.finished:
+                engine.drop_row(update.row_id)
+                del ids[update.row_id]
+    assert sorted(measured) == [1, 2, 4]
+    for prompt, tokens in served.items():
+        assert tok.decode(tokens, skip_special_tokens=True) == reference(model, tok, prompt, lengths[prompt])

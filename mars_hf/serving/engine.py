@@ -98,6 +98,9 @@ class DecoderEngine:
     keep the step's tokens and continue in a rebuilt batch. A MARS row's next tokens depend only on
     its tokens so far, so greedy, τ and verify rows decode as they would have (a sampled row's random
     stream is re-seeded from its seed, so it stays a valid sample but not the one it would have drawn).
+
+    The step planner's cost curves are measured for every batch bucket up to ``max_rows`` when the engine
+    is built (``MARSBatchDecoder.measure_costs``), so that no request waits on a probe while serving.
     """
 
     def __init__(self, model, *, max_rows: int = 8, max_length: int = 2048, cache: str = "cursor"):
@@ -124,6 +127,11 @@ class DecoderEngine:
         )
         with torch.inference_mode():
             self.decoder = self._make_decoder()
+            # every batch bucket's cost curve now (about 2 s each at most on a CPU), not at the first step
+            # that needs it: there, a probe stalls every request in the batch, and a bucket first reached as
+            # rows leave would borrow a larger batch's curve for the life of the server
+            logger.info("Measuring MARS step costs for batches of up to %d rows", max_rows)
+            self.decoder.measure_costs()
         self.max_rows = max_rows
         self.max_length = max_length
         self._rows: dict[int, _RowRecord] = {}
