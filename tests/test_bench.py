@@ -415,3 +415,44 @@ def test_where_auto_packs_stock_generate_also_runs_on_the_packed_kernels(monkeyp
     # each stock run: the plain one unpacked, the reference one packed, alternating with the repeats
     assert sorted(set(packed_during_stock)) == [False, True] and not cpu_kernels.active(model)
     assert BenchConfiguration("stock", cpu_kernels="packed").label == "stock kernels=packed"
+
+
+def test_each_rows_step_cost_is_read_on_the_kernels_it_ran(monkeypatch):
+    """A MARS row's multi-row forwards run on packed kernels where its mode picks them; stock `generate` on
+    stock ones (unless it is the stock+packed row). The cost column divides each row's forward, timed on its
+    own kernels, by stock's 1-token forward: here a packed forward costs half a stock one at every width."""
+    from types import SimpleNamespace
+
+    from mars_hf.decoding import cpu_kernels
+    from mars_hf.tools.bench import step_costs
+
+    model = tiny_model("llama", dtype=torch.float32)
+    monkeypatch.setattr(cpu_kernels, "use_packed", lambda model, mode="auto": mode != "stock")
+    monkeypatch.setattr(step_costs, "use_packed", cpu_kernels.use_packed)
+
+    def timings(model, inputs, *, step_sizes, full_lengths, **_):
+        scale = 0.5 if cpu_kernels.active(model) else 1.0
+        return {k: scale * (1.0 + 0.1 * (k - 1)) for k in step_sizes}, {n: scale * 3.0 for n in full_lengths}
+
+    monkeypatch.setattr(step_costs, "measure_step_costs", timings)
+
+    def row(scheme, kernels, step, tokens_per_forward=1.0):
+        return {
+            "scheme": scheme,
+            "cpu_kernels": kernels,
+            "step_tokens": step,
+            "tokens_per_forward": tokens_per_forward,
+            "generated_tokens": 8,
+            "generated_per_row": [8],
+            "prompt_tokens": 4,
+        }
+
+    rows = [row("stock", "auto", 1), row("stock", "packed", 1), row("cursor", "auto", 6, 2.0)]
+    rows.append(row("cursor", "stock", 6, 2.0))
+    costs = step_costs.add_cost_model(model, {}, rows, SimpleNamespace(cost_repeats=1))
+    assert [r["step_kernels"] for r in rows] == ["stock", "packed", "packed", "stock"]
+    assert [r["step_cost"] for r in rows] == pytest.approx([1.0, 0.5, 0.75, 1.5])
+    assert rows[2]["predicted_speedup"] == pytest.approx(2.0 / 0.75)
+    assert costs["cached_step_cost"]["6"] == pytest.approx(1.5)
+    assert costs["cached_step_cost_packed"]["6"] == pytest.approx(0.75)
+    assert not cpu_kernels.active(model)  # each measurement's kernels were restored

@@ -15,8 +15,9 @@ def format_table(result: dict) -> str:
         "medians; (best): from each configuration's fastest repeat); "
         "effic. = speedup / (tok/fwd relative to stock); step = tokens one forward feeds on its cache "
         "after the prompt, mean over the run (n + W for cursor; the open block + W for block; the whole "
-        "sequence, uncached, for none); cost = that forward's measured time (fastest of the cost repeats) "
-        "/ a 1-token cached forward; pred. = docs/method.md §4 cost-model speedup = relative tok/fwd / cost; "
+        "sequence, uncached, for none); cost = that forward's measured time (fastest of the cost repeats, on the "
+        "kernels the row ran: packed where its mars_cpu_kernels mode picks them) / stock generate's 1-token "
+        "cached forward; pred. = docs/method.md §4 cost-model speedup = relative tok/fwd / cost; "
         "=stock = share of rows whose output equals stock generate (measured, also for verify); "
         "tau v-auto / v-line / v-quad = verified decoding (mars_acceptance='verify'): the step planner, "
         "or the fixed linear / quadratic layout; +pl: with prompt-lookup drafts; plK = transformers' own "
@@ -30,6 +31,9 @@ def format_table(result: dict) -> str:
         if costs["uncached_forward_cost"]:
             full = ", ".join(f"{k}:{v:.2f}" for k, v in costs["uncached_forward_cost"].items())
             line += f"; uncached L-token forward / 1-token cached: {full}"
+        if "cached_step_cost_packed" in costs:
+            packed = ", ".join(f"{k}:{v:.2f}" for k, v in costs["cached_step_cost_packed"].items())
+            line += f"; on packed kernels (MARS rows' multi-row linears), / the same stock 1-token forward: {packed}"
         lines.append(line)
     return "\n".join(lines)
 

@@ -1,5 +1,13 @@
 """The §4 cost model next to the measurements: what a k-token cached forward costs against a 1-token one,
-and the speed-up that predicts for each row."""
+and the speed-up that predicts for each row.
+
+Each row's forwards are timed on the kernels the row ran on (a MARS row's multi-row linears on packed
+kernels where its ``mars_cpu_kernels`` mode picks them, stock `generate` on stock ones unless it is the
+``stock+packed`` row), against stock `generate`'s own 1-token forward: on a CPU the two kernels differ by
+far more than the columns do (SmolLM2 float32 at batch 1, one 2-vCPU AVX2 EPYC: 9 columns cost 1.98× one
+column on stock kernels, 1.44× on packed ones), and a cost read on the wrong kernels predicted 0.89× for a
+row that ran 1.33×.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,8 @@ import math
 import time
 
 import torch
+
+from mars_hf.decoding.cpu_kernels import packed_linears, use_packed
 
 
 @torch.no_grad()
@@ -86,26 +96,41 @@ def add_cost_model(model, inputs, rows, args) -> dict:
             full_lengths.add(round(row["step_tokens"]))
         else:
             step_sizes.update({math.floor(row["step_tokens"]), math.ceil(row["step_tokens"])})
-    costs, full_costs = measure_step_costs(
-        model,
-        inputs,
-        context_tokens=context,
-        step_sizes=step_sizes,
-        full_lengths=full_lengths,
-        repeats=args.cost_repeats,
-    )
-    one = costs[1]
+    measured = {}  # kernels -> (cached costs, uncached costs); stock first: its 1-token forward is the unit
+    for kernels in sorted({"stock"} | {row_kernels(model, row) for row in rows}, key=lambda k: k != "stock"):
+        with packed_linears(model, kernels):
+            measured[kernels] = measure_step_costs(
+                model,
+                inputs,
+                context_tokens=context,
+                step_sizes=step_sizes,
+                full_lengths=full_lengths,
+                repeats=args.cost_repeats,
+            )
+    one = measured["stock"][0][1]
     for row in rows:
+        kernels = row_kernels(model, row)
+        costs, full_costs = measured[kernels]
         if row["scheme"] == "none":
             relative_cost = full_costs[round(row["step_tokens"])] / one
         else:
             relative_cost = _interpolate(costs, row["step_tokens"]) / one
         relative_tpf = row["tokens_per_forward"] / stock["tokens_per_forward"]
+        row["step_kernels"] = kernels
         row["step_cost"] = relative_cost
         row["predicted_speedup"] = relative_tpf / relative_cost
-    return {
-        "context_tokens": context,
-        "one_token_seconds": one,
-        "cached_step_cost": {str(k): v / one for k, v in sorted(costs.items())},
-        "uncached_forward_cost": {str(k): v / one for k, v in sorted(full_costs.items())},
-    }
+    result = {"context_tokens": context, "one_token_seconds": one}
+    for kernels, (costs, full_costs) in measured.items():
+        suffix = "" if kernels == "stock" else f"_{kernels}"
+        result[f"cached_step_cost{suffix}"] = {str(k): v / one for k, v in sorted(costs.items())}
+        result[f"uncached_forward_cost{suffix}"] = {str(k): v / one for k, v in sorted(full_costs.items())}
+    return result
+
+
+def row_kernels(model, row: dict) -> str:
+    """``"packed"`` or ``"stock"``: the kernels a bench row's forwards ran on (stock `generate` on stock ones
+    unless it is the stock+packed row; a MARS row on what its ``mars_cpu_kernels`` mode picks)."""
+    mode = row.get("cpu_kernels") or "auto"
+    if row["scheme"] == "stock":
+        return "packed" if mode == "packed" else "stock"
+    return "packed" if use_packed(model, mode) else "stock"
