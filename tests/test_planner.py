@@ -600,6 +600,39 @@ def test_rows_that_finish_mid_call_borrow_the_batch_curve_instead_of_probing(tok
         handle.remove()
 
 
+def test_fixed_window_steps_never_start_a_probe_but_pad_to_a_known_curve(tok, monkeypatch):
+    """τ with the paper's fixed window uses the cost curve only to pad a step to a cheaper width: that never
+    pays for a probe (about two seconds on a CPU, in a call that may last a few), so a fresh process pads
+    nothing; once the planner has measured the curve (here one where 6 columns cost less than 3 to 5), τ
+    steps are padded to it. Tokens and per-step counts are the same either way."""
+    model = peaked_model("llama")
+    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
+    measured = []
+    dip = {1: 1.0, 2: 1.6, 3: 1.7, 5: 1.9, 6: 1.3, 8: 2.0}
+
+    def reading(model, *, batch, **_):
+        measured.append(batch)
+        return CostTable.from_mapping(dip, "measured", batch)
+
+    monkeypatch.setattr(cost_model, "measure", reading)
+    monkeypatch.setattr(cost_model, "observe", lambda model, table, width, seconds, rows=None: table)
+    encoded = tok(["the cat sat"], return_tensors="pt")
+    tau = dict(max_new_tokens=16, do_sample=False, mars_threshold=0.5, mars_block_size=2)
+    tau["return_dict_in_generate"] = True
+    unpadded = model.generate(**encoded, **tau)
+    flat = model.generate(**encoded, mars_cost_table={1: 1.0}, **tau)  # a flat curve never pads
+    assert measured == [] and unpadded.forward_widths.tolist() == flat.forward_widths.tolist()
+    _verify(model, encoded, None, max_new_tokens=16, mars_block_size=2)  # the planner needs the curve
+    assert measured == [1]
+    padded = model.generate(**encoded, **tau)
+    assert measured == [1]
+    pairs = list(zip(padded.forward_widths.tolist(), unpadded.forward_widths.tolist()))
+    table = CostTable.from_mapping(dip)
+    assert all(p in (w, table.padded_width(w)) for p, w in pairs) and any(p != w for p, w in pairs)
+    assert torch.equal(padded.sequences, unpadded.sequences)
+    assert torch.equal(padded.accepted_counts, unpadded.accepted_counts)
+
+
 def _bare_feed(model):
     """A bare ``StepFeed`` on ``model`` (the planner's curves, nothing fed)."""
     mars = model.config.mars

@@ -66,6 +66,7 @@ class StepFeed:
         check_cost_table(cost_table)  # a malformed table fails here, naming the keyword
         self.cost_given, self.cost_probe = cost_table, bool(cost_probe)
         self.cost_tables: dict = {}  # batch bucket -> CostTable, filled at first need
+        self.unknown_buckets: set[int] = set()  # buckets no curve was known for when a fixed plan asked
         self.position_limit = position_limit(model.config)
         # verify rows may also get prompt lookup's or a draft model's drafts (docs/method.md §5)
         self.drafts = DraftChooser(
@@ -82,19 +83,21 @@ class StepFeed:
         """Each row's plan, the planner's specs and choices, the step's width and its relative cost.
 
         Rows the planner serves (verify with ``layout="auto"``, τ rows with ``planner=True``) get their
-        feed from ``planner.choose``; the others keep a fixed plan and only set a floor on the width.
-        When no row could feed a mask or draft nothing is measured and nothing padded: one-token
-        decoding stays stock decoding, column for column. A step that carries masks runs at the
-        cheapest measured width at least as wide as it needs (the padding replaces a fixed minimum).
+        feed from ``planner.choose``, which needs the cost curve (measured at first need); the others keep
+        a fixed plan and only set a floor on the width. When no row could feed a mask or draft nothing is
+        measured and nothing padded: one-token decoding stays stock decoding, column for column. A step
+        that carries masks runs at the cheapest width of a known curve at least as wide as it needs (the
+        padding replaces a fixed minimum); fixed plans alone never start a probe for it (about two
+        seconds, more than a short call of the paper's fixed window could ever win back by padding).
         """
         self.drafts.from_assistant(rows, deciding)
         plans, specs = self._fixed_plans_and_specs(rows, deciding)
-        wants_table = any(s.kind != FIXED and (s.max_masks > 0 or s.draft_probs) for s in specs) or any(
-            p is not None and p.group_columns for p in plans
-        )
-        if not wants_table:
+        plans_steps = any(s.kind != FIXED and (s.max_masks > 0 or s.draft_probs) for s in specs)
+        if not plans_steps:
             choices = [RowChoice() for _ in rows]
-            width, table = 1, None
+            width = 1
+            pads = any(p is not None and p.group_columns for p in plans)
+            table = self.cost_table(len(rows), measure=False) if pads else None
         else:
             table = self.cost_table(len(rows))
             # lookup drafts may outnumber the window: the grid then allows that many
@@ -241,8 +244,9 @@ class StepFeed:
         if table is not None:
             self.cost_tables[bucket] = observe(self.model, table, width, seconds, rows)
 
-    def cost_table(self, rows: int):
-        """The cost curve of a batch of ``rows`` rows (its bucket's), measured or read at first need.
+    def cost_table(self, rows: int, measure: bool = True):
+        """The cost curve of a batch of ``rows`` rows (its bucket's), measured or read at first need
+        (``measure=False``: only one already known to the process or on disk, else None).
 
         A bucket smaller than one already in use is reached as rows finish: it is not measured then (a
         probe of about two seconds in the middle of a call, once per bucket, where a batch of four decodes
@@ -252,7 +256,7 @@ class StepFeed:
         """
         bucket = batch_bucket(rows)
         table = self.cost_tables.get(bucket)
-        if table is None:
+        if table is None and (measure or bucket not in self.unknown_buckets):
             larger = [b for b in self.cost_tables if b > bucket]
             table = curve_for(
                 self.model,
@@ -261,10 +265,13 @@ class StepFeed:
                 mask_token_id=self.mask_token_id,
                 given=self.cost_given,
                 probe=self.cost_probe,
-                known_only=bool(larger),
+                known_only=bool(larger) or not measure,
             )
-            if table is None:
+            if table is None and larger:
                 lender = self.cost_tables[min(larger)]
                 table = dataclasses.replace(lender, source="borrowed", batch=bucket)
-            self.cost_tables[bucket] = table
+            if table is None:
+                self.unknown_buckets.add(bucket)  # asked again only by a step that measures
+            else:
+                self.cost_tables[bucket] = table
         return table
