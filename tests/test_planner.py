@@ -464,6 +464,35 @@ def test_the_probe_stops_before_a_round_would_pass_its_budget(monkeypatch):
     assert table.sizes == (1, 2, 3, 4, 5) and clock[0] == pytest.approx(0.95)
 
 
+def test_the_probe_takes_each_widths_fastest_round(monkeypatch):
+    """A forward is slowed by whatever else runs, never sped up: on a fake clock where a column costs 0.1 s
+    plus 1 s for the first, two of three rounds of width 2 are slowed by 0.5 s (a busy spell); the curve
+    reads the undisturbed cost, 1.1 / 1.0, where a median would read 1.6."""
+    model = tiny_model("llama", seed=5)
+    clock, calls = [0.0], {}
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    def forward(module, args, kwargs):
+        width = kwargs["input_ids"].shape[1]
+        calls[width] = calls.get(width, 0) + 1
+        slowed = width == 2 and calls[width] <= 2  # rounds 1 and 2 of 3 (the warm-up times widths 1 and 3)
+        clock[0] += 1.0 + 0.1 * (width - 1) + (0.5 if slowed else 0.0)
+
+    monkeypatch.setattr(cost_model, "time", Clock)
+    handle = model.register_forward_pre_hook(forward, with_kwargs=True)
+    try:
+        table = cost_model.measure(
+            model, batch=1, sizes=[1, 2, 3], mask_token_id=model.config.mars["mask_token_id"], budget_s=1e9, rounds=3
+        )
+    finally:
+        handle.remove()
+    assert table.as_dict() == pytest.approx({1: 1.0, 2: 1.1, 3: 1.2})
+
+
 def test_decoding_forwards_correct_the_probes_curve():
     """A width's cost becomes the median of its last observed forwards over the recent one-column ones,
     once seen three times (a busy spell does not move it), for the rest of the process; a given curve
