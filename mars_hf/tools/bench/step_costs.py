@@ -4,8 +4,8 @@ and the speed-up that predicts for each row.
 Each row's forwards are timed on the kernels the row ran on (a MARS row's multi-row linears on packed
 kernels where its ``mars_cpu_kernels`` mode picks them, stock `generate` on stock ones unless it is the
 ``stock+packed`` row), against stock `generate`'s own 1-token forward: on a CPU the two kernels differ by
-far more than the columns do (SmolLM2 float32 at batch 1, one 2-vCPU AVX2 EPYC: 9 columns cost 1.98× one
-column on stock kernels, 1.44× on packed ones), and a cost read on the wrong kernels predicted 0.89× for a
+far more than the columns do (SmolLM2 float32 at batch 1, one 2-vCPU AVX2 EPYC: 9 columns cost 1.99× stock's
+one column on stock kernels, 1.29× on packed ones), and a cost read on the wrong kernels predicted 0.89× for a
 row that ran 1.33×.
 """
 
