@@ -11,8 +11,7 @@ This file depends on torch and transformers only (it ships in a checkpoint's ``c
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cost_model import batch_bucket, observe
 from .cost_model import cost_table as curve_for
@@ -269,7 +268,7 @@ class StepFeed:
             )
             if table is None and larger:
                 lender = self.cost_tables[min(larger)]
-                table = dataclasses.replace(lender, source="borrowed", batch=bucket)
+                table = replace(lender, source="borrowed", batch=bucket)
             if table is None:
                 self.unknown_buckets.add(bucket)  # asked again only by a step that measures
             else:

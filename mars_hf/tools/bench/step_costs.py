@@ -96,8 +96,9 @@ def add_cost_model(model, inputs, rows, args) -> dict:
             full_lengths.add(round(row["step_tokens"]))
         else:
             step_sizes.update({math.floor(row["step_tokens"]), math.ceil(row["step_tokens"])})
+    kernels_of = [row_kernels(model, row) for row in rows]
     measured = {}  # kernels -> (cached costs, uncached costs); stock first: its 1-token forward is the unit
-    for kernels in sorted({"stock"} | {row_kernels(model, row) for row in rows}, key=lambda k: k != "stock"):
+    for kernels in sorted({"stock", *kernels_of}, key=lambda k: k != "stock"):
         with packed_linears(model, kernels):
             measured[kernels] = measure_step_costs(
                 model,
@@ -108,8 +109,7 @@ def add_cost_model(model, inputs, rows, args) -> dict:
                 repeats=args.cost_repeats,
             )
     one = measured["stock"][0][1]
-    for row in rows:
-        kernels = row_kernels(model, row)
+    for row, kernels in zip(rows, kernels_of):
         costs, full_costs = measured[kernels]
         if row["scheme"] == "none":
             relative_cost = full_costs[round(row["step_tokens"])] / one

@@ -197,7 +197,7 @@ def evaluate_both_batches(
         desc=desc,
         warm_up=not paced,
     )
-    evaluated = len(batch1["stock"].outputs) if batch1 else 0
+    evaluated = decoded_prompts(batch1)
     batch4 = evaluate_batched(
         model,
         tokenizer,
@@ -376,7 +376,7 @@ def evaluate_shipped(
     for batch, runs in ((1, batch1), (BATCH_SIZE, batch4)):
         for row in summarize_against(runs, reference):
             rows.append({"section": SHIPPED_SECTION, "batch": batch, "dtype": dtype, **row})
-    batch_prompts = len(batch4["stock"].outputs) if batch4 else 0
+    batch_prompts = decoded_prompts(batch4)
     return {
         "rows": rows,
         "eval_prompts": evaluated,
@@ -391,7 +391,12 @@ def summarize_against(runs: dict[str, DecodingRun], references: Sequence[Sequenc
     that batch size decoded (a budget may have stopped it before the last ones)."""
     if not runs:
         return []
-    return summarize_runs(runs, references=references[: len(runs["stock"].outputs)])
+    return summarize_runs(runs, references=references[: decoded_prompts(runs)])
+
+
+def decoded_prompts(runs: dict[str, DecodingRun]) -> int:
+    """How many prompts one batch size decoded before its budget ran out (0 without runs)."""
+    return len(runs["stock"].outputs) if runs else 0
 
 
 def own_rows(rows: list[dict], section: str, dtype: str = "float32", batch: int = 1) -> list[dict]:

@@ -62,6 +62,7 @@ from mars_hf.tools.quickstart.evaluate import (
     OWN_SECTION,
     SHIPPED_SECTION,
     VERIFY_LABEL,
+    decoded_prompts,
     evaluate,
     evaluate_shipped,
     hub_rows,
@@ -398,7 +399,7 @@ def _evaluate_own(config: QuickstartConfig, base: _Base, data: _BaseAnswers, tra
         runs=batch1,
         rows=summarize_against(batch1, references),
         batch4_rows=summarize_against(batch4, references),
-        batch4_prompts=len(batch4["stock"].outputs) if batch4 else 0,
+        batch4_prompts=decoded_prompts(batch4),
         length=length,
     )
 
@@ -407,7 +408,7 @@ def _results(
     config, machine, base: _Base, data: _BaseAnswers, training, own: _OwnEvaluation, shipped, timings
 ) -> dict:
     """Everything measured, JSON-able: settings, machine, data, training, evaluation, samples."""
-    evaluated = len(own.runs["stock"].outputs)
+    evaluated = decoded_prompts(own.runs)
     dataset = data.dataset
     return {
         "config": {
