@@ -10,6 +10,9 @@ import argparse
 import importlib
 import sys
 
+# commands that decode for a user keep the measured cost curves on disk, under $MARS_HF_HOME/cost-curves
+# (``cost_model.disk_cache_by_default``): a one-shot `generate` would otherwise pay the ~2 s probe every time
+KEEPS_COST_CURVES = ("generate", "serve")
 COMMANDS = ["quickstart", "distill", "train", "calibrate", "reduce-rank", "generate", "bench", "eval", "push", "export", "serve", "loadtest", "gpu-check"]
 
 
@@ -27,7 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    if args.command not in KEEPS_COST_CURVES:
+        return int(args._run(args) or 0)
+    from mars_hf.decoding.cost_model import disk_cache_by_default
+    from mars_hf.decoding.home import mars_hf_home
+
+    with disk_cache_by_default(mars_hf_home() / "cost-curves"):
+        return int(args._run(args) or 0)
 
 
 if __name__ == "__main__":

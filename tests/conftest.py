@@ -1,3 +1,4 @@
+import os
 import socket
 
 import pytest
@@ -8,6 +9,9 @@ from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
 # Two cores are shared by the whole suite; more threads only add contention on tiny models.
 torch.set_num_threads(1)
+# No cost curve from an earlier run (or another machine's load) on disk: every test measures its own, and
+# `mars-hf generate` / `serve` run by tests (their default is $MARS_HF_HOME/cost-curves) write none.
+os.environ.setdefault("MARS_HF_COST_CACHE", "")
 
 
 @pytest.fixture

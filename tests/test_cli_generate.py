@@ -1,6 +1,7 @@
 """`mars-hf generate`: the text it prints is what `generate` decodes; `--show-chunks` is faithful."""
 
 import logging
+import os
 import re
 
 import pytest
@@ -236,3 +237,28 @@ def test_dtype_auto_keeps_a_small_model_in_float32_and_says_so(saved_model, caps
     assert "float32" in caplog.text and "too small" in caplog.text
     assert main([*argv, "--dtype", "float32"]) == 0
     assert capsys.readouterr().out == auto
+
+
+def test_generate_keeps_its_cost_curve_under_the_home_folder(saved_model, capsys, tmp_path, monkeypatch):
+    """A one-shot `mars-hf generate` reads the curve an earlier process measured instead of probing again;
+    an empty MARS_HF_COST_CACHE turns the disk off; the library's own environment is left as it was."""
+    from mars_hf.decoding import cost_model
+
+    monkeypatch.delenv(cost_model.CACHE_ENV)
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    probes = []
+    measure = cost_model.measure
+    monkeypatch.setattr(cost_model, "measure", lambda *a, **k: probes.append(1) or measure(*a, **k))
+    args = ["generate", "hello world", "--model", str(saved_model), "--max-new-tokens", "10", "--dtype", "float64"]
+    args += ["--acceptance", "verify"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    curves = list((tmp_path / "cost-curves").iterdir())
+    assert len(probes) == 1 and len(curves) == 1
+    assert cost_model.CACHE_ENV not in os.environ  # set for the command only
+    assert main(args) == 0  # a new process would load the model again: a new model object here too
+    assert capsys.readouterr().out == first and len(probes) == 1  # read from disk, not measured
+    monkeypatch.setenv(cost_model.CACHE_ENV, "")
+    assert main(args) == 0
+    assert capsys.readouterr().out == first and len(probes) == 2
+    assert list((tmp_path / "cost-curves").iterdir()) == curves

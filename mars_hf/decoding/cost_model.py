@@ -11,7 +11,8 @@ so the decoder asks this module, which measures the curve where decoding runs:
   call reaches only as its rows finish is not measured there (``known_only``: the caller borrows the
   batch's own curve, see ``feeding.StepFeed.cost_table``);
 - kept for the process (per model object and everything else the cost depends on), and on disk when
-  the environment variable ``MARS_HF_COST_CACHE`` names a folder;
+  the environment variable ``MARS_HF_COST_CACHE`` names a folder (the ``mars-hf`` commands that decode
+  for a user default it to ``$MARS_HF_HOME/cost-curves``: :func:`disk_cache_by_default`);
 - overridable: ``generate(..., mars_cost_table={1: 1.0, 2: 1.05, ...})`` uses the given curve
   (missing sizes interpolated), ``mars_cost_probe=False`` assumes a **flat** curve (every width costs
   what one column costs: the accelerator-at-small-batch assumption, under which the planner goes as
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -232,7 +234,9 @@ def cost_table(
         return per_model[key]
     path = _disk_path(model, key)
     table = _read(path, batch) if path else None
-    if table is None:
+    if table is not None:
+        logger.info("MARS cost curve (batch %d) read from %s: %s", batch, path, dict(zip(table.sizes, table.costs)))
+    else:
         if known_only:
             return None
         table = measure(model, batch=batch, sizes=sizes, mask_token_id=mask_token_id)
@@ -240,6 +244,25 @@ def cost_table(
             _write(path, table)
     per_model[key] = table
     return table
+
+
+@contextlib.contextmanager
+def disk_cache_by_default(folder):
+    """Within the block, measured curves are written to and read from ``folder`` unless
+    ``MARS_HF_COST_CACHE`` is set (an empty value: no disk cache at all).
+
+    Why: a one-shot ``mars-hf generate`` with verified decoding otherwise pays the probe (about 2 s)
+    in every process, where its whole answer takes about 12 s on a 2-core CPU; a restarted server pays
+    one per batch bucket. The library's ``generate`` never writes to disk unless asked.
+    """
+    if CACHE_ENV in os.environ:
+        yield
+        return
+    os.environ[CACHE_ENV] = str(folder)
+    try:
+        yield
+    finally:
+        os.environ.pop(CACHE_ENV, None)
 
 
 def _read(path: str, batch: int) -> CostTable | None:
