@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import time
 import weakref
@@ -689,6 +690,24 @@ def test_the_disk_cache_is_keyed_and_reused(tmp_path, monkeypatch):
     assert cost_model.cost_table(again, batch_size=1, window=2, mask_token_id=mask).source == "disk"
     cost_model.cost_table(again, batch_size=3, window=2, mask_token_id=mask)  # another batch bucket
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_damaged_disk_curve_is_measured_again_and_rewritten(tmp_path, monkeypatch, caplog):
+    """A truncated or nonsensical file (a crash mid-write on an older version, a hand edit) is never
+    read as a curve: it is measured again and replaced whole (written aside, then renamed)."""
+    monkeypatch.setenv(cost_model.CACHE_ENV, str(tmp_path))
+    mask = tiny_model("qwen2", seed=9).config.mars["mask_token_id"]
+    cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask)
+    (path,) = tmp_path.iterdir()
+    whole = path.read_text()
+    for damaged in (whole[: len(whole) // 2], '{"sizes": [1, 2], "costs": [1.0, -3.0]}', "[]"):
+        path.write_text(damaged)
+        with caplog.at_level("WARNING", logger="mars_hf.decoding.cost_model"):
+            table = cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask)
+        assert table.source == "measured" and "Ignoring the MARS cost table" in caplog.text
+        assert json.loads(path.read_text())["sizes"] == list(table.sizes)
+        assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no partial file left behind
+        caplog.clear()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -266,20 +266,29 @@ def disk_cache_by_default(folder):
 
 
 def _read(path: str, batch: int) -> CostTable | None:
+    if not os.path.exists(path):
+        return None
     try:
         with open(path, encoding="utf-8") as handle:
             record = json.load(handle)
-        return CostTable(tuple(record["sizes"]), tuple(record["costs"]), "disk", batch)
-    except (OSError, ValueError, KeyError):
+        return CostTable.from_mapping(dict(zip(record["sizes"], record["costs"])), "disk", batch)
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable or not a curve: measured again, rewritten
+        logger.warning("Ignoring the MARS cost table at %s: not a readable curve.", path)
         return None
 
 
 def _write(path: str, table: CostTable) -> None:
+    # written aside and renamed: another process (a second server, a concurrent `mars-hf generate`) reads
+    # either no file or a whole one, never a half-written one
+    partial = f"{path}.{os.getpid()}.partial"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as handle:
+        with open(partial, "w", encoding="utf-8") as handle:
             json.dump({"sizes": list(table.sizes), "costs": list(table.costs)}, handle)
-    except OSError as error:  # a read-only folder only costs the next process a probe
+        os.replace(partial, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(partial)  # a read-only folder only costs the next process a probe
         logger.warning("Could not write the MARS cost table to %s: %s", path, error)
 
 
