@@ -82,6 +82,10 @@ def test_aligned_causal_rows_use_the_stock_path():
         plans, [4, 4], [0, 0], min_width=1, dtype=torch.float32, device=torch.device("cpu"), pad_token_id=PAD
     )
     assert step.attention_mask is None
+    padded = pack(
+        plans, [4, 4], [0, 0], min_width=5, dtype=torch.float32, device=torch.device("cpu"), pad_token_id=PAD
+    )  # padding after every real column: hidden by the causal mask itself
+    assert padded.attention_mask is None and padded.width == 5
     step = pack(
         plans, [4, 4], [2, 0], min_width=5, dtype=torch.float32, device=torch.device("cpu"), pad_token_id=PAD
     )
