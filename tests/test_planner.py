@@ -690,6 +690,11 @@ def test_the_disk_cache_is_keyed_and_reused(tmp_path, monkeypatch):
     assert cost_model.cost_table(again, batch_size=1, window=2, mask_token_id=mask).source == "disk"
     cost_model.cost_table(again, batch_size=3, window=2, mask_token_id=mask)  # another batch bucket
     assert len(list(tmp_path.iterdir())) == 2
+    # the same home folder on another CPU (same model name and core count, other features): its own curve
+    monkeypatch.setattr(cost_model, "cpu_flags", lambda: "fpu sse2 avx512f avx512_bf16 amx_tile")
+    other = tiny_model("qwen2", seed=9)
+    assert cost_model.cost_table(other, batch_size=1, window=2, mask_token_id=mask).source == "measured"
+    assert len(list(tmp_path.iterdir())) == 3
 
 
 def test_a_damaged_disk_curve_is_measured_again_and_rewritten(tmp_path, monkeypatch, caplog):

@@ -38,7 +38,6 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
 import time
 import weakref
@@ -46,6 +45,7 @@ import weakref
 import torch
 
 from .cpu_kernels import active as packed_linears_active
+from .home import cpu_flags, cpu_name
 from .layouts import position_limit
 
 logger = logging.getLogger(__name__)
@@ -179,9 +179,11 @@ def _hook_count(model) -> int:
 
 
 def _device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name, core count and feature flags: a home folder may outlive the
+    machine (a curve from an AVX2-only CPU would misplan one with AVX-512 BF16 and AMX of the same name)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+    return f"{cpu_name()} x{os.cpu_count()} [{cpu_flags()}]"
 
 
 def _key(model, device, batch: int, sizes: tuple[int, ...]) -> tuple:

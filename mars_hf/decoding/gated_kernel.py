@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .home import cpu_flags as _cpu_flags  # a module name of its own: tests stand in another CPU
 from .home import mars_hf_home
 
 logger = logging.getLogger(__name__)
@@ -296,18 +297,6 @@ def matrix_dtype(model_dtype: torch.dtype, requested: torch.dtype | None) -> tor
     if requested is None:
         return served[0] if served else None
     return requested if requested in served else None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() + platform.machine()
 
 
 def _cache_dir() -> Path:
