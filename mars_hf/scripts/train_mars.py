@@ -187,6 +187,26 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str 
     return TrlParser(dataclass_types, prog=prog)
 
 
+def exit_without_teardown_if_distributed() -> None:
+    """A worker of a multi-process run ends here, its files written and its process group destroyed by every
+    process together (``main``), without tearing the rest down at interpreter exit.
+
+    Why: freeing the trainer at exit (its DDP wrapper keeps the gloo group alive past ``destroy_process_group``)
+    can block for ever once a peer has already exited — seen once in a CI run of the two-process test: rank 1
+    gone, rank 0 stuck in that teardown with only a gloo thread left (pytorch/pytorch#75097; pytorch#179291
+    describes gloo work outliving the interpreter). Output is flushed first; a single process exits normally.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def cli(argv: list[str] | None = None, *, fail_with_unknown_args: bool = True):
     parser = make_parser(prog="train_mars.py")
     script_args, training_args, model_args = parser.parse_args_and_config(
@@ -199,4 +219,5 @@ if __name__ == "__main__":
     # Started by `accelerate launch` (e.g. from `mars-hf train --accelerate_config ...`): keys of a recipe
     # file that are launch options (num_processes, ...) were accelerate's; unknown command-line options
     # still fail.
-    cli(fail_with_unknown_args=False)
+    trainer = cli(fail_with_unknown_args=False)  # kept referenced: freeing it is the teardown that can hang
+    exit_without_teardown_if_distributed()
