@@ -237,7 +237,7 @@ def cost_table(
     path = _disk_path(model, key)
     table = _read(path, batch) if path else None
     if table is not None:
-        logger.info("MARS cost curve (batch %d) read from %s: %s", batch, path, dict(zip(table.sizes, table.costs)))
+        logger.info("MARS cost curve (batch %d) read from %s: %s", batch, path, table.as_dict())
     else:
         if known_only:
             return None

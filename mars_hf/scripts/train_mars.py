@@ -44,7 +44,9 @@ a local `.json` / `.jsonl` file or folder.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 
 
 def load_dataset_from_args(script_args):
@@ -198,9 +200,6 @@ def exit_without_teardown_if_distributed() -> None:
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
-    import logging
-    import sys
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
