@@ -23,6 +23,7 @@ from mars_hf.tools.bench import (
     prepare_inputs,
     run_benchmark,
 )
+from mars_hf.tools.bench.divergences import is_lossless
 from mars_hf.tools.synthetic import synthetic_examples, synthetic_pair, synthetic_prompts, synthetic_tokenizer
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -164,6 +165,14 @@ def test_bench_rows_and_fields(tiny_result):
     json.loads(json.dumps(result))  # the JSON really is JSON
     table = format_table(result)
     assert "tok/fwd" in table and "speedup" in table and "pred." in table
+    # every row that should equal stock greedy was compared with it, token by token (and does equal it)
+    references = [row for row in result["rows"] if (row["scheme"], row["cpu_kernels"]) == ("stock", "auto")]
+    lossless = [row for row in result["rows"] if is_lossless(row) and row not in references]
+    assert {row["tau"] for row in lossless} >= {1.0, None}
+    assert lossless and all(row["divergences"]["rows_identical"] == row["divergences"]["rows"] for row in lossless)
+    assert all("divergences" not in row for row in result["rows"] if row["tau"] == 0.0)
+    assert f"divergences from stock greedy: none (all {len(lossless)} lossless rows" in table
+    assert result["environment"]["cpu_flags"] in table  # the CPU's speed-relevant flags beside the numbers
     # the planner's rows: the forwards' widths add up to the model calls, the curve starts at 1.0
     for row in verify_rows:
         assert sum(row["width_histogram"].values()) == row["num_forwards"]

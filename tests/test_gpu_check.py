@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mars_hf.cli import main
+from mars_hf.tools.divergence import compare_with_logits
 from mars_hf.tools.gpu_check import estimates, format_table, run_gpu_check, runner, tiny_arguments
 from mars_hf.tools.gpu_check.budget import Budget, BudgetExceeded
-from mars_hf.tools.gpu_check.exactness import compare_with_stock
 from mars_hf.tools.gpu_check.forced_acceptance import ForcedAcceptance
 from mars_hf.tools.gpu_check.random_models import build_model, make_prompts, ordinary_token_ids
 
@@ -121,19 +121,19 @@ def test_forced_pattern_has_the_chosen_rate(tiny_model, rate):
         forcer.remove()
 
 
-def test_compare_with_stock_tells_near_ties_from_real_differences():
+def test_compare_with_logits_tells_near_ties_from_real_differences():
     logits = torch.zeros(4, 3, 10)
     logits[:, 1, 5] = 3.0  # stock picks 5 at position 1
     logits[1, 1, 6] = 3.0 - 2**-6  # row 1: token 6 within one bf16 spacing of it (spacing 2^-6 at 3.0)
     logits[2, 1, 7] = 1.0  # row 2: token 7 far below
     stock = [[1, 5, 2], [1, 5, 2], [1, 5, 2], [1, 5, 2]]
     other = [[1, 5, 2], [1, 6, 4], [1, 7, 4], [1, 5]]  # identical, near tie, real difference, stopped early
-    result = compare_with_stock(stock, other, logits)
+    result = compare_with_logits(stock, other, logits)
     assert result["rows_identical"] == 1 and result["rows"] == 4
     assert result["near_tie_flips"] == 1 and result["other_differences"] == 2
     flips = [d for d in result["differences"] if d["row"] == 1]
     assert flips[0]["position"] == 1 and flips[0]["gap"] == pytest.approx(2**-6)
-    assert compare_with_stock(stock, other, logits, spacings=0)["near_tie_flips"] == 0
+    assert compare_with_logits(stock, other, logits, spacings=0)["near_tie_flips"] == 0
 
 
 def test_budget_timer_interrupts():

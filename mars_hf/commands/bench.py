@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 
@@ -148,7 +149,13 @@ def run(args) -> int:
     if not trained:
         name += " + untrained mask token"
     result = run_benchmark(
-        model, tokenizer, prompts, bench_args, model_name=name, progress=not args.no_progress
+        model,
+        tokenizer,
+        prompts,
+        bench_args,
+        model_name=name,
+        progress=not args.no_progress,
+        divergence_reference=_float32_reference(model, args),
     )
     table = format_table(result)
     print(table)
@@ -157,3 +164,22 @@ def run(args) -> int:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.write(table + "\n\n" + json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _float32_reference(model, args):
+    """Where the model computes in a dtype narrower than float32, a loader of a float32 copy (called only if a
+    lossless row differs from stock greedy) that measures the logit gap at the first differing token in
+    float32; else None: the model itself measures it."""
+    import torch
+
+    if next(model.parameters()).dtype in (torch.float32, torch.float64):
+        return None
+
+    @functools.cache
+    def load():
+        from mars_hf.tools.loading import load_model_and_tokenizer
+
+        logging.getLogger(__name__).info("loading a float32 copy to measure divergences' logit gaps")
+        return load_model_and_tokenizer(args.model, block_size=args.block_size, dtype="float32")[0]
+
+    return load

@@ -25,6 +25,21 @@ def cpu_flags() -> str:
     return found if found is not None else platform.processor() + platform.machine()
 
 
+# The flags that decide what a CPU matmul costs: AVX2 / AVX-512, native bf16 and fp16, AMX; Arm's SIMD.
+SPEED_CPU_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+    "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16",
+)  # fmt: skip
+
+
+def speed_cpu_flags() -> str:
+    """Which of `SPEED_CPU_FLAGS` this CPU has, space-separated: what a benchmark prints beside its numbers
+    (``"avx2 fma"`` and ``"avx2 fma avx512f ... amx_bf16"`` are different machines for a bf16 forward)."""
+    flags = set(cpu_flags().split())
+    found = [flag for flag in SPEED_CPU_FLAGS if flag in flags]
+    return " ".join(found) if found else "none of " + "/".join(SPEED_CPU_FLAGS)
+
+
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     return _cpuinfo_field(("model name",)) or platform.processor() or platform.machine()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mars_hf.tools.bench.divergences import format_divergences
 from mars_hf.tools.tables import Column, cost_curve_text, fixed_width_table, fmt, planner_choices
 
 
@@ -23,6 +24,7 @@ def format_table(result: dict) -> str:
         "or the fixed linear / quadratic layout; +pl: with prompt-lookup drafts; plK = transformers' own "
         "prompt lookup (prompt_lookup_num_tokens=K, stock generate)."
     )
+    lines += format_divergences(result, _label)
     lines += format_planner(result)
     for batch, costs in result["costs"].items():
         cached = ", ".join(f"{k}:{v:.2f}" for k, v in costs["cached_step_cost"].items())
@@ -47,7 +49,7 @@ def format_planner(result: dict) -> list[str]:
         if row["scheme"] == "stock" or not row.get("width_histogram"):
             continue
         widths, plans = planner_choices(row)
-        label = " ".join(column.cell(row) for column in TABLE_COLUMNS[:2] + TABLE_COLUMNS[3:4])
+        label = _label(row)
         lines.append(f"{label} widths {widths}" + (f"; plans: {plans}" if plans else ""))
         if row.get("drafts_by_source"):
             kept = ", ".join(
@@ -62,6 +64,11 @@ def format_planner(result: dict) -> list[str]:
         points = cost_curve_text(curve)
         lines.append(f"batch {batch}: the decoder's cost curve (columns per row: relative cost) {points}")
     return lines
+
+
+def _label(row) -> str:
+    """A row's name under the table: its batch, rule and scheme cells."""
+    return " ".join(column.cell(row) for column in TABLE_COLUMNS[:2] + TABLE_COLUMNS[3:4])
 
 
 def _rule(row) -> str:
@@ -109,7 +116,8 @@ def _describe_environment(result):
     env = result["environment"]
     args = result["arguments"]
     return (
-        f"{env['dtype']}, {env['device']}, {env['threads']} threads, attn={env['attn_implementation']}, "
+        f"{env['dtype']}, {env['device']}, {env.get('cpu', '?')} (flags: {env.get('cpu_flags', '?')}), "
+        f"{env['threads']} threads, attn={env['attn_implementation']}, "
         f"max_new_tokens={args['max_new_tokens']}, median of {args['repeats']}, acceptance={args['acceptance']}, "
         f"multi-row linears under mars_cpu_kernels=auto: {env.get('cpu_kernels_auto', 'stock')}, "
         f"torch {env['torch']}, transformers {env['transformers']}, {env['date']}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import platform
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -11,8 +10,10 @@ import transformers
 
 from mars_hf.decoding.cost_model import batch_bucket, cost_table
 from mars_hf.decoding.cpu_kernels import packed_linears, use_packed
+from mars_hf.decoding.home import cpu_name, speed_cpu_flags
 from mars_hf.decoding.settings import resolve_mask_token
 from mars_hf.tools.bench.configurations import SCHEMES, BenchConfiguration, build_configurations
+from mars_hf.tools.bench.divergences import add_divergences
 from mars_hf.tools.bench.measure import ForwardCounter, greedy_generation_config, interleaved_runs
 from mars_hf.tools.bench.prompts import prepare_batches
 from mars_hf.tools.bench.step_costs import add_cost_model
@@ -56,9 +57,21 @@ class BenchArguments:
 
 
 def run_benchmark(
-    model, tokenizer, prompts: list[str], args: BenchArguments, *, model_name: str = "", progress=True
+    model,
+    tokenizer,
+    prompts: list[str],
+    args: BenchArguments,
+    *,
+    model_name: str = "",
+    progress=True,
+    divergence_reference=None,
 ):
-    """Run the grid for every batch size; returns a JSON-able dict with ``rows`` and ``costs``."""
+    """Run the grid for every batch size; returns a JSON-able dict with ``rows`` and ``costs``.
+
+    ``divergence_reference``: a function returning the model that measures the logit gap where a lossless
+    row differs from stock greedy (`mars-hf bench` passes a float32 copy's loader for a bfloat16 model);
+    default: the benchmarked model itself.
+    """
     configurations = build_configurations(
         args.taus,
         args.windows,
@@ -107,6 +120,7 @@ def run_benchmark(
                 f"bench batch={batch_size}",
             )
             rows = summarise_measurements(batch_size, batches, measurements, model_name)
+            add_divergences(rows, measurements, batches, divergence_reference or (lambda: model))
             result["costs"][str(batch_size)] = add_cost_model(model, batches[0], rows, args)
             result["rows"].extend(rows)
     finally:
@@ -122,7 +136,8 @@ def bench_environment(model) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
+        "cpu_flags": speed_cpu_flags(),
         "dtype": str(parameter.dtype).replace("torch.", ""),
         "device": str(parameter.device),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),

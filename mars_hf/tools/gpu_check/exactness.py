@@ -1,19 +1,17 @@
 """The exactness section: τ = 1 and verify against stock greedy on the *unforced* model in the decoding dtype.
 
 A row that differs is classified at its first differing token by the gap between stock's logit for its
-own token and for the other run's token: a near tie (within ``tie_tolerance``, 4 bf16 spacings at that
-logit's magnitude) is a floating-point flip; anything larger would be a bug. The baseline "stock, each
-row alone" says how often such flips happen without MARS (the same math in other kernel shapes).
+own token and for the other run's token (`mars_hf.tools.divergence.compare_with_logits`): a near tie
+(within 4 bf16 spacings at that logit's magnitude) is a floating-point flip; anything larger would be a bug.
+The baseline "stock, each row alone" says how often such flips happen without MARS (the same math in other kernel shapes).
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-
 import torch
 
 from mars_hf.tools.bench import count_generated_tokens, greedy_generation_config
+from mars_hf.tools.divergence import compare_with_logits
 from mars_hf.tools.gpu_check.decoding import CheckConfiguration, verify_configurations
 from mars_hf.tools.gpu_check.generation import SynchronizedGenerate
 from mars_hf.tools.gpu_check.random_models import make_prompts
@@ -68,7 +66,7 @@ def exactness(check, shape: str, batch: int, configurations) -> None:
             )
             if tokens is None:
                 continue
-            comparison = compare_with_stock(stock_tokens, tokens, stock_logits)
+            comparison = compare_with_logits(stock_tokens, tokens, stock_logits)
             check.result["exactness"].append(
                 dict(
                     record,
@@ -80,7 +78,7 @@ def exactness(check, shape: str, batch: int, configurations) -> None:
                 )
             )
         if batch > 1:  # the baseline: stock itself, each row decoded alone (other kernels, same math)
-            comparison = compare_with_stock(stock_tokens, _rows_alone(check, decoded, config), stock_logits)
+            comparison = compare_with_logits(stock_tokens, _rows_alone(check, decoded, config), stock_logits)
             check.result["exactness"].append(
                 dict(record, label=ALONE_LABEL, acceptance=None, layout=None, tau=None, **comparison)
             )
@@ -115,42 +113,3 @@ def _rows_alone(check, decoded: _Decoded, config) -> list[list[int]]:
         )
         tokens += decoded.new_tokens(output.sequences, ids.shape[1])
     return tokens
-
-
-def compare_with_stock(stock_tokens, tokens, stock_logits, spacings: int = 4) -> dict:
-    """Compare each row's tokens with stock greedy's (both cut after EOS).
-
-    A differing row is judged at its first differing token ``t`` by stock's logit gap between its own
-    token and the other run's there: within ``spacings`` bf16 spacings (2^(e - 7), e the exponent of
-    stock's logit) it is a near-tie flip, which floating-point differences between kernels explain;
-    a larger gap, or a run that merely stopped earlier or later, counts as another difference.
-    """
-    identical, flips, other, prefix = 0, [], [], []
-    for row, (a, b) in enumerate(zip(stock_tokens, tokens)):
-        length = min(len(a), len(b))
-        first = next((t for t in range(length) if a[t] != b[t]), None)
-        if first is None and len(a) == len(b):
-            identical += 1
-            prefix.append(1.0)
-            continue
-        first = length if first is None else first
-        prefix.append(first / max(len(a), 1))
-        if first >= length:
-            other.append({"row": row, "position": first, "gap": None, "tie_tolerance": None})
-            continue
-        logits = stock_logits[row, first]
-        gap = float(logits[a[first]] - logits[b[first]])
-        magnitude = max(abs(float(logits[a[first]])), 1e-3)
-        tolerance = spacings * 2.0 ** (math.floor(math.log2(magnitude)) - 7)
-        entry = {"row": row, "position": first, "gap": gap, "tie_tolerance": tolerance}
-        (flips if abs(gap) <= tolerance else other).append(entry)
-    rows = len(stock_tokens)
-    return {
-        "rows": rows,
-        "rows_identical": identical,
-        "agreement": identical / max(rows, 1),
-        "mean_agreeing_prefix": statistics.mean(prefix) if prefix else None,
-        "near_tie_flips": len(flips),
-        "other_differences": len(other),
-        "differences": flips + other,
-    }

@@ -9,6 +9,8 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 import transformers
 
+from mars_hf.decoding.home import cpu_name, speed_cpu_flags
+
 
 def environment(device: torch.device, dtype: str) -> dict:
     """Versions, device and date: the context every number of the JSON needs."""
@@ -18,9 +20,9 @@ def environment(device: torch.device, dtype: str) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "cpu": cpu_name(),
+        "cpu_flags": speed_cpu_flags(),
         "cuda": torch.version.cuda,
         "threads": torch.get_num_threads(),
         "dtype": dtype,

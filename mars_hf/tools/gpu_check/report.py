@@ -30,7 +30,8 @@ def format_table(result: dict) -> str:
     """The table `mars-hf gpu-check` prints (the JSON has every number; this is what a reader scans)."""
     env = result["environment"]
     lines = [
-        f"mars-hf gpu-check: {env['device']} ({env['device_name']}), torch {env['torch']}, transformers "
+        f"mars-hf gpu-check: {env['device']} ({env['device_name']}), host CPU {env.get('cpu', '?')} (flags: "
+        f"{env.get('cpu_flags', '?')}), torch {env['torch']}, transformers "
         f"{env['transformers']}, {env['dtype']}, {result['budget']['elapsed_seconds']:.0f} s of a "
         f"{result['budget']['budget_seconds']:.0f} s budget, {env['date']}",
         "",

@@ -1,0 +1,72 @@
+"""Each row that should equal stock greedy (verify, τ = 1, stock on other kernels), its divergences judged.
+
+A lossless row whose output differs from stock `generate`'s is judged at each differing row's first
+differing token by `mars_hf.tools.divergence.compare_with_reference`: a near-tie flip (floating point), or a
+real difference (a bug). The gap is measured on a reference model: a float32 copy where the benchmark runs
+in a narrower dtype (the command loads one only when some row differs), else the benchmarked model itself.
+"""
+
+from __future__ import annotations
+
+from mars_hf.tools.divergence import compare_with_reference
+
+
+def is_lossless(row: dict) -> bool:
+    """Rows whose output is stock greedy's by construction: verify, τ ≥ 1, stock on other kernels."""
+    return (
+        row["acceptance"] == "verify"
+        or (row["tau"] is not None and row["tau"] >= 1.0)
+        or row["scheme"] == "stock"
+    )
+
+
+def prompt_rows(batches) -> list[list[int]]:
+    """Each decoded row's prompt tokens without its left padding, in the order the rows were decoded."""
+    return [
+        ids[mask.bool()].tolist()
+        for inputs in batches
+        for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"])
+    ]
+
+
+def add_divergences(rows: list[dict], measurements, batches, reference) -> None:
+    """Give every lossless row a ``divergences`` record (counts, and each differing row's gap).
+
+    ``reference()`` returns the model that measures the gaps; it is called only if some row differs.
+    """
+    runs = list(measurements.values())
+    stock_tokens = runs[0][0].new_tokens
+    prompts = prompt_rows(batches)
+    for row, row_runs in zip(rows[1:], runs[1:]):
+        if not is_lossless(row):
+            continue
+        tokens = row_runs[0].new_tokens
+        model = reference() if tokens != stock_tokens else None
+        row["divergences"] = compare_with_reference(model, prompts, stock_tokens, tokens)
+        row["divergences"]["gap_dtype"] = None if model is None else _dtype(model)
+
+
+def format_divergences(result: dict, label) -> list[str]:
+    """Lines under the table: per lossless row that differs from stock greedy, its near-tie flips and real
+    differences with their gaps; one line when none differs."""
+    judged = [row for row in result["rows"] if row.get("divergences")]
+    differing = [row for row in judged if row["divergences"]["rows_identical"] < row["divergences"]["rows"]]
+    if not judged:
+        return []
+    if not differing:
+        return ["", f"divergences from stock greedy: none (all {len(judged)} lossless rows identical)"]
+    lines = ["", "divergences from stock greedy at the first differing token (gap = reference logit of stock's "
+             "token - of the run's; near tie = within 4 bf16 spacings):"]  # fmt: skip
+    for row in differing:
+        d = row["divergences"]
+        gaps = ", ".join("stopped apart" if x["gap"] is None else f"{x['gap']:.3g}" for x in d["differences"])
+        lines.append(
+            f"{label(row)}: {d['rows_identical']} of {d['rows']} identical, near-tie flips {d['near_tie_flips']}, "
+            f"other differences {d['other_differences']} (gaps in {d['gap_dtype']}: {gaps}; mean agreeing "
+            f"prefix {d['mean_agreeing_prefix']:.2f})"
+        )
+    return lines
+
+
+def _dtype(model) -> str:
+    return str(next(model.parameters()).dtype).replace("torch.", "")
