@@ -146,3 +146,34 @@ def test_the_command_measures_a_bf16_models_gaps_on_a_float32_copy(tmp_path):
     assert next(reference.parameters()).dtype == torch.float32
     name, weight = next(iter(model.named_parameters()))
     assert torch.equal(dict(reference.named_parameters())[name].to(torch.bfloat16), weight)
+
+
+def test_the_quickstart_judges_a_lossless_row_only_where_it_differs(stock_run):
+    from mars_hf.evaluation.runs import DecodingRun, format_table
+    from mars_hf.tools.quickstart.evaluate import SUMMARY_COLUMNS, judge_divergences
+
+    model, inputs, stock_tokens, logits = stock_run
+    tokens, _ = edited(stock_tokens, logits)
+    prompts = prompt_rows([inputs])
+    loads = []
+
+    def reference():
+        loads.append(1)
+        return model
+
+    rows = []
+    for label, outputs in (("verify", tokens), ("mars@0.9", tokens), ("mars@1", stock_tokens)):
+        row = {"label": label}
+        judge_divergences(row, DecodingRun(label, None, outputs=outputs), prompts, stock_tokens, reference)
+        rows.append(row)
+    assert len(loads) == 1  # only the verify row is lossless and differs
+    assert (rows[0]["near_tie_flips"], rows[0]["other_differences"]) == (
+        sum(d["near_tie"] for d in rows[0]["divergences"]),
+        2 - sum(d["near_tie"] for d in rows[0]["divergences"]),
+    )
+    assert {d["row"] for d in rows[0]["divergences"]} == {1, 2}
+    assert "near_tie_flips" not in rows[1] and "near_tie_flips" not in rows[2]
+    assert "near-tie flips" in format_table(rows, SUMMARY_COLUMNS)
+    assert "near-tie flips" not in format_table(
+        rows[1:], SUMMARY_COLUMNS
+    )  # shown only where something differed

@@ -444,3 +444,11 @@ def test_command_line_options_for_the_shipped_model():
     config = config_from_args(args)
     assert config.skip_shipped and config.shipped_eval_minutes == 1.5
     assert config.shipped_thresholds == (1.0, 0.9) and config.shipped_dtype == "float32"
+
+
+def test_a_bf16_shipped_evaluation_measures_divergences_on_a_float32_copy(shipped_checkpoint):
+    from mars_hf.tools.quickstart.pipeline import _float32_copy
+
+    load = _float32_copy(shipped_checkpoint)
+    reference = load()
+    assert load() is reference and next(reference.parameters()).dtype == torch.float32

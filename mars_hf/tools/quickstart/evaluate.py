@@ -25,11 +25,14 @@ from collections.abc import Sequence
 import torch
 
 from mars_hf.evaluation.runs import DecodingRun, format_table, measure_decoding, run_label, summarize_runs
+from mars_hf.tools.divergence import compare_with_reference
 from mars_hf.tools.quickstart.budget import Deadline, answer_length_that_fits
 
 logger = logging.getLogger(__name__)
 
 VERIFY_LABEL = "verify"
+# Decodings whose answers are stock greedy's by construction (stock itself at batch 4 too).
+LOSSLESS_LABELS = (run_label(None), run_label(1.0), VERIFY_LABEL)
 SHIPPED_SECTION = "embedded-mars"
 OWN_SECTION = "this run"
 BATCH_SIZE = 4  # prompts decoded together in a section's batched rows
@@ -52,6 +55,9 @@ SUMMARY_COLUMNS = [
     ("seconds", "seconds", "{:.1f}"),
     ("tokens_per_second", "tokens/s", "{:.1f}"),
     ("speedup_vs_stock", "vs stock", "{:.2f}x"),
+    # only where a row that should give stock's answers does not (bf16): see `judge_divergences`
+    ("near_tie_flips", "near-tie flips", "{}"),
+    ("other_differences", "other differences", "{}"),
 ]
 
 
@@ -350,13 +356,16 @@ def evaluate_shipped(
     verify: bool = True,
     max_new_tokens: int = 128,
     progress: bool = False,
+    divergence_reference=None,
 ) -> dict:
     """The shipped model at batch 1 then batch 4 within ``minutes`` (about 60 % / 40 %).
 
     Returns ``{"rows": [...], "eval_prompts": n, "batch_prompts": m, "max_new_tokens": length}``; each
     row carries ``section``, ``batch`` and ``dtype``. Agreement is with the stock rows' batch-1 answers
     (same weights, same dtype). With a budget, the answer length is fitted so that the minimum work
-    (4 prompts at batch 1, one group of 4) fits in it on this machine.
+    (4 prompts at batch 1, one group of 4) fits in it on this machine. A lossless row whose answers differ
+    from those (bf16) gets its divergences judged (`judge_divergences`) on ``divergence_reference()``
+    (default: the model itself; the quickstart passes a float32 copy's loader for a bf16 model).
     """
     batch1, batch4, length = evaluate_both_batches(
         model,
@@ -375,6 +384,9 @@ def evaluate_shipped(
     rows = []
     for batch, runs in ((1, batch1), (BATCH_SIZE, batch4)):
         for row in summarize_against(runs, reference):
+            judge_divergences(
+                row, runs[row["label"]], eval_ids, reference, divergence_reference or (lambda: model)
+            )
             rows.append({"section": SHIPPED_SECTION, "batch": batch, "dtype": dtype, **row})
     batch_prompts = decoded_prompts(batch4)
     return {
@@ -384,6 +396,24 @@ def evaluate_shipped(
         "dtype": dtype,
         "max_new_tokens": length,
     }
+
+
+def judge_divergences(row: dict, run: DecodingRun, eval_ids, references, reference_model) -> None:
+    """Where a row that should give stock's batch-1 answers (stock at batch 4, τ = 1, verify) does not, add
+    its near-tie flips and other differences (`mars_hf.tools.divergence`: the logit gap at each differing
+    answer's first differing token, measured on ``reference_model()``). Rows that match get no such keys,
+    so the table shows those columns only where something differed: in float32 never (that would be a bug),
+    in bf16 where a wider forward rounded a near tie the other way."""
+    if row["label"] not in LOSSLESS_LABELS:
+        return
+    count = len(run.outputs)
+    expected = [list(answer) for answer in references[:count]]
+    if run.outputs == expected:
+        return
+    judged = compare_with_reference(reference_model(), eval_ids[:count], expected, run.outputs)
+    row["near_tie_flips"] = judged["near_tie_flips"]
+    row["other_differences"] = judged["other_differences"]
+    row["divergences"] = judged["differences"]
 
 
 def summarize_against(runs: dict[str, DecodingRun], references: Sequence[Sequence[int]]) -> list[dict]:
