@@ -76,9 +76,9 @@ def summarise(stock_tokens: list[list[int]], tokens: list[list[int]], difference
     }
 
 
-def compare_with_logits(stock_tokens, tokens, stock_logits, spacings: int = TIE_SPACINGS) -> dict:
-    """Compare each row's tokens with stock greedy's (both cut after EOS), judging a differing row by stock's
-    own logits ``stock_logits[row, position]`` (stock's decoding dtype; `mars-hf gpu-check`)."""
+def compare(stock_tokens, tokens, logits_at, spacings: int = TIE_SPACINGS) -> dict:
+    """Compare each row's tokens with stock greedy's (both cut after EOS), judging a row that differs at a
+    token by ``logits_at(row, position)``, the reference logits there (called only for such rows)."""
     differences = []
     for row, (a, b) in enumerate(zip(stock_tokens, tokens)):
         first = first_difference(a, b)
@@ -87,30 +87,30 @@ def compare_with_logits(stock_tokens, tokens, stock_logits, spacings: int = TIE_
         if first >= min(len(a), len(b)):
             differences.append(_length_difference(row, first))
             continue
-        differences.append(judge_gap(row, first, stock_logits[row, first], a[first], b[first], spacings))
+        differences.append(judge_gap(row, first, logits_at(row, first), a[first], b[first], spacings))
     return summarise(stock_tokens, tokens, differences)
 
 
-@torch.no_grad()
+def compare_with_logits(stock_tokens, tokens, stock_logits, spacings: int = TIE_SPACINGS) -> dict:
+    """`compare`, judged by stock's own logits ``stock_logits[row, position]`` (stock's decoding dtype;
+    `mars-hf gpu-check`)."""
+    return compare(stock_tokens, tokens, lambda row, position: stock_logits[row, position], spacings)
+
+
 def compare_with_reference(
     reference_model, prompts: list[list[int]], stock_tokens, tokens, spacings: int = TIE_SPACINGS
 ) -> dict:
-    """Compare each row's tokens with stock greedy's, judging a differing row by ``reference_model``'s
-    logits at its first differing token: one uncached forward of the row's prompt (``prompts[row]``, no
-    padding) and the tokens both runs share. Pass a float32 copy of a bfloat16 model to measure the gap in
-    float32."""
-    differences = []
-    for row, (prompt, a, b) in enumerate(zip(prompts, stock_tokens, tokens)):
-        first = first_difference(a, b)
-        if first is None:
-            continue
-        if first >= min(len(a), len(b)):
-            differences.append(_length_difference(row, first))
-            continue
-        ids = torch.tensor([list(prompt) + a[:first]], device=next(reference_model.parameters()).device)
-        logits = reference_model(input_ids=ids, use_cache=False).logits[0, -1].float()
-        differences.append(judge_gap(row, first, logits, a[first], b[first], spacings))
-    return summarise(stock_tokens, tokens, differences)
+    """`compare`, judged by ``reference_model``'s logits at the first differing token: one uncached forward of
+    the row's prompt (``prompts[row]``, no padding) and the tokens both runs share. Pass a float32 copy of a
+    bfloat16 model to measure the gap in float32."""
+
+    @torch.no_grad()
+    def logits_at(row: int, position: int) -> torch.Tensor:
+        device = next(reference_model.parameters()).device
+        ids = torch.tensor([list(prompts[row]) + stock_tokens[row][:position]], device=device)
+        return reference_model(input_ids=ids, use_cache=False).logits[0, -1].float()
+
+    return compare(stock_tokens, tokens, logits_at, spacings)
 
 
 def _length_difference(row: int, position: int) -> dict:
