@@ -33,8 +33,7 @@ from mars_hf.tools.bench import (
     greedy_generation_config,
     prepare_batches,
 )
-from mars_hf.tools.bench.divergences import prompt_rows
-from mars_hf.tools.divergence import compare_with_reference
+from mars_hf.tools.divergence import compare_with_reference, prompt_rows
 from mars_hf.tools.loading import load_model_and_tokenizer
 
 

@@ -12,8 +12,14 @@ import torch
 
 from mars_hf.commands.bench import _float32_reference
 from mars_hf.tools.bench import BenchConfiguration, RunMeasurement, count_generated_tokens, prepare_inputs
-from mars_hf.tools.bench.divergences import add_divergences, format_divergences, prompt_rows
-from mars_hf.tools.divergence import compare_with_reference, first_difference, tie_tolerance
+from mars_hf.tools.bench.divergences import add_divergences, format_divergences
+from mars_hf.tools.divergence import (
+    compare,
+    compare_with_reference,
+    first_difference,
+    prompt_rows,
+    tie_tolerance,
+)
 from tests.tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = ["the cat sat on the mat", "one two", "hello world print x"]
@@ -61,6 +67,28 @@ def test_tie_tolerance_is_bf16_spacings_at_the_logits_magnitude():
     assert tie_tolerance(3.0, spacings=1) == 2.0**-6  # 3.0 in [2, 4): bf16 spacing 2^(1 - 7)
     assert tie_tolerance(-20.0, spacings=4) == 4 * 2.0**-3  # |−20| in [16, 32)
     assert tie_tolerance(0.0, spacings=1) > 0
+
+
+def test_compare_tells_near_ties_from_real_differences():
+    logits = torch.zeros(4, 3, 10)
+    logits[:, 1, 5] = 3.0  # stock picks 5 at position 1
+    logits[1, 1, 6] = 3.0 - 2**-6  # row 1: token 6 within one bf16 spacing of it (spacing 2^-6 at 3.0)
+    logits[2, 1, 7] = 1.0  # row 2: token 7 far below
+    stock = [[1, 5, 2], [1, 5, 2], [1, 5, 2], [1, 5, 2]]
+    other = [[1, 5, 2], [1, 6, 4], [1, 7, 4], [1, 5]]  # identical, near tie, real difference, stopped early
+    asked = []
+
+    def logits_at(row, position):
+        asked.append((row, position))
+        return logits[row, position]
+
+    result = compare(stock, other, logits_at)
+    assert asked == [(1, 1), (2, 1)]  # only rows that differ at a token are looked up, there
+    assert result["rows_identical"] == 1 and result["rows"] == 4
+    assert result["near_tie_flips"] == 1 and result["other_differences"] == 2
+    flip = next(d for d in result["differences"] if d["row"] == 1)
+    assert flip["position"] == 1 and flip["gap"] == pytest.approx(2**-6) and flip["near_tie"]
+    assert compare(stock, other, logits_at, spacings=0)["near_tie_flips"] == 0
 
 
 def test_the_gap_is_the_reference_logits_at_the_first_differing_token(stock_run):

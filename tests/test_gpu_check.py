@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from mars_hf.cli import main
-from mars_hf.tools.divergence import compare_with_logits
 from mars_hf.tools.gpu_check import estimates, format_table, run_gpu_check, runner, tiny_arguments
 from mars_hf.tools.gpu_check.budget import Budget, BudgetExceeded
 from mars_hf.tools.gpu_check.forced_acceptance import ForcedAcceptance
@@ -121,19 +120,23 @@ def test_forced_pattern_has_the_chosen_rate(tiny_model, rate):
         forcer.remove()
 
 
-def test_compare_with_logits_tells_near_ties_from_real_differences():
-    logits = torch.zeros(4, 3, 10)
-    logits[:, 1, 5] = 3.0  # stock picks 5 at position 1
-    logits[1, 1, 6] = 3.0 - 2**-6  # row 1: token 6 within one bf16 spacing of it (spacing 2^-6 at 3.0)
-    logits[2, 1, 7] = 1.0  # row 2: token 7 far below
-    stock = [[1, 5, 2], [1, 5, 2], [1, 5, 2], [1, 5, 2]]
-    other = [[1, 5, 2], [1, 6, 4], [1, 7, 4], [1, 5]]  # identical, near tie, real difference, stopped early
-    result = compare_with_logits(stock, other, logits)
-    assert result["rows_identical"] == 1 and result["rows"] == 4
-    assert result["near_tie_flips"] == 1 and result["other_differences"] == 2
-    flips = [d for d in result["differences"] if d["row"] == 1]
-    assert flips[0]["position"] == 1 and flips[0]["gap"] == pytest.approx(2**-6)
-    assert compare_with_logits(stock, other, logits, spacings=0)["near_tie_flips"] == 0
+def test_exactness_measures_gaps_on_a_float32_copy_without_the_forcing_hooks():
+    from mars_hf.tools.gpu_check.exactness import float32_reference
+
+    model = build_model("tiny", dtype=torch.bfloat16, device="cpu", seed=0)
+    forcer = ForcedAcceptance(model, rate=1.0)
+    try:
+        reference = float32_reference(model)
+        weights = dict(model.named_parameters())
+        for name, tensor in reference.named_parameters():
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, weights[name].float()), name
+        ids = make_prompts(model, 1, 12, 0, "cpu")["input_ids"]
+        forcer.enabled = False  # the unforced model, computed in float32, is what the reference computes
+        upcast = model.float()(input_ids=ids).logits
+        assert torch.allclose(reference(input_ids=ids).logits, upcast, atol=1e-5)
+        assert float32_reference(model) is model  # (now float32) a float32 model measures its own gaps
+    finally:
+        forcer.remove()
 
 
 def test_budget_timer_interrupts():
@@ -256,6 +259,8 @@ def test_tiny_run_schema_and_forced_rates(tmp_path, capsys):
         e["rows_identical"] + e["near_tie_flips"] + e["other_differences"] >= e["rows"]
         for e in result["exactness"]
     )
+    for e in result["exactness"]:  # gaps measured in float32 wherever a row differed
+        assert e["gap_dtype"] == ("float32" if e["rows_identical"] < e["rows"] else None)
     training = {t.get("variant") or t["comparison"]: t for t in result["training"]}
     assert training["sdpa"]["loss"] > 0 and training["sdpa"]["grad_norm"] > 0
     # the gated adapter's frozen clean stream: the same loss and gradients as its two-stream path, cheaper

@@ -10,8 +10,8 @@ the other run's token there, computed by one forward of the shared prefix. It is
 within ``spacings`` bfloat16 spacings at that logit's magnitude (``2^(e - 7)`` for a logit in ``[2^e,
 2^(e+1))``): a gap bf16's own rounding of the logit can hide.
 
-`mars-hf bench` measures the gap in float32 (a float32 copy of a bfloat16 model); `mars-hf gpu-check` reads it
-from stock's own logits in the decoding dtype.
+`mars-hf bench`, `mars-hf gpu-check` and the quickstart measure the gap in float32 (on a float32 copy of a
+bfloat16 model, made only when some row differs).
 """
 
 from __future__ import annotations
@@ -91,12 +91,6 @@ def compare(stock_tokens, tokens, logits_at, spacings: int = TIE_SPACINGS) -> di
     return summarise(stock_tokens, tokens, differences)
 
 
-def compare_with_logits(stock_tokens, tokens, stock_logits, spacings: int = TIE_SPACINGS) -> dict:
-    """`compare`, judged by stock's own logits ``stock_logits[row, position]`` (stock's decoding dtype;
-    `mars-hf gpu-check`)."""
-    return compare(stock_tokens, tokens, lambda row, position: stock_logits[row, position], spacings)
-
-
 def compare_with_reference(
     reference_model, prompts: list[list[int]], stock_tokens, tokens, spacings: int = TIE_SPACINGS
 ) -> dict:
@@ -111,6 +105,27 @@ def compare_with_reference(
         return reference_model(input_ids=ids, use_cache=False).logits[0, -1].float()
 
     return compare(stock_tokens, tokens, logits_at, spacings)
+
+
+def judge_against_stock(reference, prompts: list[list[int]], stock_tokens, tokens) -> dict:
+    """`compare_with_reference` on ``reference()``, a function called only if some row differs (so that a
+    float32 copy is built or loaded only then); the record adds ``gap_dtype``, the dtype the gaps were
+    measured in (None where nothing differed)."""
+    model = reference() if tokens != stock_tokens else None
+    comparison = compare_with_reference(model, prompts, stock_tokens, tokens)
+    comparison["gap_dtype"] = (
+        None if model is None else str(next(model.parameters()).dtype).replace("torch.", "")
+    )
+    return comparison
+
+
+def prompt_rows(batches) -> list[list[int]]:
+    """Each decoded row's prompt tokens without its left padding, in the order the rows were decoded."""
+    return [
+        ids[mask.bool()].tolist()
+        for inputs in batches
+        for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"])
+    ]
 
 
 def _length_difference(row: int, position: int) -> dict:

@@ -1,14 +1,14 @@
 """Each row that should equal stock greedy (verify, τ = 1, stock on other kernels), its divergences judged.
 
 A lossless row whose output differs from stock `generate`'s is judged at each differing row's first
-differing token by `mars_hf.tools.divergence.compare_with_reference`: a near-tie flip (floating point), or a
+differing token by `mars_hf.tools.divergence.judge_against_stock`: a near-tie flip (floating point), or a
 real difference (a bug). The gap is measured on a reference model: a float32 copy where the benchmark runs
 in a narrower dtype (the command loads one only when some row differs), else the benchmarked model itself.
 """
 
 from __future__ import annotations
 
-from mars_hf.tools.divergence import compare_with_reference
+from mars_hf.tools.divergence import judge_against_stock, prompt_rows
 
 
 def is_lossless(row: dict) -> bool:
@@ -18,15 +18,6 @@ def is_lossless(row: dict) -> bool:
         or (row["tau"] is not None and row["tau"] >= 1.0)
         or row["scheme"] == "stock"
     )
-
-
-def prompt_rows(batches) -> list[list[int]]:
-    """Each decoded row's prompt tokens without its left padding, in the order the rows were decoded."""
-    return [
-        ids[mask.bool()].tolist()
-        for inputs in batches
-        for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"])
-    ]
 
 
 def add_divergences(rows: list[dict], measurements, batches, reference) -> None:
@@ -40,10 +31,7 @@ def add_divergences(rows: list[dict], measurements, batches, reference) -> None:
     for row, row_runs in zip(rows[1:], runs[1:]):
         if not is_lossless(row):
             continue
-        tokens = row_runs[0].new_tokens
-        model = reference() if tokens != stock_tokens else None
-        row["divergences"] = compare_with_reference(model, prompts, stock_tokens, tokens)
-        row["divergences"]["gap_dtype"] = None if model is None else _dtype(model)
+        row["divergences"] = judge_against_stock(reference, prompts, stock_tokens, row_runs[0].new_tokens)
 
 
 def format_divergences(result: dict, label) -> list[str]:
@@ -66,7 +54,3 @@ def format_divergences(result: dict, label) -> list[str]:
             f"prefix {d['mean_agreeing_prefix']:.2f})"
         )
     return lines
-
-
-def _dtype(model) -> str:
-    return str(next(model.parameters()).dtype).replace("torch.", "")

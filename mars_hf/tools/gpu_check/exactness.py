@@ -1,17 +1,22 @@
 """The exactness section: τ = 1 and verify against stock greedy on the *unforced* model in the decoding dtype.
 
-A row that differs is classified at its first differing token by the gap between stock's logit for its
-own token and for the other run's token (`mars_hf.tools.divergence.compare_with_logits`): a near tie
-(within 4 bf16 spacings at that logit's magnitude) is a floating-point flip; anything larger would be a bug.
+A row that differs is classified at its first differing token by the gap between the logit of stock's token
+and of the other run's token there, measured in float32 on a float32 copy of the model's weights
+(`mars_hf.tools.divergence.judge_against_stock`): a near tie (within 4 bf16 spacings at that logit's
+magnitude) is a floating-point flip; anything larger would be a bug.
 The baseline "stock, each row alone" says how often such flips happen without MARS (the same math in other kernel shapes).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import torch
+from transformers import AutoModelForCausalLM
 
 from mars_hf.tools.bench import count_generated_tokens, greedy_generation_config
-from mars_hf.tools.divergence import compare_with_logits
+from mars_hf.tools.divergence import judge_against_stock, prompt_rows
 from mars_hf.tools.gpu_check.decoding import CheckConfiguration, verify_configurations
 from mars_hf.tools.gpu_check.generation import SynchronizedGenerate
 from mars_hf.tools.gpu_check.random_models import make_prompts
@@ -53,11 +58,12 @@ def exactness(check, shape: str, batch: int, configurations) -> None:
     try:
         inputs = make_prompts(model, batch, args.prompt_length, args.seed + 1, check.device)
         decoded = _Decoded(model, inputs)
-        stock_config = greedy_generation_config(model, args.exactness_new_tokens, output_logits=True)
-        stock = decoded.generator.generate(**inputs, generation_config=stock_config)
-        stock_tokens = decoded.new_tokens(stock.sequences)
-        stock_logits = torch.stack(stock.logits, dim=1).float()  # [batch, new, vocab]
         config = greedy_generation_config(model, args.exactness_new_tokens)
+        stock_tokens = decoded.new_tokens(
+            decoded.generator.generate(**inputs, generation_config=config).sequences
+        )
+        prompts = prompt_rows([inputs])
+        reference = functools.cache(lambda: float32_reference(model))  # built only if a row differs
         record = dict(model=shape, batch=batch, dtype=args.dtype, new_tokens=args.exactness_new_tokens)
         for configuration in configurations:
             check.budget.check()
@@ -66,7 +72,7 @@ def exactness(check, shape: str, batch: int, configurations) -> None:
             )
             if tokens is None:
                 continue
-            comparison = compare_with_logits(stock_tokens, tokens, stock_logits)
+            comparison = judge_against_stock(reference, prompts, stock_tokens, tokens)
             check.result["exactness"].append(
                 dict(
                     record,
@@ -78,12 +84,25 @@ def exactness(check, shape: str, batch: int, configurations) -> None:
                 )
             )
         if batch > 1:  # the baseline: stock itself, each row decoded alone (other kernels, same math)
-            comparison = compare_with_logits(stock_tokens, _rows_alone(check, decoded, config), stock_logits)
+            comparison = judge_against_stock(
+                reference, prompts, stock_tokens, _rows_alone(check, decoded, config)
+            )
             check.result["exactness"].append(
                 dict(record, label=ALONE_LABEL, acceptance=None, layout=None, tau=None, **comparison)
             )
     finally:
         forcer.enabled = True
+
+
+def float32_reference(model):
+    """The model itself where it computes in float32 or wider; else a float32 copy of its weights, without the
+    forcing hooks: what measures each divergence's logit gap in float32."""
+    if next(model.parameters()).dtype in (torch.float32, torch.float64):
+        return model
+    with torch.device(model.device):
+        reference = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=torch.float32)
+    reference.load_state_dict({name: tensor.float() for name, tensor in model.state_dict().items()})
+    return reference.eval()
 
 
 def _decode_configuration(check, decoded: _Decoded, config, configuration, item: str):

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from mars_hf.evaluation.runs import DecodingRun, format_table, measure_decoding, run_label, summarize_runs
-from mars_hf.tools.divergence import compare_with_reference
+from mars_hf.tools.divergence import judge_against_stock
 from mars_hf.tools.quickstart.budget import Deadline, answer_length_that_fits
 
 logger = logging.getLogger(__name__)
@@ -407,10 +407,11 @@ def judge_divergences(row: dict, run: DecodingRun, eval_ids, references, referen
     if row["label"] not in LOSSLESS_LABELS:
         return
     count = len(run.outputs)
-    expected = [list(answer) for answer in references[:count]]
-    if run.outputs == expected:
+    judged = judge_against_stock(
+        reference_model, eval_ids[:count], [list(a) for a in references[:count]], run.outputs
+    )
+    if judged["rows_identical"] == judged["rows"]:
         return
-    judged = compare_with_reference(reference_model(), eval_ids[:count], expected, run.outputs)
     row["near_tie_flips"] = judged["near_tie_flips"]
     row["other_differences"] = judged["other_differences"]
     row["divergences"] = judged["differences"]
