@@ -205,3 +205,16 @@ def test_the_quickstart_judges_a_lossless_row_only_where_it_differs(stock_run):
     assert "near-tie flips" not in format_table(
         rows[1:], SUMMARY_COLUMNS
     )  # shown only where something differed
+
+
+def test_a_run_that_only_stops_apart_needs_no_reference(stock_run):
+    from mars_hf.tools.divergence import judge_against_stock
+
+    _, inputs, stock_tokens, _ = stock_run
+    shorter = [stock_tokens[0], stock_tokens[1], stock_tokens[2][:3]]
+
+    def reference():
+        raise AssertionError("no token differs, so no gap is measured")
+
+    result = judge_against_stock(reference, prompt_rows([inputs]), stock_tokens, shorter)
+    assert result["rows_identical"] == 2 and result["other_differences"] == 1 and result["gap_dtype"] is None

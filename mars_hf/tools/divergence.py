@@ -98,25 +98,35 @@ def compare_with_reference(
     the row's prompt (``prompts[row]``, no padding) and the tokens both runs share. Pass a float32 copy of a
     bfloat16 model to measure the gap in float32."""
 
-    @torch.no_grad()
     def logits_at(row: int, position: int) -> torch.Tensor:
-        device = next(reference_model.parameters()).device
-        ids = torch.tensor([list(prompts[row]) + stock_tokens[row][:position]], device=device)
-        return reference_model(input_ids=ids, use_cache=False).logits[0, -1].float()
+        return _reference_logits(reference_model, list(prompts[row]) + stock_tokens[row][:position])
 
     return compare(stock_tokens, tokens, logits_at, spacings)
 
 
 def judge_against_stock(reference, prompts: list[list[int]], stock_tokens, tokens) -> dict:
-    """`compare_with_reference` on ``reference()``, a function called only if some row differs (so that a
-    float32 copy is built or loaded only then); the record adds ``gap_dtype``, the dtype the gaps were
-    measured in (None where nothing differed)."""
-    model = reference() if tokens != stock_tokens else None
-    comparison = compare_with_reference(model, prompts, stock_tokens, tokens)
+    """`compare_with_reference` on ``reference()``, a function called only when a row differs at a token (so
+    that a float32 copy is built or loaded only then); the record adds ``gap_dtype``, the dtype the gaps
+    were measured in (None where no gap was measured)."""
+    loaded = []
+
+    def logits_at(row: int, position: int) -> torch.Tensor:
+        if not loaded:
+            loaded.append(reference())
+        return _reference_logits(loaded[0], list(prompts[row]) + stock_tokens[row][:position])
+
+    comparison = compare(stock_tokens, tokens, logits_at)
     comparison["gap_dtype"] = (
-        None if model is None else str(next(model.parameters()).dtype).replace("torch.", "")
+        str(next(loaded[0].parameters()).dtype).replace("torch.", "") if loaded else None
     )
     return comparison
+
+
+@torch.no_grad()
+def _reference_logits(model, ids: list[int]) -> torch.Tensor:
+    """The model's next-token logits after ``ids`` (one uncached forward), in float32."""
+    device = next(model.parameters()).device
+    return model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, -1].float()
 
 
 def prompt_rows(batches) -> list[list[int]]:
