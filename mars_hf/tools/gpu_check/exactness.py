@@ -3,8 +3,8 @@
 A row that differs is classified at its first differing token by the gap between the logit of stock's token
 and of the other run's token there, measured in float32 on a float32 copy of the model's weights
 (`mars_hf.tools.divergence.judge_against_stock`): a near tie (within 4 bf16 spacings at that logit's
-magnitude) is a floating-point flip; anything larger would be a bug.
-The baseline "stock, each row alone" says how often such flips happen without MARS (the same math in other kernel shapes).
+magnitude) is a floating-point flip; anything larger would be a bug. The baseline "stock, each row alone"
+says how often such flips happen without MARS (the same math in other kernel shapes).
 """
 
 from __future__ import annotations
