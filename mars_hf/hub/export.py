@@ -86,6 +86,31 @@ def export_for_vllm(
             "gated model's (the target still verifies every draft; acceptance may drop), or export a "
             "checkpoint trained without adapter_gating."
         )
+    model, tokenizer, mars = _load_merged(checkpoint, gated, block_size, base_model_name_or_path, hub_kwargs)
+    mask_token_id = int(mars["mask_token_id"])
+    rows = _check_mask_token(model, tokenizer, mask_token_id)
+    if target is None and is_adapter:
+        target = base_model_name_or_path or adapter_config.get("base_model_name_or_path")
+    _check_vocabulary(checkpoint, rows, tokenizer, mask_token_id, target, mars, hub_kwargs)
+    mars[EXPORT_KEY] = {
+        "drafter_only_merge": bool(gated),
+        "source": checkpoint,
+        **({"target": str(target)} if target is not None else {}),
+    }
+    _write_drafter(model, tokenizer, mars, mask_token_id, out)
+    logger.info(
+        "Wrote a vLLM parallel drafter to %s (mask token id %d, vocab_size %d%s).",
+        out,
+        mask_token_id,
+        rows,
+        ", gated adapter merged everywhere" if gated else "",
+    )
+    return out
+
+
+def _load_merged(checkpoint: str, gated: bool, block_size, base_model_name_or_path, hub_kwargs):
+    """The checkpoint as plain merged weights (a gated adapter merged everywhere), its tokenizer and its
+    ``config.mars`` (without the gating, which the merged drafter no longer has)."""
     kwargs = dict(hub_kwargs, dtype="auto")
     if base_model_name_or_path is not None:
         kwargs["base_model_name_or_path"] = base_model_name_or_path
@@ -98,7 +123,12 @@ def export_for_vllm(
     if gated:
         _merge_gated_adapter_everywhere(model, checkpoint, hub_kwargs)
         mars.pop("adapter_gating", None)
-    mask_token_id = int(mars["mask_token_id"])
+    return model, tokenizer, mars
+
+
+def _check_mask_token(model, tokenizer, mask_token_id: int) -> int:
+    """Refuse a model whose config, embeddings and tokenizer disagree on the vocabulary or the mask id;
+    returns the number of embedding rows."""
     rows = model.get_input_embeddings().weight.shape[0]
     if model.config.get_text_config().vocab_size != rows:  # pragma: no cover - from_pretrained keeps them equal
         raise ExportRefusedError(
@@ -109,9 +139,14 @@ def export_for_vllm(
             f"config.mars.mask_token_id is {mask_token_id} but the tokenizer's mask token id is "
             f"{tokenizer.mask_token_id}; save the tokenizer the model was trained with."
         )
+    return rows
 
-    if target is None and is_adapter:
-        target = base_model_name_or_path or adapter_config.get("base_model_name_or_path")
+
+def _check_vocabulary(
+    checkpoint: str, rows: int, tokenizer, mask_token_id: int, target, mars: dict, hub_kwargs
+) -> None:
+    """vLLM needs the drafter's vocab_size to equal its target's: checked against ``target`` when there is
+    one, else against the base vocabulary the checkpoint recorded; with neither, a warning."""
     if target is not None:
         check_target_vocabulary(rows, tokenizer, mask_token_id, target, hub_kwargs)
     elif mars.get("base_vocab_size") is not None and int(mars["base_vocab_size"]) != rows:
@@ -130,11 +165,9 @@ def export_for_vllm(
             rows,
         )
 
-    mars[EXPORT_KEY] = {
-        "drafter_only_merge": bool(gated),
-        "source": checkpoint,
-        **({"target": str(target)} if target is not None else {}),
-    }
+
+def _write_drafter(model, tokenizer, mars: dict, mask_token_id: int, out: Path) -> None:
+    """Save the drafter with the mask id under every key vLLM reads, and read it back as vLLM would."""
     model.config.mars = mars
     for key in VLLM_MASK_KEYS:
         setattr(model.config, key, mask_token_id)
@@ -144,14 +177,6 @@ def export_for_vllm(
     found = read_drafter_mask_token_like_vllm(out)
     if found != mask_token_id:  # pragma: no cover - a guard on save_pretrained dropping the keys
         raise ExportRefusedError(f"{out}/config.json gives mask id {found}, not {mask_token_id}.")
-    logger.info(
-        "Wrote a vLLM parallel drafter to %s (mask token id %d, vocab_size %d%s).",
-        out,
-        mask_token_id,
-        rows,
-        ", gated adapter merged everywhere" if gated else "",
-    )
-    return out
 
 
 def read_drafter_mask_token_like_vllm(folder: str | os.PathLike) -> int:
