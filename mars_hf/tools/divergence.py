@@ -58,10 +58,10 @@ def judge_gap(
     }
 
 
-def summarise(stock_tokens: list[list[int]], tokens: list[list[int]], differences: list[dict]) -> dict:
-    """Counts over rows: identical rows, near-tie flips, other differences (a wider gap, or a run that stopped
-    earlier or later), the mean share of each stock answer the run agreed on before diverging."""
-    firsts = [first_difference(a, b) for a, b in zip(stock_tokens, tokens)]
+def summarise(stock_tokens: list[list[int]], firsts: list[int | None], differences: list[dict]) -> dict:
+    """Counts over rows, from each row's `first_difference` (``firsts``): identical rows, near-tie flips, other
+    differences (a wider gap, or a run that stopped earlier or later), the mean share of each stock answer the
+    run agreed on before diverging."""
     prefixes = [1.0 if f is None else f / max(len(a), 1) for f, a in zip(firsts, stock_tokens)]
     rows, identical = len(stock_tokens), firsts.count(None)
     flips = sum(1 for d in differences if d["near_tie"])
@@ -79,16 +79,16 @@ def summarise(stock_tokens: list[list[int]], tokens: list[list[int]], difference
 def compare(stock_tokens, tokens, logits_at, spacings: int = TIE_SPACINGS) -> dict:
     """Compare each row's tokens with stock greedy's (both cut after EOS), judging a row that differs at a
     token by ``logits_at(row, position)``, the reference logits there (called only for such rows)."""
+    firsts = [first_difference(a, b) for a, b in zip(stock_tokens, tokens)]
     differences = []
-    for row, (a, b) in enumerate(zip(stock_tokens, tokens)):
-        first = first_difference(a, b)
+    for row, (a, b, first) in enumerate(zip(stock_tokens, tokens, firsts)):
         if first is None:
             continue
         if first >= min(len(a), len(b)):
             differences.append(_length_difference(row, first))
             continue
         differences.append(judge_gap(row, first, logits_at(row, first), a[first], b[first], spacings))
-    return summarise(stock_tokens, tokens, differences)
+    return summarise(stock_tokens, firsts, differences)
 
 
 def compare_with_reference(
