@@ -170,9 +170,9 @@ def _float32_reference(model, args):
     """Where the model computes in a dtype narrower than float32, a loader of a float32 copy (called only if a
     lossless row differs from stock greedy) that measures the logit gap at the first differing token in
     float32; else None: the model itself measures it."""
-    import torch
+    from mars_hf.tools.divergence import narrower_than_float32
 
-    if next(model.parameters()).dtype in (torch.float32, torch.float64):
+    if not narrower_than_float32(next(model.parameters()).dtype):
         return None
 
     @functools.cache

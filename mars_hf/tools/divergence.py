@@ -24,6 +24,11 @@ import torch
 TIE_SPACINGS = 4
 
 
+def narrower_than_float32(dtype: torch.dtype) -> bool:
+    """Whether a model in ``dtype`` needs a float32 copy to measure its gaps in float32 (bf16, fp16)."""
+    return dtype not in (torch.float32, torch.float64)
+
+
 def first_difference(stock: list[int], tokens: list[int]) -> int | None:
     """The first position where the two token lists differ; the shorter length where one list is a prefix of
     the other (a run that stopped earlier or later); None where they are equal."""

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mars_hf.tools.bench import count_generated_tokens, greedy_generation_config
-from mars_hf.tools.divergence import judge_against_stock, prompt_rows
+from mars_hf.tools.divergence import judge_against_stock, narrower_than_float32, prompt_rows
 from mars_hf.tools.gpu_check.decoding import CheckConfiguration, verify_configurations
 from mars_hf.tools.gpu_check.generation import SynchronizedGenerate
 from mars_hf.tools.gpu_check.random_models import make_prompts
@@ -97,7 +97,7 @@ def exactness(check, shape: str, batch: int, configurations) -> None:
 def float32_reference(model):
     """The model itself where it computes in float32 or wider; else a float32 copy of its weights, without the
     forcing hooks: what measures each divergence's logit gap in float32."""
-    if next(model.parameters()).dtype in (torch.float32, torch.float64):
+    if not narrower_than_float32(next(model.parameters()).dtype):
         return model
     with torch.device(model.device):
         reference = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=torch.float32)

@@ -57,6 +57,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mars_hf.evaluation.runs import run_label, teacher_forced_acceptance
 from mars_hf.models.embedded_model import resolve_model_path
 from mars_hf.models.precision import matmul_rate as _matmul_rate
+from mars_hf.tools.divergence import narrower_than_float32
 from mars_hf.tools.quickstart.config import QuickstartConfig
 from mars_hf.tools.quickstart.data import budgeted_self_distill, cached_reference
 from mars_hf.tools.quickstart.evaluate import (
@@ -183,7 +184,7 @@ def shipped_evaluation(config: QuickstartConfig, bf16: bool) -> dict:
         verify=config.verify,
         max_new_tokens=config.max_new_tokens,
         progress=config.progress,
-        divergence_reference=_float32_copy(folder) if dtype not in (torch.float32, torch.float64) else None,
+        divergence_reference=_float32_copy(folder) if narrower_than_float32(dtype) else None,
     )
     del model
     return {"checkpoint": str(folder), **result, "seconds": time.monotonic() - start}
