@@ -147,8 +147,8 @@ def pack(
     them, and a 2D mask only cost the model a merge per forward, ≈ 0.1 ms of a 2 ms synthetic one);
     otherwise an additive 4D mask gives each query its row's real cached entries plus the columns its
     plan lets it see; there, padding columns see the cached entries and themselves only (finite, never
-    read; nothing real attends to them). Padding columns' position ids stay below ``max_position`` (their value is never read, but an
-    absolute-position embedding would index past its table).
+    read; nothing real attends to them). Padding columns' position ids stay below ``max_position`` (their
+    value is never read, but an absolute-position embedding would index past its table).
     """
     width = max(min_width, max(len(p.tokens) for p in plans))
     last = max_position - 1 if max_position else None
