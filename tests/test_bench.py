@@ -465,3 +465,38 @@ def test_each_rows_step_cost_is_read_on_the_kernels_it_ran(monkeypatch):
     assert costs["cached_step_cost"]["6"] == pytest.approx(1.5)
     assert costs["cached_step_cost_packed"]["6"] == pytest.approx(0.75)
     assert not cpu_kernels.active(model)  # each measurement's kernels were restored
+
+
+def test_the_step_cost_of_several_columns_is_timed_on_masks_as_a_mars_step_feeds_them():
+    """A MARS step of k columns feeds one real token then masks, and on a gated checkpoint it is the masks that
+    switch the adapter on: the bench's cost of a k-column forward must time that input, not k random tokens
+    (which timed the base model alone and read a gated step as cheap as a plain one)."""
+    from types import SimpleNamespace
+
+    from mars_hf.tools.bench import step_costs
+
+    model = tiny_model("llama", dtype=torch.float32)
+    mask = model.config.mars["mask_token_id"]
+    fed = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: fed.append(args[0].clone()))
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+
+    def row(scheme, step, tokens_per_forward):
+        return {
+            "scheme": scheme,
+            "cpu_kernels": "stock",
+            "step_tokens": step,
+            "tokens_per_forward": tokens_per_forward,
+            "generated_tokens": 8,
+            "generated_per_row": [8],
+            "prompt_tokens": 3,
+        }
+
+    try:
+        step_costs.add_cost_model(model, inputs, [row("stock", 1, 1.0), row("cursor", 3, 2.0)], SimpleNamespace(cost_repeats=2))
+    finally:
+        hook.remove()
+    steps = [ids for ids in fed if ids.shape[1] in (1, 3)]  # the timed cached forwards (the prefix is longer)
+    wide = [ids for ids in steps if ids.shape[1] == 3]
+    assert len(wide) == 3 and all(ids[0, 0] != mask and ids[0, 1:].tolist() == [mask, mask] for ids in wide)
+    assert all(ids[0, 0] != mask for ids in steps if ids.shape[1] == 1)
