@@ -102,10 +102,7 @@ def compare_with_reference(
     """`compare`, judged by ``reference_model``'s logits at the first differing token: one uncached forward of
     the row's prompt (``prompts[row]``, no padding) and the tokens both runs share. Pass a float32 copy of a
     bfloat16 model to measure the gap in float32."""
-
-    def logits_at(row: int, position: int) -> torch.Tensor:
-        return _reference_logits(reference_model, list(prompts[row]) + stock_tokens[row][:position])
-
+    logits_at = _shared_prefix_logits(lambda: reference_model, prompts, stock_tokens)
     return compare(stock_tokens, tokens, logits_at, spacings)
 
 
@@ -115,23 +112,30 @@ def judge_against_stock(reference, prompts: list[list[int]], stock_tokens, token
     were measured in (None where no gap was measured)."""
     loaded = []
 
-    def logits_at(row: int, position: int) -> torch.Tensor:
+    def model():
         if not loaded:
             loaded.append(reference())
-        return _reference_logits(loaded[0], list(prompts[row]) + stock_tokens[row][:position])
+        return loaded[0]
 
-    comparison = compare(stock_tokens, tokens, logits_at)
+    comparison = compare(stock_tokens, tokens, _shared_prefix_logits(model, prompts, stock_tokens))
     comparison["gap_dtype"] = (
         str(next(loaded[0].parameters()).dtype).replace("torch.", "") if loaded else None
     )
     return comparison
 
 
-@torch.no_grad()
-def _reference_logits(model, ids: list[int]) -> torch.Tensor:
-    """The model's next-token logits after ``ids`` (one uncached forward), in float32."""
-    device = next(model.parameters()).device
-    return model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, -1].float()
+def _shared_prefix_logits(model, prompts, stock_tokens):
+    """`compare`'s ``logits_at``: ``model()``'s next-token logits (float32) after a row's prompt and the
+    tokens both runs share, by one uncached forward."""
+
+    @torch.no_grad()
+    def logits_at(row: int, position: int) -> torch.Tensor:
+        reference = model()
+        ids = list(prompts[row]) + stock_tokens[row][:position]
+        ids = torch.tensor([ids], device=next(reference.parameters()).device)
+        return reference(input_ids=ids, use_cache=False).logits[0, -1].float()
+
+    return logits_at
 
 
 def prompt_rows(batches) -> list[list[int]]:
