@@ -33,7 +33,8 @@ from mars_hf.tools.bench import (
     greedy_generation_config,
     prepare_batches,
 )
-from mars_hf.tools.divergence import compare_with_reference, prompt_rows
+from mars_hf.tools.bench.divergences import divergence_line
+from mars_hf.tools.divergence import judge_against_stock, prompt_rows
 from mars_hf.tools.loading import load_model_and_tokenizer
 
 
@@ -59,17 +60,6 @@ def decode(model, tokenizer, batches, config, **kwargs) -> list[list[int]]:
     return answers
 
 
-def describe(label: str, result: dict) -> str:
-    gaps = ", ".join(
-        "stopped apart" if d["gap"] is None else f"{d['gap']:.3g}" for d in result["differences"]
-    )
-    return (
-        f"{label}: {result['rows_identical']} of {result['rows']} identical, near-tie flips "
-        f"{result['near_tie_flips']}, other differences {result['other_differences']}, mean agreeing prefix "
-        f"{result['mean_agreeing_prefix']:.2f}" + (f" (float32 gaps: {gaps})" if gaps else "")
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="embedded-mars")
@@ -92,12 +82,14 @@ def main() -> None:
     for variant in args.variants.split(","):
         model.lm_head = Float32Head(head) if variant == "float32-head" else head
         stock = decode(model, tokenizer, batches, config)
-        print(describe(f"{variant}: stock bf16 greedy against float32 greedy", compare_with_reference(
-            reference, prompts, float32_greedy, stock)))  # fmt: skip
+        result = judge_against_stock(lambda: reference, prompts, float32_greedy, stock)
+        print(f"{variant}: stock bf16 greedy against float32 greedy: {divergence_line(result)}")
         for layout in args.layouts.split(","):
             verify = decode(model, tokenizer, batches, config, mars_acceptance="verify", mars_layout=layout)
-            result = compare_with_reference(reference, prompts, stock, verify)
-            print(describe(f"{variant}: verify-{layout} against stock bf16 greedy", result), flush=True)
+            result = judge_against_stock(lambda: reference, prompts, stock, verify)
+            print(
+                f"{variant}: verify-{layout} against stock bf16 greedy: {divergence_line(result)}", flush=True
+            )
     model.lm_head = head
 
 

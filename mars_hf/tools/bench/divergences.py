@@ -45,12 +45,15 @@ def format_divergences(result: dict, label) -> list[str]:
         return ["", f"divergences from stock greedy: none (all {len(judged)} lossless rows identical)"]
     lines = ["", "divergences from stock greedy at the first differing token (gap = reference logit of stock's "
              "token - of the run's; near tie = within 4 bf16 spacings):"]  # fmt: skip
-    for row in differing:
-        d = row["divergences"]
-        gaps = ", ".join("stopped apart" if x["gap"] is None else f"{x['gap']:.3g}" for x in d["differences"])
-        lines.append(
-            f"{label(row)}: {d['rows_identical']} of {d['rows']} identical, near-tie flips {d['near_tie_flips']}, "
-            f"other differences {d['other_differences']} (gaps in {d['gap_dtype']}: {gaps}; mean agreeing "
-            f"prefix {d['mean_agreeing_prefix']:.2f})"
-        )
+    lines += [f"{label(row)}: {divergence_line(row['divergences'])}" for row in differing]
     return lines
+
+
+def divergence_line(d: dict) -> str:
+    """One `judge_against_stock` record in words: counts, each difference's gap, the mean agreeing prefix."""
+    gaps = ", ".join("stopped apart" if x["gap"] is None else f"{x['gap']:.3g}" for x in d["differences"])
+    measured = f"gaps in {d['gap_dtype']}: {gaps}; " if gaps else ""
+    return (
+        f"{d['rows_identical']} of {d['rows']} identical, near-tie flips {d['near_tie_flips']}, other differences "
+        f"{d['other_differences']} ({measured}mean agreeing prefix {d['mean_agreeing_prefix']:.2f})"
+    )
