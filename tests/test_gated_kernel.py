@@ -34,7 +34,7 @@ def vector_bytes(request, monkeypatch) -> int:
 
 def group_delta(x, index, a, outputs, bts):
     """The kernel's one call for a sibling group: every member's delta at the mask rows, in place."""
-    gated_kernel.mask_rows_group_delta(gated_kernel.GroupPlan(outputs[0].dtype, bts), x, index, a, outputs)
+    gated_kernel.mask_rows_group_delta(gated_kernel.GroupPlan(outputs[0].dtype, a, bts), x, index, outputs)
 
 
 @pytest.mark.parametrize(
@@ -48,8 +48,8 @@ def group_delta(x, index, a, outputs, bts):
     ],
 )
 @pytest.mark.parametrize("rank", [4, 12])
-# 40 outputs: whole vectors and a partial one; rank 12 with 200 outputs: enough multiply-adds for the group's call
-# to split over threads (the others run on one)
+# 40 and 200 outputs: whole vectors and a partial one (the split over threads:
+# test_a_group_split_over_threads_gives_the_one_thread_bits)
 @pytest.mark.parametrize("outputs", [40, 200])
 def test_kernel_writes_each_members_delta_at_mask_rows_only(model_dtype, matrices, tolerance, rank, outputs, vector_bytes):
     torch.manual_seed(0)
@@ -69,6 +69,55 @@ def test_kernel_writes_each_members_delta_at_mask_rows_only(model_dtype, matrice
         flat, old = y.reshape(10, -1), old.reshape(10, -1)
         assert torch.equal(flat[real], old[real])  # never written: the base layer's bits
         torch.testing.assert_close(flat[index].double(), old[index].double() + slow, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    "model_dtype, matrices, tolerance",
+    [(torch.float64, torch.float64, 1e-12), (torch.float32, torch.float32, 1e-4), (torch.bfloat16, torch.bfloat16, 1e-1)],
+)
+def test_a_group_split_over_threads_gives_the_one_thread_bits(model_dtype, matrices, tolerance, vector_bytes):
+    """A call of at least MIN_PARALLEL_WORK multiply-adds runs on torch's threads (the suite runs torch on one: two
+    here); every sum keeps its order, so the mask rows get the one-thread result bit for bit, and the float64 one."""
+    torch.manual_seed(3)
+    n, inputs, rank, widths = 6, 1027, 64, (2048, 2051, 9)
+    work = n * inputs * 3 * rank + n * rank * sum(widths)
+    x = torch.randn(9, inputs, dtype=model_dtype)
+    a = (torch.randn(3 * rank, inputs) / inputs**0.5).to(matrices)
+    bts = [torch.randn(rank, width, dtype=matrices) for width in widths]
+    index = torch.tensor([0, 1, 2, 3, 5, 8])  # a block of four, then two rows one at a time
+    results, threads_used = {}, {}
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            threads_used[threads] = (gated_kernel.threads_for(work), gated_kernel.threads_for(gated_kernel.MIN_PARALLEL_WORK - 1))
+            ys = [torch.zeros(9, width, dtype=model_dtype) for width in widths]
+            group_delta(x, index, a, ys, bts)
+            results[threads] = ys
+    finally:
+        torch.set_num_threads(previous)
+    assert work >= gated_kernel.MIN_PARALLEL_WORK
+    assert threads_used == {1: (1, 1), 2: (2, 1)}  # this call split; one multiply-add less would not have
+    t = x[index].double() @ a.double().T
+    for member, (one, two, bt) in enumerate(zip(results[1], results[2], bts)):
+        assert torch.equal(one, two)
+        slow = t[:, member * rank : (member + 1) * rank] @ bt.double()
+        torch.testing.assert_close(two[index].double(), slow, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mask_rows_delta_does_not_depend_on_the_rows_beside_it(dtype, vector_bytes):
+    """The kernel takes mask rows four at a time and the rest one at a time: each row's sums keep one order either
+    way, so a row gets the same bits alone as in a block (a mask's logits do not depend on how many masks a step
+    feeds)."""
+    torch.manual_seed(4)
+    x, a, bt = torch.randn(5, 37, dtype=dtype), torch.randn(8, 37, dtype=dtype), torch.randn(8, 45, dtype=dtype)
+    together = torch.zeros(5, 45, dtype=dtype)
+    group_delta(x, torch.arange(5), a, [together], [bt])
+    for row in range(5):
+        alone = torch.zeros(5, 45, dtype=dtype)
+        group_delta(x, torch.tensor([row]), a, [alone], [bt])
+        assert torch.equal(alone[row], together[row])
 
 
 def test_bfloat16_sum_is_rounded_once_to_nearest_even(vector_bytes):
@@ -130,6 +179,35 @@ def test_the_kernel_reads_the_matrices_the_layers_hold_now(tokenizer, tmp_path):
     expected, _ = decode_steps(with_torch, tokenizer)
     assert not torch.allclose(got[1][~real], before[1][~real])
     torch.testing.assert_close(got[1], expected[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("buffer", ["mars_lora_A", "mars_lora_BT"])
+def test_the_kernel_reads_matrices_edited_in_place(buffer, tokenizer, tmp_path):
+    """A group's plan keeps a tiled copy of each Bᵀ and the address of A: an in-place edit of either (same tensor,
+    same storage) must reach the next forward too, as it does the torch form's."""
+    _, with_kernel, _, _ = shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
+    _, with_torch, _, _ = shipped_gated(tmp_path / "torch", "llama", tokenizer, kernel="torch")
+    before, real = decode_steps(with_kernel, tokenizer)  # the kernel's plans are built here
+    for model in (with_kernel, with_torch):
+        for module in model.modules():
+            if buffer in module._buffers:
+                module._buffers[buffer].mul_(3)
+    got, _ = decode_steps(with_kernel, tokenizer)
+    expected, _ = decode_steps(with_torch, tokenizer)
+    assert not torch.allclose(got[1][~real], before[1][~real])
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-12, atol=1e-12)
+
+
+def test_a_plan_tiles_each_matrix_by_chunks_of_columns_zero_padded():
+    """The layout the kernel's add streams, against plain indexing: chunk c, row r is bt[r, c*chunk:(c+1)*chunk]."""
+    bt = torch.arange(3 * 10, dtype=torch.float32).reshape(3, 10) + 1
+    tiles = gated_kernel.tile_columns(bt, 4)
+    assert tiles.shape == (3, 3, 4) and tiles.is_contiguous()
+    for c in range(3):
+        for r in range(3):
+            part = bt[r, 4 * c : 4 * c + 4]
+            assert torch.equal(tiles[c, r, : part.numel()], part)
+            assert not tiles[c, r, part.numel() :].any()
 
 
 def test_autograd_forwards_use_the_torch_form(tokenizer, tmp_path):

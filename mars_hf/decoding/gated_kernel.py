@@ -52,6 +52,12 @@ VECTOR_BYTES = ("32", "64")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99")
 OPENMP_FLAG = "-fopenmp"  # torch's thread count (same runtime); a compiler without OpenMP builds it single-threaded
 MAX_MEMBERS = 8  # the C struct's room for sibling layers (q/k/v: 3); the C source below is given this value
+# A group's call splits over threads from this many multiply-adds (the C source is given this value). Inside a
+# forward, each call between the base model's products, one thread was faster for every SmolLM2-135M group up to 16
+# mask rows (the largest, gate/up at 16 rows, is 1.1M): embedded-mars's 120 calls in bf16 took 1.48 / 2.06 / 4.92 ms
+# at 1 / 4 / 16 mask rows on one thread against 1.66 / 2.52 / 6.03 ms split from 2^14 (2-vCPU Zen 4 EPYC, idle;
+# docs/gated_adapters.md, "Sixth pass"). Larger models' groups split.
+MIN_PARALLEL_WORK = 1 << 21
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -109,11 +115,14 @@ static inline void vadd_bf16(uint16_t *y, f32v acc) {
     u16v h = __builtin_convertvector(bits, u16v); memcpy(y, &h, VBYTES / 2);
 }
 
-/* Threads pay a fork and join per call (~µs): only groups of at least this many multiply-adds split. 2^14, when
-   the product and each add still opened their own parallel region: 2.91 ms of kernel calls per forward (embedded-mars, 1 mask row, float32),
-   against 3.01 at 2^18 and 3.24 single-threaded (2-vCPU AVX2 EPYC, idle; re-measure by editing it and running
-   examples/gated_forward_cost.py --kernel-time). */
-#define MIN_PARALLEL_WORK (1 << 14)
+/* Threads pay a fork and join per call: only groups of at least this many multiply-adds split
+   (gated_kernel.MIN_PARALLEL_WORK says why this many). */
+#define MIN_PARALLEL_WORK @MIN_PARALLEL_WORK@LL
+/* The threads a group's call of `work` multiply-adds runs on. */
+int mars_threads_for(int64_t work) {
+    int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;
+    return work >= MIN_PARALLEL_WORK && threads > 1 ? threads : 1;
+}
 /* Sum of a vector's lanes, in lane order. */
 #define HSUM(CT, v, out)                                                                     \
     do { CT l_[VBYTES / sizeof(CT)]; memcpy(l_, &(v), VBYTES); CT s_ = l_[0];                \
@@ -127,20 +136,26 @@ static inline void vadd_bf16(uint16_t *y, f32v acc) {
          memcpy(&xv, x1 + (off), VBYTES); a1 += xv * wv;                                     \
          memcpy(&xv, x2 + (off), VBYTES); a2 += xv * wv;                                     \
          memcpy(&xv, x3 + (off), VBYTES); a3 += xv * wv; } while (0)
+#define FMA1(VLOADW, a0, off)                                                                \
+    do { wv = VLOADW(w + (off)); memcpy(&xv, x0 + (off), VBYTES); a0 += xv * wv; } while (0)
 
-/* t[i, r] = sum_j rows[i, j] * a[r, j] for r in [r_lo, r_hi)   (rows: the n mask rows widened, zero-padded
-   to a multiple of 4 rows; a: R x in row-major; t: n x R). Each row of `a` is one dot product per mask row, four
-   rows at a time with their partial sums in registers, so a thread streams its rows of the matrix once. */
+/* t[r, i] = sum_j rows[i, j] * a[r, j] for r in [r_lo, r_hi)   (rows: the n mask rows widened; a: R x in
+   row-major; t: R x n, rank-major, so that threads splitting a's rows write separate cache lines). Four mask rows
+   at a time (their x rows stay in L1), each row of `a` one dot product per mask row with its partial sums in
+   registers; a thread reads its rows of `a` front to back once per block of four (from L2 after the first); the
+   last n % 4 rows one at a time (no multiply-adds on padding: one mask row costs a quarter of four). Every row's
+   sum has the same order (two partial sums, even and odd vectors, then the lanes, then the tail), whichever block
+   it falls in. */
 #define XA(NAME, WT, CT, LOADW, VLOADW)                                                      \
 static void NAME(const CT *rows, int64_t in, int64_t n, const WT *a, int64_t R, CT *t,      \
                  int64_t r_lo, int64_t r_hi) {                                              \
     typedef CT vec __attribute__((vector_size(VBYTES)));                                    \
     const int64_t lanes = VBYTES / sizeof(CT), whole = in / lanes * lanes;                  \
-    for (int64_t r = r_lo; r < r_hi; ++r) {                                                 \
-        const WT *w = a + r * in;                                                           \
-        for (int64_t i0 = 0; i0 < n; i0 += 4) {                                             \
-            const CT *x0 = rows + i0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;     \
-            /* two partial sums per row (even and odd vectors): twice the multiply-adds in flight */     \
+    int64_t i0 = 0;                                                                         \
+    for (; i0 + 4 <= n; i0 += 4) {                                                          \
+        const CT *x0 = rows + i0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;         \
+        for (int64_t r = r_lo; r < r_hi; ++r) {                                             \
+            const WT *w = a + r * in;                                                       \
             vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0};     \
             vec wv, xv;                                                                     \
             int64_t j = 0;                                                                  \
@@ -156,47 +171,69 @@ static void NAME(const CT *rows, int64_t in, int64_t n, const WT *a, int64_t R, 
                 sums[0] += x0[j] * wj; sums[1] += x1[j] * wj;                               \
                 sums[2] += x2[j] * wj; sums[3] += x3[j] * wj;                               \
             }                                                                               \
-            for (int64_t k = 0; k < 4 && i0 + k < n; ++k) t[(i0 + k) * R + r] = sums[k];     \
+            for (int64_t k = 0; k < 4; ++k) t[r * n + i0 + k] = sums[k];                     \
+        }                                                                                   \
+    }                                                                                       \
+    for (; i0 < n; ++i0) {                                                                  \
+        const CT *x0 = rows + i0 * in;                                                      \
+        for (int64_t r = r_lo; r < r_hi; ++r) {                                             \
+            const WT *w = a + r * in;                                                       \
+            vec s0 = {0}, e0 = {0}, wv, xv;                                                 \
+            int64_t j = 0;                                                                  \
+            for (; j + 2 * lanes <= whole; j += 2 * lanes) {                                \
+                FMA1(VLOADW, s0, j); FMA1(VLOADW, e0, j + lanes);                           \
+            }                                                                               \
+            for (; j < whole; j += lanes) FMA1(VLOADW, s0, j);                              \
+            s0 += e0;                                                                       \
+            CT sum; HSUM(CT, s0, sum);                                                      \
+            for (j = whole; j < in; ++j) sum += x0[j] * LOADW(w[j]);                        \
+            t[r * n + i0] = sum;                                                            \
         }                                                                                   \
     }                                                                                       \
 }
 
-/* A vector of `count` entries of a matrix row (widened from WT), zero-padded to whole lanes. */
-#define LOAD_PART(CT, LOADW, VLOADW, dst, src, count, lanes)                                \
-    do { if ((count) >= (lanes)) (dst) = VLOADW(src);                                       \
-         else { CT l_[VBYTES / sizeof(CT)] = {0};                                            \
-                for (int64_t k_ = 0; k_ < (count); ++k_) l_[k_] = LOADW((src)[k_]);          \
-                memcpy(&(dst), l_, VBYTES); } } while (0)
+/* y_i[o : o + width] += the two vectors a, b of sums, rounded once (a partial chunk lane by lane). */
+#define STORE_ROW(YT, CT, LOADY, STORE, VADD, yi, a, b)                                     \
+    do { if (width == 2 * lanes) { VADD((yi), (a)); VADD((yi) + lanes, (b)); break; }        \
+         CT sums_[2 * VBYTES / sizeof(CT)];                                                 \
+         memcpy(sums_, &(a), VBYTES); memcpy(sums_ + lanes, &(b), VBYTES);                  \
+         for (int64_t l_ = 0; l_ < width; ++l_) (yi)[l_] = STORE(LOADY((yi)[l_]) + sums_[l_]); } while (0)
 
-/* y[idx[i], o] += sum_{r < rk} t[i, r0 + r] * bt[r, o] for the column chunks [c_lo, c_hi) of two vectors each
-   (bt: rk x out row-major), rounded once. Register blocking: two vectors of outputs for four mask rows (eight
-   sums) stay in registers while r runs; each output's sum has the same order whoever computes it. */
-#define ADD(NAME, YT, WT, CT, LOADY, LOADW, VLOADW, STORE, VADD)                            \
-static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t, int64_t R, \
-                 int64_t r0, int64_t rk, const WT *bt, int64_t c_lo, int64_t c_hi) {        \
+/* y[idx[i], o] += sum_{r < rk} t[r0 + r, i] * bt[r, o] for the column chunks [c_lo, c_hi) of two vectors each,
+   rounded once. `tiles` holds bt (rk x out) chunk by chunk: chunk c is rk rows of its two vectors of columns,
+   zero-padded past `out` (chunks x rk x 2 lanes; gated_kernel.tile_columns), so a thread reads its chunks front to
+   back in one stream instead of rk strided ones. Register blocking: two vectors of outputs for four mask rows
+   (eight sums) stay in registers while r runs, then the last n % 4 rows one at a time; every output's sum runs
+   r = 0, 1, ... in order, whoever computes it and whichever block its row falls in. */
+#define ADD(NAME, YT, WT, CT, LOADY, VLOADW, STORE, VADD)                                   \
+static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t,           \
+                 int64_t r0, int64_t rk, const WT *tiles, int64_t c_lo, int64_t c_hi) {     \
     typedef CT vec __attribute__((vector_size(VBYTES)));                                    \
     const int64_t lanes = VBYTES / sizeof(CT);                                              \
     for (int64_t c = c_lo; c < c_hi; ++c) {                                                 \
         const int64_t o = c * 2 * lanes, width = out - o < 2 * lanes ? out - o : 2 * lanes; \
-        for (int64_t i0 = 0; i0 < n; i0 += 4) {                                             \
-            const int64_t nb = n - i0 < 4 ? n - i0 : 4;                                     \
+        const WT *tile = tiles + c * rk * 2 * lanes;                                        \
+        int64_t i0 = 0;                                                                     \
+        for (; i0 + 4 <= n; i0 += 4) {                                                      \
             vec a[4] = {{0}}, b[4] = {{0}}, w0, w1;                                         \
             for (int64_t r = 0; r < rk; ++r) {                                              \
-                const WT *row = bt + r * out + o;                                           \
-                LOAD_PART(CT, LOADW, VLOADW, w0, row, width, lanes);                        \
-                LOAD_PART(CT, LOADW, VLOADW, w1, row + lanes, width - lanes, lanes);        \
+                w0 = VLOADW(tile + r * 2 * lanes); w1 = VLOADW(tile + r * 2 * lanes + lanes); \
                 for (int64_t k = 0; k < 4; ++k) {                                           \
-                    CT scale = k < nb ? t[(i0 + k) * R + r0 + r] : (CT)0;                   \
+                    const CT scale = t[(r0 + r) * n + i0 + k];                              \
                     a[k] += scale * w0; b[k] += scale * w1;                                 \
                 }                                                                           \
             }                                                                               \
-            for (int64_t k = 0; k < nb; ++k) {                                              \
-                YT *yi = y + idx[i0 + k] * out + o;                                         \
-                CT sums[2 * VBYTES / sizeof(CT)];                                           \
-                memcpy(sums, &a[k], VBYTES); memcpy(sums + lanes, &b[k], VBYTES);           \
-                if (width == 2 * lanes) { VADD(yi, a[k]); VADD(yi + lanes, b[k]); continue; } \
-                for (int64_t l = 0; l < width; ++l) yi[l] = STORE(LOADY(yi[l]) + sums[l]);  \
+            for (int64_t k = 0; k < 4; ++k)                                                 \
+                STORE_ROW(YT, CT, LOADY, STORE, VADD, y + idx[i0 + k] * out + o, a[k], b[k]); \
+        }                                                                                   \
+        for (; i0 < n; ++i0) {                                                              \
+            vec a0 = {0}, b0 = {0}, w0, w1;                                                 \
+            for (int64_t r = 0; r < rk; ++r) {                                              \
+                w0 = VLOADW(tile + r * 2 * lanes); w1 = VLOADW(tile + r * 2 * lanes + lanes); \
+                const CT scale = t[(r0 + r) * n + i0];                                      \
+                a0 += scale * w0; b0 += scale * w1;                                         \
             }                                                                               \
+            STORE_ROW(YT, CT, LOADY, STORE, VADD, y + idx[i0] * out + o, a0, b0);           \
         }                                                                                   \
     }                                                                                       \
 }
@@ -206,7 +243,7 @@ static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t,
 #define MAX_MEMBERS @MAX_MEMBERS@
 typedef struct {
     const void *x; int64_t in; const int64_t *idx; int64_t n; const void *a; int64_t R; int64_t members;
-    void *ys[MAX_MEMBERS]; int64_t outs[MAX_MEMBERS]; int64_t ranks[MAX_MEMBERS]; const void *bts[MAX_MEMBERS];
+    void *ys[MAX_MEMBERS]; int64_t outs[MAX_MEMBERS]; int64_t ranks[MAX_MEMBERS]; const void *tiles[MAX_MEMBERS];
 } group_call;
 
 /* A sibling group (layers that read one input: q/k/v, gate/up; or one layer alone) in one call and one parallel
@@ -218,16 +255,15 @@ int NAME(const group_call *call) {                                              
     const int64_t in = call->in, n = call->n, R = call->R, members = call->members;         \
     const int64_t *idx = call->idx, *outs = call->outs, *ranks = call->ranks;               \
     if (members > MAX_MEMBERS) return 2;                                                    \
-    const int64_t lanes = VBYTES / sizeof(CT), padded = (n + 3) / 4 * 4;                    \
-    CT *rows = (CT *)calloc((size_t)(padded * in), sizeof(CT));  /* mask rows, widened */   \
+    const int64_t lanes = VBYTES / sizeof(CT);                                              \
+    CT *rows = (CT *)malloc(sizeof(CT) * (size_t)(n * in));  /* the mask rows, widened */    \
     CT *t = (CT *)malloc(sizeof(CT) * (size_t)(n * R));                                     \
     if (!rows || !t) { free(rows); free(t); return 1; }                                     \
     for (int64_t i = 0; i < n; ++i)                                                         \
         for (int64_t j = 0; j < in; ++j) rows[i * in + j] = LOADX(x[idx[i] * in + j]);      \
     int64_t work = n * in * R;                                                              \
     for (int64_t m = 0; m < members; ++m) work += n * ranks[m] * outs[m];                   \
-    int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;   \
-    int split = work >= MIN_PARALLEL_WORK && threads > 1;                                  \
+    const int threads = mars_threads_for(work), split = threads > 1;                        \
     _Pragma("omp parallel num_threads(threads) if(split)")                                  \
     {                                                                                       \
         const int64_t parts = split ? omp_get_num_threads() : 1, me = split ? omp_get_thread_num() : 0; \
@@ -235,7 +271,7 @@ int NAME(const group_call *call) {                                              
         _Pragma("omp barrier")                                                              \
         for (int64_t m = 0, r0 = 0; m < members; r0 += ranks[m++]) {                        \
             const int64_t chunks = (outs[m] + 2 * lanes - 1) / (2 * lanes);                 \
-            ADD_NAME((XT *)call->ys[m], outs[m], idx, n, t, R, r0, ranks[m], (const WT *)call->bts[m],       \
+            ADD_NAME((XT *)call->ys[m], outs[m], idx, n, t, r0, ranks[m], (const WT *)call->tiles[m],     \
                      chunks * me / parts, chunks * (me + 1) / parts);                       \
         }                                                                                   \
     }                                                                                       \
@@ -249,18 +285,18 @@ int NAME(const group_call *call) {                                              
 XA(mars_xa_f32, float, float, SAME, vload_f32)
 XA(mars_xa_bf16, uint16_t, float, bf16_to_f32, vload_bf16)
 XA(mars_xa_f64, double, double, SAME, vload_f64)
-ADD(mars_add_f32_f32, float, float, float, SAME, SAME, vload_f32, SAME, vadd_f32)
-ADD(mars_add_f32_bf16, float, uint16_t, float, SAME, bf16_to_f32, vload_bf16, SAME, vadd_f32)
-ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, vload_bf16, f32_to_bf16, vadd_bf16)
-ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, vload_f32, f32_to_bf16, vadd_bf16)
-ADD(mars_add_f64_f64, double, double, double, SAME, SAME, vload_f64, SAME, vadd_f64)
+ADD(mars_add_f32_f32, float, float, float, SAME, vload_f32, SAME, vadd_f32)
+ADD(mars_add_f32_bf16, float, uint16_t, float, SAME, vload_bf16, SAME, vadd_f32)
+ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, vload_bf16, f32_to_bf16, vadd_bf16)
+ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, vload_f32, f32_to_bf16, vadd_bf16)
+ADD(mars_add_f64_f64, double, double, double, SAME, vload_f64, SAME, vadd_f64)
 GROUP(mars_group_f32_f32, mars_xa_f32, mars_add_f32_f32, float, float, float, SAME)
 GROUP(mars_group_f32_bf16, mars_xa_bf16, mars_add_f32_bf16, float, uint16_t, float, SAME)
 GROUP(mars_group_bf16_bf16, mars_xa_bf16, mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32)
 GROUP(mars_group_bf16_f32, mars_xa_f32, mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32)
 GROUP(mars_group_f64_f64, mars_xa_f64, mars_add_f64_f64, double, double, double, SAME)
 int mars_vector_bytes(void) { return VBYTES; }
-""".replace("@MAX_MEMBERS@", str(MAX_MEMBERS))
+""".replace("@MAX_MEMBERS@", str(MAX_MEMBERS)).replace("@MIN_PARALLEL_WORK@", str(MIN_PARALLEL_WORK))
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 # (model dtype, adapter matrices' dtype) pairs the kernel serves; the first per model dtype is its default.
@@ -339,6 +375,8 @@ def _build() -> ctypes.CDLL:
             os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
     library = ctypes.CDLL(str(target))
     library.mars_vector_bytes.restype = ctypes.c_int
+    library.mars_threads_for.argtypes = [ctypes.c_int64]
+    library.mars_threads_for.restype = ctypes.c_int
     for model_dtype, matrix_dtypes in SERVED.items():
         for matrices in matrix_dtypes:
             group = getattr(library, f"mars_group_{_SUFFIX[model_dtype]}_{_SUFFIX[matrices]}")
@@ -366,6 +404,12 @@ def failure() -> str | None:
 def vector_bytes() -> int | None:
     """The loaded build's vector width in bytes (None: no build)."""
     return None if library() is None else int(_LIBRARY.mars_vector_bytes())
+
+
+def threads_for(work: int) -> int | None:
+    """The threads the loaded build runs a group's call of ``work`` multiply-adds on, at torch's current thread
+    count (the kernel and torch share one OpenMP runtime); None: no build."""
+    return None if library() is None else int(_LIBRARY.mars_threads_for(work))
 
 
 def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -410,42 +454,56 @@ class _GroupCall(ctypes.Structure):
         ("ys", ctypes.c_void_p * MAX_MEMBERS),
         ("outs", ctypes.c_int64 * MAX_MEMBERS),
         ("ranks", ctypes.c_int64 * MAX_MEMBERS),
-        ("bts", ctypes.c_void_p * MAX_MEMBERS),
+        ("tiles", ctypes.c_void_p * MAX_MEMBERS),
     ]
+
+
+def tile_columns(bt: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``bt`` (``rank x out``) as the kernel's add reads it: chunk by chunk of ``chunk`` columns, each chunk's
+    ``rank`` rows together, zero-padded past ``out`` (``chunks x rank x chunk``, contiguous)."""
+    rank, out = bt.shape
+    chunks = -(-out // chunk)
+    padded = bt.new_zeros(rank, chunks * chunk)
+    padded[:, :out] = bt
+    return padded.view(rank, chunks, chunk).transpose(0, 1).contiguous()
 
 
 class GroupPlan:
     """A sibling group's kernel call: the C function and its argument struct, with what stays the same from
-    forward to forward (the members' output widths, ranks and ``Bᵀ`` matrices, each ``rank x out`` and
-    contiguous) filled once. :meth:`matches` tells whether the layers' matrices are still those (``model.to``
-    replaces them)."""
+    forward to forward filled once: the stacked ``A`` (``R x in``), and each member's output width, rank and
+    ``Bᵀ`` (``rank x out``), the latter copied into the tiles the kernel streams (:func:`tile_columns`).
+    :meth:`matches` tells whether the layers still hold those matrices, unchanged (``model.to`` replaces them; an
+    in-place edit bumps a tensor's version)."""
 
-    __slots__ = ("function", "call", "address", "matrices")
+    __slots__ = ("function", "call", "address", "matrices", "tiles")
 
-    def __init__(self, model_dtype: torch.dtype, bts: list[torch.Tensor]):
+    def __init__(self, model_dtype: torch.dtype, a: torch.Tensor, bts: list[torch.Tensor]):
         if len(bts) > MAX_MEMBERS:
             raise ValueError(f"the gated kernel adapts at most {MAX_MEMBERS} sibling layers in one call, not {len(bts)}")
         self.function = _FUNCTIONS[model_dtype, bts[0].dtype]
-        self.matrices = [(bt, bt.data_ptr()) for bt in bts]
-        self.call = _GroupCall(members=len(bts))
-        for m, (bt, pointer) in enumerate(self.matrices):
-            self.call.outs[m], self.call.ranks[m], self.call.bts[m] = bt.shape[1], bt.shape[0], pointer
+        self.matrices = [(matrix, matrix.data_ptr(), matrix._version) for matrix in (a, *bts)]
+        # two vectors of the kernel's accumulator (float64 for a float64 model, else float32) per chunk
+        chunk = 2 * vector_bytes() // (8 if model_dtype == torch.float64 else 4)
+        self.tiles = [tile_columns(bt, chunk) for bt in bts]
+        self.call = _GroupCall(a=a.data_ptr(), R=a.shape[0], in_features=a.shape[1], members=len(bts))
+        for m, (bt, tiles) in enumerate(zip(bts, self.tiles)):
+            self.call.outs[m], self.call.ranks[m], self.call.tiles[m] = bt.shape[1], bt.shape[0], tiles.data_ptr()
         self.address = ctypes.addressof(self.call)
 
-    def matches(self, bts: list[torch.Tensor]) -> bool:
-        """Whether ``bts`` are the matrices this plan points to, unmoved."""
-        return all(held is bt and held.data_ptr() == pointer for held, (bt, pointer) in zip(bts, self.matrices))
+    def matches(self, a: torch.Tensor, bts: list[torch.Tensor]) -> bool:
+        """Whether ``a`` and ``bts`` are the matrices this plan was built from, unmoved and unchanged."""
+        return len(bts) + 1 == len(self.matrices) and all(
+            held is matrix and matrix.data_ptr() == pointer and matrix._version == version
+            for matrix, (held, pointer, version) in zip((a, *bts), self.matrices)
+        )
 
 
-def mask_rows_group_delta(
-    plan: GroupPlan, x: torch.Tensor, index: torch.Tensor, a: torch.Tensor, outputs: list[torch.Tensor]
-) -> None:
-    """``outputs[m][index] += (x[index] @ a.T)[:, member m's ranks] @ Bᵀ_m`` in place for every member of
-    ``plan``'s group, each sum rounded once, in one C call. Flattened rows; ``x``, ``a`` (the members' stacked
-    ``A``, ``R x in``) and ``outputs`` contiguous, in the model dtype the plan was built for."""
+def mask_rows_group_delta(plan: GroupPlan, x: torch.Tensor, index: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+    """``outputs[m][index] += (x[index] @ Aᵀ)[:, member m's ranks] @ Bᵀ_m`` in place for every member of ``plan``'s
+    group, each sum rounded once, in one C call. Flattened rows; ``x`` (``in`` = ``A``'s columns) and ``outputs``
+    contiguous, in the model dtype the plan was built for."""
     call = plan.call
-    call.x, call.in_features, call.idx, call.n = x.data_ptr(), x.shape[-1], index.data_ptr(), index.numel()
-    call.a, call.R = a.data_ptr(), a.shape[0]
+    call.x, call.idx, call.n = x.data_ptr(), index.data_ptr(), index.numel()
     ys = call.ys
     for m, y in enumerate(outputs):
         ys[m] = y.data_ptr()

@@ -492,11 +492,12 @@ class _SharedInput:
             module.__dict__["_mars_adapter"].base_forward(x, *args, **kwargs).contiguous() for module in self.members
         ]
         if x.dtype == outputs[0].dtype == self.kernel_dtype and x.is_cpu:
+            a = self.leader._buffers["mars_lora_A"]
             bts = [module._buffers["mars_lora_BT"] for module in self.members]
             plan = self.plan
-            if plan is None or not plan.matches(bts):
-                plan = self.plan = GroupPlan(x.dtype, bts)
-            mask_rows_group_delta(plan, x.contiguous(), gate.positions_for(x), self.leader._buffers["mars_lora_A"], outputs)
+            if plan is None or not plan.matches(a, bts):
+                plan = self.plan = GroupPlan(x.dtype, a, bts)
+            mask_rows_group_delta(plan, x.contiguous(), gate.positions_for(x), outputs)
         else:
             self._add_torch(x, gate, outputs)
         if len(outputs) > 1:
