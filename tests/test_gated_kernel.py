@@ -76,7 +76,7 @@ def test_kernel_writes_each_members_delta_at_mask_rows_only(model_dtype, matrice
     [(torch.float64, torch.float64, 1e-12), (torch.float32, torch.float32, 1e-4), (torch.bfloat16, torch.bfloat16, 1e-1)],
 )
 def test_a_group_split_over_threads_gives_the_one_thread_bits(model_dtype, matrices, tolerance, vector_bytes):
-    """A call of at least MIN_PARALLEL_WORK multiply-adds runs on torch's threads (the suite runs torch on one: two
+    """A call of at least min_parallel_work() multiply-adds runs on torch's threads (the suite runs torch on one: two
     here); every sum keeps its order, so the mask rows get the one-thread result bit for bit, and the float64 one."""
     torch.manual_seed(3)
     n, inputs, rank, widths = 6, 1027, 64, (2048, 2051, 9)
@@ -90,13 +90,13 @@ def test_a_group_split_over_threads_gives_the_one_thread_bits(model_dtype, matri
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            threads_used[threads] = (gated_kernel.threads_for(work), gated_kernel.threads_for(gated_kernel.MIN_PARALLEL_WORK - 1))
+            threads_used[threads] = (gated_kernel.threads_for(work), gated_kernel.threads_for(gated_kernel.min_parallel_work() - 1))
             ys = [torch.zeros(9, width, dtype=model_dtype) for width in widths]
             group_delta(x, index, a, ys, bts)
             results[threads] = ys
     finally:
         torch.set_num_threads(previous)
-    assert work >= gated_kernel.MIN_PARALLEL_WORK
+    assert work >= gated_kernel.min_parallel_work() == gated_kernel.DEFAULT_MIN_PARALLEL_WORK
     assert threads_used == {1: (1, 1), 2: (2, 1)}  # this call split; one multiply-add less would not have
     t = x[index].double() @ a.double().T
     for member, (one, two, bt) in enumerate(zip(results[1], results[2], bts)):
@@ -321,6 +321,29 @@ def test_a_forced_vector_width_is_checked_and_builds_its_own_file(monkeypatch, t
             widths[forced] = gated_kernel.vector_bytes()
     avx512 = "avx512f" in gated_kernel._cpu_flags().split()
     assert widths == {"": 64 if avx512 else 32, "64": 64}
+    assert len(sorted((tmp_path / "kernels").glob("mars_gated_*.so"))) == 2
+
+
+def test_a_forced_thread_threshold_is_checked_and_builds_its_own_file(monkeypatch, tmp_path):
+    """MARS_HF_KERNEL_MIN_PARALLEL_WORK sets where a call splits over threads, in a build of its own; anything but
+    a whole number is an error naming the variable."""
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    monkeypatch.setenv(gated_kernel.MIN_PARALLEL_WORK_ENV, "1000")
+    unload_kernel(monkeypatch)
+    assert gated_kernel.min_parallel_work() == 1000
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert (gated_kernel.threads_for(999), gated_kernel.threads_for(1000)) == (1, 2)
+    finally:
+        torch.set_num_threads(previous)
+    monkeypatch.setenv(gated_kernel.MIN_PARALLEL_WORK_ENV, "2^14")
+    unload_kernel(monkeypatch)
+    with pytest.raises(ValueError, match="MARS_HF_KERNEL_MIN_PARALLEL_WORK must be a whole number"):
+        gated_kernel.library()
+    monkeypatch.delenv(gated_kernel.MIN_PARALLEL_WORK_ENV)
+    unload_kernel(monkeypatch)
+    assert gated_kernel.min_parallel_work() == gated_kernel.DEFAULT_MIN_PARALLEL_WORK
     assert len(sorted((tmp_path / "kernels").glob("mars_gated_*.so"))) == 2
 
 

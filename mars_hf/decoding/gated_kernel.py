@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import operator
 import os
 import shutil
 import subprocess
@@ -53,11 +54,12 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99")
 OPENMP_FLAG = "-fopenmp"  # torch's thread count (same runtime); a compiler without OpenMP builds it single-threaded
 MAX_MEMBERS = 8  # the C struct's room for sibling layers (q/k/v: 3); the C source below is given this value
 # A group's call splits over threads from this many multiply-adds (the C source is given this value). Inside a
-# forward, each call between the base model's products, one thread was faster for every SmolLM2-135M group up to 16
-# mask rows (the largest, gate/up at 16 rows, is 1.1M): embedded-mars's 120 calls in bf16 took 1.48 / 2.06 / 4.92 ms
-# at 1 / 4 / 16 mask rows on one thread against 1.66 / 2.52 / 6.03 ms split from 2^14 (2-vCPU Zen 4 EPYC, idle;
-# docs/gated_adapters.md, "Sixth pass"). Larger models' groups split.
-MIN_PARALLEL_WORK = 1 << 21
+# forward, each call between the base model's products, one thread was faster in bf16 for every SmolLM2-135M group
+# up to 16 mask rows (the largest, gate/up at 16 rows, is 1.1M); in float32 splitting won at 1-4 mask rows and lost
+# at 8-16 (docs/gated_adapters.md, "Sixth pass": a 2-vCPU Zen 4 EPYC). Larger models' groups split.
+# MIN_PARALLEL_WORK_ENV sets another threshold (a build of its own), to measure where a CPU's crossover lies.
+DEFAULT_MIN_PARALLEL_WORK = 1 << 14
+MIN_PARALLEL_WORK_ENV = "MARS_HF_KERNEL_MIN_PARALLEL_WORK"
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -116,8 +118,11 @@ static inline void vadd_bf16(uint16_t *y, f32v acc) {
 }
 
 /* Threads pay a fork and join per call: only groups of at least this many multiply-adds split
-   (gated_kernel.MIN_PARALLEL_WORK says why this many). */
+   (gated_kernel.DEFAULT_MIN_PARALLEL_WORK says why this many; -DMIN_PARALLEL_WORK=... sets another). */
+#ifndef MIN_PARALLEL_WORK
 #define MIN_PARALLEL_WORK @MIN_PARALLEL_WORK@LL
+#endif
+int64_t mars_min_parallel_work(void) { return MIN_PARALLEL_WORK; }
 /* The threads a group's call of `work` multiply-adds runs on. */
 int mars_threads_for(int64_t work) {
     int threads = omp_get_max_threads(); if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -296,7 +301,9 @@ GROUP(mars_group_bf16_bf16, mars_xa_bf16, mars_add_bf16_bf16, uint16_t, uint16_t
 GROUP(mars_group_bf16_f32, mars_xa_f32, mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32)
 GROUP(mars_group_f64_f64, mars_xa_f64, mars_add_f64_f64, double, double, double, SAME)
 int mars_vector_bytes(void) { return VBYTES; }
-""".replace("@MAX_MEMBERS@", str(MAX_MEMBERS)).replace("@MIN_PARALLEL_WORK@", str(MIN_PARALLEL_WORK))
+""".replace("@MAX_MEMBERS@", str(MAX_MEMBERS)).replace(
+    "@MIN_PARALLEL_WORK@", str(DEFAULT_MIN_PARALLEL_WORK)
+)
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 # (model dtype, adapter matrices' dtype) pairs the kernel serves; the first per model dtype is its default.
@@ -340,13 +347,21 @@ def _cache_dir() -> Path:
 
 
 def _compile_flags() -> list[str]:
-    """:data:`COMPILE_FLAGS`, with the vector width :data:`VECTOR_BYTES_ENV` forces, if any."""
+    """:data:`COMPILE_FLAGS`, with what :data:`VECTOR_BYTES_ENV` and :data:`MIN_PARALLEL_WORK_ENV` force, if set."""
+    flags = list(COMPILE_FLAGS)
     forced = os.environ.get(VECTOR_BYTES_ENV, "").strip()
-    if not forced:
-        return list(COMPILE_FLAGS)
-    if forced not in VECTOR_BYTES:
-        raise ValueError(f"{VECTOR_BYTES_ENV} must be one of {', '.join(VECTOR_BYTES)} (or unset), got {forced!r}.")
-    return [*COMPILE_FLAGS, f"-DVBYTES={forced}"]
+    if forced:
+        if forced not in VECTOR_BYTES:
+            raise ValueError(f"{VECTOR_BYTES_ENV} must be one of {', '.join(VECTOR_BYTES)} (or unset), got {forced!r}.")
+        flags.append(f"-DVBYTES={forced}")
+    work = os.environ.get(MIN_PARALLEL_WORK_ENV, "").strip()
+    if work:
+        if not work.isdigit():
+            raise ValueError(
+                f"{MIN_PARALLEL_WORK_ENV} must be a whole number of multiply-adds (or unset), got {work!r}."
+            )
+        flags.append(f"-DMIN_PARALLEL_WORK={int(work)}LL")
+    return flags
 
 
 def _build() -> ctypes.CDLL:
@@ -375,6 +390,7 @@ def _build() -> ctypes.CDLL:
             os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
     library = ctypes.CDLL(str(target))
     library.mars_vector_bytes.restype = ctypes.c_int
+    library.mars_min_parallel_work.restype = ctypes.c_int64
     library.mars_threads_for.argtypes = [ctypes.c_int64]
     library.mars_threads_for.restype = ctypes.c_int
     for model_dtype, matrix_dtypes in SERVED.items():
@@ -404,6 +420,11 @@ def failure() -> str | None:
 def vector_bytes() -> int | None:
     """The loaded build's vector width in bytes (None: no build)."""
     return None if library() is None else int(_LIBRARY.mars_vector_bytes())
+
+
+def min_parallel_work() -> int | None:
+    """The loaded build's threshold: a group's call of this many multiply-adds or more splits over threads."""
+    return None if library() is None else int(_LIBRARY.mars_min_parallel_work())
 
 
 def threads_for(work: int) -> int | None:
@@ -438,6 +459,10 @@ def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
             KERNEL_ENV,
         )
     return False
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+_VERSION = operator.attrgetter("_version")
 
 
 class _GroupCall(ctypes.Structure):
@@ -475,13 +500,14 @@ class GroupPlan:
     :meth:`matches` tells whether the layers still hold those matrices, unchanged (``model.to`` replaces them; an
     in-place edit bumps a tensor's version)."""
 
-    __slots__ = ("function", "call", "address", "matrices", "tiles")
+    __slots__ = ("function", "call", "address", "held", "pointers", "versions", "tiles", "index")
 
     def __init__(self, model_dtype: torch.dtype, a: torch.Tensor, bts: list[torch.Tensor]):
         if len(bts) > MAX_MEMBERS:
             raise ValueError(f"the gated kernel adapts at most {MAX_MEMBERS} sibling layers in one call, not {len(bts)}")
         self.function = _FUNCTIONS[model_dtype, bts[0].dtype]
-        self.matrices = [(matrix, matrix.data_ptr(), matrix._version) for matrix in (a, *bts)]
+        self.held = (a, *bts)
+        self.pointers, self.versions = tuple(map(_DATA_PTR, self.held)), tuple(map(_VERSION, self.held))
         # two vectors of the kernel's accumulator (float64 for a float64 model, else float32) per chunk
         chunk = 2 * vector_bytes() // (8 if model_dtype == torch.float64 else 4)
         self.tiles = [tile_columns(bt, chunk) for bt in bts]
@@ -489,12 +515,17 @@ class GroupPlan:
         for m, (bt, tiles) in enumerate(zip(bts, self.tiles)):
             self.call.outs[m], self.call.ranks[m], self.call.tiles[m] = bt.shape[1], bt.shape[0], tiles.data_ptr()
         self.address = ctypes.addressof(self.call)
+        self.index = None  # the mask positions the struct holds (the same tensor for every group of a forward)
 
     def matches(self, a: torch.Tensor, bts: list[torch.Tensor]) -> bool:
-        """Whether ``a`` and ``bts`` are the matrices this plan was built from, unmoved and unchanged."""
-        return len(bts) + 1 == len(self.matrices) and all(
-            held is matrix and matrix.data_ptr() == pointer and matrix._version == version
-            for matrix, (held, pointer, version) in zip((a, *bts), self.matrices)
+        """Whether ``a`` and ``bts`` are the matrices this plan was built from, unmoved and unchanged (checked
+        once per forward per group: C-level maps, no Python loop)."""
+        held = (a, *bts)
+        return (
+            len(held) == len(self.held)
+            and all(map(operator.is_, held, self.held))
+            and tuple(map(_DATA_PTR, held)) == self.pointers
+            and tuple(map(_VERSION, held)) == self.versions
         )
 
 
@@ -503,7 +534,9 @@ def mask_rows_group_delta(plan: GroupPlan, x: torch.Tensor, index: torch.Tensor,
     group, each sum rounded once, in one C call. Flattened rows; ``x`` (``in`` = ``A``'s columns) and ``outputs``
     contiguous, in the model dtype the plan was built for."""
     call = plan.call
-    call.x, call.idx, call.n = x.data_ptr(), index.data_ptr(), index.numel()
+    call.x = x.data_ptr()
+    if index is not plan.index:
+        plan.index, call.idx, call.n = index, index.data_ptr(), index.numel()
     ys = call.ys
     for m, y in enumerate(outputs):
         ys[m] = y.data_ptr()
