@@ -53,11 +53,12 @@ VECTOR_BYTES = ("32", "64")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99")
 OPENMP_FLAG = "-fopenmp"  # torch's thread count (same runtime); a compiler without OpenMP builds it single-threaded
 MAX_MEMBERS = 8  # the C struct's room for sibling layers (q/k/v: 3); the C source below is given this value
-# A group's call splits over threads from this many multiply-adds (the C source is given this value). Inside a
-# forward, each call between the base model's products, one thread was faster in bf16 for every SmolLM2-135M group
-# up to 16 mask rows (the largest, gate/up at 16 rows, is 1.1M); in float32 splitting won at 1-4 mask rows and lost
-# at 8-16 (docs/gated_adapters.md, "Sixth pass": a 2-vCPU Zen 4 EPYC). Larger models' groups split.
-# MIN_PARALLEL_WORK_ENV sets another threshold (a build of its own), to measure where a CPU's crossover lies.
+# A group's call splits over threads from this many multiply-adds (the C source is given this value). Whole gated
+# forwards of embedded-mars, interleaved (examples/gated_kernel_ab.py; docs/gated_adapters.md, "Sixth pass", a 2-vCPU
+# Zen 4 EPYC): one thread for every SmolLM2 group (a threshold of 2^21) measured within ±0.04 of a forward of this
+# threshold, better at some row counts and worse at others from run to run, so it stays; the calls alone, timed
+# between bare base products, had read 20-30 % faster on one thread. MIN_PARALLEL_WORK_ENV sets another threshold (a
+# build of its own), to measure where a CPU's crossover lies.
 DEFAULT_MIN_PARALLEL_WORK = 1 << 14
 MIN_PARALLEL_WORK_ENV = "MARS_HF_KERNEL_MIN_PARALLEL_WORK"
 

@@ -1,0 +1,184 @@
+"""Two builds of the gated C kernel side by side, in whole forwards: does a kernel change pay where it runs?
+
+Timing the kernel's calls on their own misleads: between two calls of a real forward torch runs its own parallel
+products, attention and norms, which decide how warm the caches and the OpenMP threads are. (Timed between bare base
+products, one thread looked faster for every SmolLM2 group; in whole forwards it was slower.) So this script loads
+the base model and one gated copy of it (every build's plans swapped into it in turn, so no build gains from
+where its copy of the weights landed in memory), and times whole cached forwards of n rows as a MARS step feeds
+them (one real token, then masks), interleaved, the cache cropped back after each; it prints each build's gated
+forward ÷ the base model's, medians over ``--repeats``.
+
+Builds: ``worktree`` (this checkout's ``mars_hf/decoding/gated_kernel.py``), ``REV`` (that file at a git revision,
+e.g. ``c34c627``), and ``worktree@N`` (this checkout's source with ``MARS_HF_KERNEL_MIN_PARALLEL_WORK=N``: where a
+group's call starts to split over threads). Each build compiles into ``$MARS_HF_HOME/kernels`` under its own name.
+
+A script, not a test: run it on an otherwise idle machine.
+
+    python examples/gated_kernel_ab.py --builds c34c627,worktree --dtypes bfloat16 --cpu-kernels packed
+    python examples/gated_kernel_ab.py --builds worktree,worktree@2097152 --rows 1,4,16 --repeats 31
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from gated_forward_cost import cpu_description, load_variants, prefill, step_ids, timed_forward
+
+from mars_hf.decoding import gated_kernel, gated_lora
+from mars_hf.decoding.cpu_kernels import packed_linears
+from mars_hf.models.embedded_model import embedded_model_dir, resolve_model_path
+
+KERNEL_PATH = "mars_hf/decoding/gated_kernel.py"
+
+
+def load_build(name: str, scratch: Path):
+    """The kernel module of build ``name`` (see the module docstring), its library built."""
+    if name == "worktree":
+        return gated_kernel
+    base, _, threshold = name.partition("@")
+    if base == "worktree":
+        source = Path(gated_kernel.__file__).read_text()
+    else:
+        source = subprocess.run(
+            ["git", "show", f"{base}:{KERNEL_PATH}"], capture_output=True, text=True, check=True
+        ).stdout
+    source = source.replace("from .home import", "from mars_hf.decoding.home import")
+    path = scratch / f"kernel_{len(list(scratch.iterdir()))}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    previous = os.environ.get(gated_kernel.MIN_PARALLEL_WORK_ENV)
+    if threshold:
+        os.environ[gated_kernel.MIN_PARALLEL_WORK_ENV] = threshold
+    try:
+        if module.library() is None:
+            raise RuntimeError(f"build {name} failed: {module.failure()}")
+    finally:
+        os.environ.pop(gated_kernel.MIN_PARALLEL_WORK_ENV, None)
+        if previous is not None:
+            os.environ[gated_kernel.MIN_PARALLEL_WORK_ENV] = previous
+    return module
+
+
+def kernel_functions(module) -> tuple:
+    """``(GroupPlan, mask_rows_group_delta)`` as ``gated_lora`` calls them, for this checkout's kernel interface and
+    the one before it (commit c34c627 and earlier: ``GroupPlan(dtype, bts)``, the stacked A passed per call)."""
+    if "a" in inspect.signature(module.GroupPlan).parameters:
+        return module.GroupPlan, module.mask_rows_group_delta
+
+    class Plan:
+        def __init__(self, dtype, a, bts):
+            self.a, self.inner = a, module.GroupPlan(dtype, bts)
+
+        def matches(self, a, bts):
+            return a is self.a and self.inner.matches(bts)
+
+    def delta(plan, x, index, outputs):
+        module.mask_rows_group_delta(plan.inner, x, index, plan.a, outputs)
+
+    return Plan, delta
+
+
+def kernel_groups(model) -> list:
+    """The gated model's sibling groups (each holds its kernel plan)."""
+    groups = []
+    for module in model.modules():
+        adapter = module.__dict__.get("_mars_adapter")
+        if adapter is not None and adapter.group.leader is module:
+            groups.append(adapter.group)
+    return groups
+
+
+@torch.no_grad()
+def compare(
+    base, gated, kernels: dict, mask_id: int, rows: list[int], repeats: int, cpu_kernels: str
+) -> None:
+    """One gated model serves every build (each build's plans swapped in before its forwards), so no build gains
+    or loses from where its copy of the weights landed in memory; the base model is the common denominator."""
+    context = torch.randint(100, 40000, (1, 100), generator=torch.Generator().manual_seed(0))
+    groups = kernel_groups(gated)
+    plans = {
+        name: [None] * len(groups) for name in kernels
+    }  # the load-time check's plans are this checkout's
+    names = ["base", *kernels]
+    with packed_linears(base, cpu_kernels), packed_linears(gated, cpu_kernels):
+        caches = {"base": prefill(base, context), "gated": prefill(gated, context)}
+        for n in rows:
+            ids = step_ids(n, mask_id, plain=False)
+            times = {name: [] for name in names}
+            for repeat in range(repeats + 2):  # two warm-up rounds
+                shift = repeat % len(names)
+                for name in names[shift:] + names[:shift]:
+                    if name == "base":
+                        elapsed = timed_forward(base, caches["base"], ids)
+                    else:
+                        gated_lora.GroupPlan, gated_lora.mask_rows_group_delta = kernels[name]
+                        for group, plan in zip(groups, plans[name]):
+                            group.plan = plan
+                        elapsed = timed_forward(gated, caches["gated"], ids)
+                        plans[name] = [group.plan for group in groups]
+                    if repeat >= 2:
+                        times[name].append(elapsed)
+            base_time = statistics.median(times["base"])
+            ratios = "  ".join(
+                f"{name} {statistics.median(times[name]) / base_time:.3f}" for name in names[1:]
+            )
+            print(f"  n={n:>2}: base {1000 * base_time:6.2f} ms   gated / base: {ratios}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--builds", default="worktree", help="comma list: worktree, a git revision, worktree@N"
+    )
+    parser.add_argument(
+        "--checkpoint", default="embedded-mars", help="a gated adapter folder or 'embedded-mars'"
+    )
+    parser.add_argument("--dtypes", default="bfloat16")
+    parser.add_argument("--cpu-kernels", choices=("stock", "packed"), default="packed")
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--repeats", type=int, default=31)
+    args = parser.parse_args()
+    builds = [name.strip() for name in args.builds.split(",") if name.strip()]
+    checkpoint = Path(resolve_model_path(args.checkpoint))
+    mask_id = int(json.loads((checkpoint / "mars_config.json").read_text())["mask_token_id"])
+    print(f"CPU: {cpu_description()}")
+    print(
+        f"adapter: {args.checkpoint}; {args.cpu_kernels} linear kernels; {args.repeats} interleaved repeats, medians\n"
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        kernels = {}
+        for name in builds:
+            module = load_build(name, Path(scratch))
+            kernels[name] = kernel_functions(module)
+            if hasattr(module, "min_parallel_work"):  # builds before this script's commit do not say
+                print(f"{name}: a call splits over threads from {module.min_parallel_work()} multiply-adds")
+        original = gated_lora.GroupPlan, gated_lora.mask_rows_group_delta
+        try:
+            for dtype_name in args.dtypes.split(","):
+                dtype = getattr(torch, dtype_name.strip())
+                models = load_variants(embedded_model_dir(), checkpoint, dtype, ["base", "gated"])
+                print(dtype_name)
+                rows = [int(n) for n in args.rows.split(",")]
+                compare(
+                    models["base"], models["gated"], kernels, mask_id, rows, args.repeats, args.cpu_kernels
+                )
+        finally:
+            gated_lora.GroupPlan, gated_lora.mask_rows_group_delta = original
+
+
+if __name__ == "__main__":
+    sys.exit(main())
