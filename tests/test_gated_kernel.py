@@ -183,8 +183,8 @@ def test_the_kernel_reads_the_matrices_the_layers_hold_now(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("buffer", ["mars_lora_A", "mars_lora_BT"])
 def test_the_kernel_reads_matrices_edited_in_place(buffer, tokenizer, tmp_path):
-    """A group's plan keeps a tiled copy of each Bᵀ and the address of A: an in-place edit of either (same tensor,
-    same storage) must reach the next forward too, as it does the torch form's."""
+    """A group's plan keeps the addresses of A and each Bᵀ: an in-place edit of either (same tensor, same storage)
+    must reach the next forward too, as it does the torch form's."""
     _, with_kernel, _, _ = shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
     _, with_torch, _, _ = shipped_gated(tmp_path / "torch", "llama", tokenizer, kernel="torch")
     before, real = decode_steps(with_kernel, tokenizer)  # the kernel's plans are built here
@@ -198,16 +198,21 @@ def test_the_kernel_reads_matrices_edited_in_place(buffer, tokenizer, tmp_path):
     torch.testing.assert_close(got[1], expected[1], rtol=1e-12, atol=1e-12)
 
 
-def test_a_plan_tiles_each_matrix_by_chunks_of_columns_zero_padded():
-    """The layout the kernel's add streams, against plain indexing: chunk c, row r is bt[r, c*chunk:(c+1)*chunk]."""
-    bt = torch.arange(3 * 10, dtype=torch.float32).reshape(3, 10) + 1
-    tiles = gated_kernel.tile_columns(bt, 4)
-    assert tiles.shape == (3, 3, 4) and tiles.is_contiguous()
-    for c in range(3):
-        for r in range(3):
-            part = bt[r, 4 * c : 4 * c + 4]
-            assert torch.equal(tiles[c, r, : part.numel()], part)
-            assert not tiles[c, r, part.numel() :].any()
+def test_matrices_moved_in_place_by_module_apply_are_read_where_they_now_are(tokenizer, tmp_path):
+    """``model.share_memory()`` moves every buffer's storage without replacing the tensor (``nn.Module._apply``): a
+    plan built before it holds the old addresses, so the adapted layers' ``_apply`` must drop it; the next forward
+    reads the matrices where they are now (and gives the torch form's logits)."""
+    _, with_kernel, _, _ = shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
+    _, with_torch, _, _ = shipped_gated(tmp_path / "torch", "llama", tokenizer, kernel="torch")
+    decode_steps(with_kernel, tokenizer)  # the kernel's plans are built here
+    q_proj = with_kernel.model.layers[0].self_attn.q_proj
+    before = q_proj.mars_lora_BT.data_ptr()
+    with_kernel.share_memory()
+    assert q_proj.mars_lora_BT.data_ptr() != before  # same tensor, new storage
+    assert q_proj.__dict__["_mars_adapter"].group.plan is None
+    got, _ = decode_steps(with_kernel, tokenizer)
+    expected, _ = decode_steps(with_torch, tokenizer)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-12, atol=1e-12)
 
 
 def test_autograd_forwards_use_the_torch_form(tokenizer, tmp_path):

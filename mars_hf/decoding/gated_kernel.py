@@ -205,25 +205,32 @@ static void NAME(const CT *rows, int64_t in, int64_t n, const WT *a, int64_t R, 
          memcpy(sums_, &(a), VBYTES); memcpy(sums_ + lanes, &(b), VBYTES);                  \
          for (int64_t l_ = 0; l_ < width; ++l_) (yi)[l_] = STORE(LOADY((yi)[l_]) + sums_[l_]); } while (0)
 
-/* y[idx[i], o] += sum_{r < rk} t[r0 + r, i] * bt[r, o] for the column chunks [c_lo, c_hi) of two vectors each,
-   rounded once. `tiles` holds bt (rk x out) chunk by chunk: chunk c is rk rows of its two vectors of columns,
-   zero-padded past `out` (chunks x rk x 2 lanes; gated_kernel.tile_columns), so a thread reads its chunks front to
-   back in one stream instead of rk strided ones. Register blocking: two vectors of outputs for four mask rows
-   (eight sums) stay in registers while r runs, then the last n % 4 rows one at a time; every output's sum runs
-   r = 0, 1, ... in order, whoever computes it and whichever block its row falls in. */
-#define ADD(NAME, YT, WT, CT, LOADY, VLOADW, STORE, VADD)                                   \
+/* A vector of `count` entries of a matrix row (widened from WT), zero-padded to whole lanes. */
+#define LOAD_PART(CT, LOADW, VLOADW, dst, src, count, lanes)                                \
+    do { if ((count) >= (lanes)) (dst) = VLOADW(src);                                       \
+         else { CT l_[VBYTES / sizeof(CT)] = {0};                                            \
+                for (int64_t k_ = 0; k_ < (count); ++k_) l_[k_] = LOADW((src)[k_]);          \
+                memcpy(&(dst), l_, VBYTES); } } while (0)
+
+/* y[idx[i], o] += sum_{r < rk} t[r0 + r, i] * bt[r, o] for the column chunks [c_lo, c_hi) of two vectors each
+   (bt: rk x out row-major, read where the layer holds it: an in-place edit reaches the next call), rounded once.
+   Register blocking: two vectors of outputs for four mask rows (eight sums) stay in registers while r runs, then the
+   last n % 4 rows one at a time; every output's sum runs r = 0, 1, ... in order, whoever computes it and whichever
+   block its row falls in. */
+#define ADD(NAME, YT, WT, CT, LOADY, LOADW, VLOADW, STORE, VADD)                            \
 static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t,           \
-                 int64_t r0, int64_t rk, const WT *tiles, int64_t c_lo, int64_t c_hi) {     \
+                 int64_t r0, int64_t rk, const WT *bt, int64_t c_lo, int64_t c_hi) {        \
     typedef CT vec __attribute__((vector_size(VBYTES)));                                    \
     const int64_t lanes = VBYTES / sizeof(CT);                                              \
     for (int64_t c = c_lo; c < c_hi; ++c) {                                                 \
         const int64_t o = c * 2 * lanes, width = out - o < 2 * lanes ? out - o : 2 * lanes; \
-        const WT *tile = tiles + c * rk * 2 * lanes;                                        \
         int64_t i0 = 0;                                                                     \
         for (; i0 + 4 <= n; i0 += 4) {                                                      \
             vec a[4] = {{0}}, b[4] = {{0}}, w0, w1;                                         \
             for (int64_t r = 0; r < rk; ++r) {                                              \
-                w0 = VLOADW(tile + r * 2 * lanes); w1 = VLOADW(tile + r * 2 * lanes + lanes); \
+                const WT *row = bt + r * out + o;                                           \
+                LOAD_PART(CT, LOADW, VLOADW, w0, row, width, lanes);                        \
+                LOAD_PART(CT, LOADW, VLOADW, w1, row + lanes, width - lanes, lanes);        \
                 for (int64_t k = 0; k < 4; ++k) {                                           \
                     const CT scale = t[(r0 + r) * n + i0 + k];                              \
                     a[k] += scale * w0; b[k] += scale * w1;                                 \
@@ -235,7 +242,9 @@ static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t,
         for (; i0 < n; ++i0) {                                                              \
             vec a0 = {0}, b0 = {0}, w0, w1;                                                 \
             for (int64_t r = 0; r < rk; ++r) {                                              \
-                w0 = VLOADW(tile + r * 2 * lanes); w1 = VLOADW(tile + r * 2 * lanes + lanes); \
+                const WT *row = bt + r * out + o;                                           \
+                LOAD_PART(CT, LOADW, VLOADW, w0, row, width, lanes);                        \
+                LOAD_PART(CT, LOADW, VLOADW, w1, row + lanes, width - lanes, lanes);        \
                 const CT scale = t[(r0 + r) * n + i0];                                      \
                 a0 += scale * w0; b0 += scale * w1;                                         \
             }                                                                               \
@@ -249,7 +258,7 @@ static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t,
 #define MAX_MEMBERS @MAX_MEMBERS@
 typedef struct {
     const void *x; int64_t in; const int64_t *idx; int64_t n; const void *a; int64_t R; int64_t members;
-    void *ys[MAX_MEMBERS]; int64_t outs[MAX_MEMBERS]; int64_t ranks[MAX_MEMBERS]; const void *tiles[MAX_MEMBERS];
+    void *ys[MAX_MEMBERS]; int64_t outs[MAX_MEMBERS]; int64_t ranks[MAX_MEMBERS]; const void *bts[MAX_MEMBERS];
 } group_call;
 
 /* A sibling group (layers that read one input: q/k/v, gate/up; or one layer alone) in one call and one parallel
@@ -277,7 +286,7 @@ int NAME(const group_call *call) {                                              
         _Pragma("omp barrier")                                                              \
         for (int64_t m = 0, r0 = 0; m < members; r0 += ranks[m++]) {                        \
             const int64_t chunks = (outs[m] + 2 * lanes - 1) / (2 * lanes);                 \
-            ADD_NAME((XT *)call->ys[m], outs[m], idx, n, t, r0, ranks[m], (const WT *)call->tiles[m],     \
+            ADD_NAME((XT *)call->ys[m], outs[m], idx, n, t, r0, ranks[m], (const WT *)call->bts[m],       \
                      chunks * me / parts, chunks * (me + 1) / parts);                       \
         }                                                                                   \
     }                                                                                       \
@@ -291,11 +300,11 @@ int NAME(const group_call *call) {                                              
 XA(mars_xa_f32, float, float, SAME, vload_f32)
 XA(mars_xa_bf16, uint16_t, float, bf16_to_f32, vload_bf16)
 XA(mars_xa_f64, double, double, SAME, vload_f64)
-ADD(mars_add_f32_f32, float, float, float, SAME, vload_f32, SAME, vadd_f32)
-ADD(mars_add_f32_bf16, float, uint16_t, float, SAME, vload_bf16, SAME, vadd_f32)
-ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, vload_bf16, f32_to_bf16, vadd_bf16)
-ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, vload_f32, f32_to_bf16, vadd_bf16)
-ADD(mars_add_f64_f64, double, double, double, SAME, vload_f64, SAME, vadd_f64)
+ADD(mars_add_f32_f32, float, float, float, SAME, SAME, vload_f32, SAME, vadd_f32)
+ADD(mars_add_f32_bf16, float, uint16_t, float, SAME, bf16_to_f32, vload_bf16, SAME, vadd_f32)
+ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, vload_bf16, f32_to_bf16, vadd_bf16)
+ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, vload_f32, f32_to_bf16, vadd_bf16)
+ADD(mars_add_f64_f64, double, double, double, SAME, SAME, vload_f64, SAME, vadd_f64)
 GROUP(mars_group_f32_f32, mars_xa_f32, mars_add_f32_f32, float, float, float, SAME)
 GROUP(mars_group_f32_bf16, mars_xa_bf16, mars_add_f32_bf16, float, uint16_t, float, SAME)
 GROUP(mars_group_bf16_bf16, mars_xa_bf16, mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32)
@@ -462,10 +471,6 @@ def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-_DATA_PTR = torch.Tensor.data_ptr
-_VERSION = operator.attrgetter("_version")
-
-
 class _GroupCall(ctypes.Structure):
     """The C ``group_call`` struct: one group's arguments."""
 
@@ -480,54 +485,37 @@ class _GroupCall(ctypes.Structure):
         ("ys", ctypes.c_void_p * MAX_MEMBERS),
         ("outs", ctypes.c_int64 * MAX_MEMBERS),
         ("ranks", ctypes.c_int64 * MAX_MEMBERS),
-        ("tiles", ctypes.c_void_p * MAX_MEMBERS),
+        ("bts", ctypes.c_void_p * MAX_MEMBERS),
     ]
-
-
-def tile_columns(bt: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``bt`` (``rank x out``) as the kernel's add reads it: chunk by chunk of ``chunk`` columns, each chunk's
-    ``rank`` rows together, zero-padded past ``out`` (``chunks x rank x chunk``, contiguous)."""
-    rank, out = bt.shape
-    chunks = -(-out // chunk)
-    padded = bt.new_zeros(rank, chunks * chunk)
-    padded[:, :out] = bt
-    return padded.view(rank, chunks, chunk).transpose(0, 1).contiguous()
 
 
 class GroupPlan:
     """A sibling group's kernel call: the C function and its argument struct, with what stays the same from
-    forward to forward filled once: the stacked ``A`` (``R x in``), and each member's output width, rank and
-    ``Bᵀ`` (``rank x out``), the latter copied into the tiles the kernel streams (:func:`tile_columns`).
-    :meth:`matches` tells whether the layers still hold those matrices, unchanged (``model.to`` replaces them; an
-    in-place edit bumps a tensor's version)."""
+    forward to forward filled once: the stacked ``A`` (``R x in``) and each member's output width, rank and ``Bᵀ``
+    (``rank x out``), read where the layers hold them (an in-place edit reaches the next call).
 
-    __slots__ = ("function", "call", "address", "held", "pointers", "versions", "tiles", "index")
+    :meth:`matches` is an identity check: assigning a layer a new matrix makes a new plan. What moves a matrix's
+    memory without replacing the tensor (``model.to``/``share_memory``/``half``: ``nn.Module._apply``) drops the
+    group's plan through the adapted layers' ``_apply`` (``gated_lora``). Reading each tensor's address and version
+    per call instead cost ≈ 0.7 ms of a 31 ms bf16 forward: the tensors' metadata is cold by then
+    (docs/gated_adapters.md, "Sixth pass")."""
+
+    __slots__ = ("function", "call", "address", "held", "index")
 
     def __init__(self, model_dtype: torch.dtype, a: torch.Tensor, bts: list[torch.Tensor]):
         if len(bts) > MAX_MEMBERS:
             raise ValueError(f"the gated kernel adapts at most {MAX_MEMBERS} sibling layers in one call, not {len(bts)}")
         self.function = _FUNCTIONS[model_dtype, bts[0].dtype]
         self.held = (a, *bts)
-        self.pointers, self.versions = tuple(map(_DATA_PTR, self.held)), tuple(map(_VERSION, self.held))
-        # two vectors of the kernel's accumulator (float64 for a float64 model, else float32) per chunk
-        chunk = 2 * vector_bytes() // (8 if model_dtype == torch.float64 else 4)
-        self.tiles = [tile_columns(bt, chunk) for bt in bts]
         self.call = _GroupCall(a=a.data_ptr(), R=a.shape[0], in_features=a.shape[1], members=len(bts))
-        for m, (bt, tiles) in enumerate(zip(bts, self.tiles)):
-            self.call.outs[m], self.call.ranks[m], self.call.tiles[m] = bt.shape[1], bt.shape[0], tiles.data_ptr()
+        for m, bt in enumerate(bts):
+            self.call.outs[m], self.call.ranks[m], self.call.bts[m] = bt.shape[1], bt.shape[0], bt.data_ptr()
         self.address = ctypes.addressof(self.call)
         self.index = None  # the mask positions the struct holds (the same tensor for every group of a forward)
 
     def matches(self, a: torch.Tensor, bts: list[torch.Tensor]) -> bool:
-        """Whether ``a`` and ``bts`` are the matrices this plan was built from, unmoved and unchanged (checked
-        once per forward per group: C-level maps, no Python loop)."""
-        held = (a, *bts)
-        return (
-            len(held) == len(self.held)
-            and all(map(operator.is_, held, self.held))
-            and tuple(map(_DATA_PTR, held)) == self.pointers
-            and tuple(map(_VERSION, held)) == self.versions
-        )
+        """Whether ``a`` and ``bts`` are the tensors this plan was built from."""
+        return a is self.held[0] and len(bts) + 1 == len(self.held) and all(map(operator.is_, bts, self.held[1:]))
 
 
 def mask_rows_group_delta(plan: GroupPlan, x: torch.Tensor, index: torch.Tensor, outputs: list[torch.Tensor]) -> None:

@@ -546,6 +546,14 @@ def _adapted_forward(self, x, *args, **kwargs):
     return torch.addmm(y2, xa, bt).view(y.shape)
 
 
+def _apply_dropping_plan(self, fn, *args, **kwargs):
+    """``nn.Module._apply`` (what ``model.to``, ``half`` and ``share_memory`` run), then the group's kernel plan is
+    dropped: it holds the matrices' addresses, which ``_apply`` may move without replacing the tensors."""
+    result = type(self)._apply(self, fn, *args, **kwargs)
+    self.__dict__["_mars_adapter"].group.plan = None
+    return result
+
+
 def _add_delta_in_place(y: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor) -> None:
     """``y += xa @ bt`` in place over flattened rows; a float32 product on a 16-bit ``y`` (see lora_dtype) is
     added, then rounded once."""
@@ -637,6 +645,7 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
         adapter = _Adapter(module.forward, gate, group, member)
         object.__setattr__(module, "_mars_adapter", adapter)
         module.forward = types.MethodType(_adapted_forward, module)
+        module._apply = types.MethodType(_apply_dropping_plan, module)
 
 
 def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:
