@@ -1,26 +1,34 @@
-"""Two builds of the gated C kernel side by side, in whole forwards: does a kernel change pay where it runs?
+"""Builds of the mask-gated adapter side by side, in whole forwards: does a change pay where it runs?
 
 Timing the kernel's calls on their own misleads: between two calls of a real forward torch runs its own parallel
 products, attention and norms, which decide how warm the caches and the OpenMP threads are. (Timed between bare base
-products, one thread looked faster for every SmolLM2 group; in whole forwards it was slower.) So this script loads
-the base model and one gated copy of it (every build's plans swapped into it in turn, so no build gains from
-where its copy of the weights landed in memory), and times whole cached forwards of n rows as a MARS step feeds
-them (one real token, then masks), interleaved, the cache cropped back after each; it prints each build's gated
-forward ÷ the base model's, medians over ``--repeats``.
+products, one thread looked faster for every SmolLM2 group; in whole forwards it was slower.) So this script times
+whole cached forwards of n rows as a MARS step feeds them (one real token, then masks) for the base model and each
+build, interleaved, the cache cropped back after each, and prints each build's gated forward ÷ the base model's,
+medians over ``--repeats``.
 
-Builds: ``worktree`` (this checkout's ``mars_hf/decoding/gated_kernel.py``), ``REV`` (that file at a git revision,
-e.g. ``c34c627``), and ``worktree@N`` (this checkout's source with ``MARS_HF_KERNEL_MIN_PARALLEL_WORK=N``: where a
-group's call starts to split over threads). Each build compiles into ``$MARS_HF_HOME/kernels`` under its own name.
+Two ways to compare:
+- the C kernel alone (default): one gated model serves every build, each build's kernel plans swapped in before its
+  forwards, so no build gains or loses from where its copy of the weights landed in memory (with one copy per
+  build that moved ratios by up to 0.04 here). Builds: ``worktree`` (this checkout's
+  ``mars_hf/decoding/gated_kernel.py``), ``REV`` (that file at a git revision, e.g. ``c34c627``), ``worktree@N``
+  (this checkout's source with ``MARS_HF_KERNEL_MIN_PARALLEL_WORK=N``: where a call starts to split over threads).
+  Each build compiles into ``$MARS_HF_HOME/kernels`` under its own name.
+- ``--whole-adapter``: the adapter's Python too (``gated_lora``, ``gated_kernel`` and ``home`` of a revision, loaded
+  as a package of their own; ``worktree`` is this checkout's). One gated copy per build, loaded in ``--builds``
+  order: run it twice with the order swapped, since a copy's place in memory moves its ratio.
 
 A script, not a test: run it on an otherwise idle machine.
 
     python examples/gated_kernel_ab.py --builds c34c627,worktree --dtypes bfloat16 --cpu-kernels packed
     python examples/gated_kernel_ab.py --builds worktree,worktree@2097152 --rows 1,4,16 --repeats 31
+    python examples/gated_kernel_ab.py --whole-adapter --builds c34c627,worktree --repeats 21
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -33,12 +41,21 @@ from pathlib import Path
 
 import torch
 from gated_forward_cost import cpu_description, load_variants, prefill, step_ids, timed_forward
+from transformers import AutoModelForCausalLM
 
 from mars_hf.decoding import gated_kernel, gated_lora
 from mars_hf.decoding.cpu_kernels import packed_linears
 from mars_hf.models.embedded_model import embedded_model_dir, resolve_model_path
 
 KERNEL_PATH = "mars_hf/decoding/gated_kernel.py"
+# The adapter's modules: they import only each other, torch, transformers, safetensors and the standard library.
+ADAPTER_MODULES = ("gated_lora", "gated_kernel", "home")
+
+
+def revision_source(revision: str, path: str) -> str:
+    return subprocess.run(
+        ["git", "show", f"{revision}:{path}"], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def load_build(name: str, scratch: Path):
@@ -49,9 +66,7 @@ def load_build(name: str, scratch: Path):
     if base == "worktree":
         source = Path(gated_kernel.__file__).read_text()
     else:
-        source = subprocess.run(
-            ["git", "show", f"{base}:{KERNEL_PATH}"], capture_output=True, text=True, check=True
-        ).stdout
+        source = revision_source(base, KERNEL_PATH)
     source = source.replace("from .home import", "from mars_hf.decoding.home import")
     path = scratch / f"kernel_{len(list(scratch.iterdir()))}.py"
     path.write_text(source)
@@ -100,41 +115,72 @@ def kernel_groups(model) -> list:
     return groups
 
 
+def load_adapter_package(revision: str, scratch: Path):
+    """``gated_lora`` as ``revision`` has it (with its own ``gated_kernel`` and ``home``), as a package of its own."""
+    if revision == "worktree":
+        return gated_lora
+    name = f"adapter_{revision.replace('-', '_').replace('~', '_').replace('^', '_')}"
+    (scratch / name).mkdir()
+    (scratch / name / "__init__.py").write_text("")
+    for module in ADAPTER_MODULES:
+        source = revision_source(revision, f"mars_hf/decoding/{module}.py")
+        (scratch / name / f"{module}.py").write_text(source)
+    if str(scratch) not in sys.path:
+        sys.path.insert(0, str(scratch))
+    return importlib.import_module(f"{name}.gated_lora")
+
+
 @torch.no_grad()
-def compare(
-    base, gated, kernels: dict, mask_id: int, rows: list[int], repeats: int, cpu_kernels: str
-) -> None:
-    """One gated model serves every build (each build's plans swapped in before its forwards), so no build gains
-    or loses from where its copy of the weights landed in memory; the base model is the common denominator."""
+def interleaved_ratios(forwards: dict, rows: list[int], mask_id: int, repeats: int) -> None:
+    """``forwards``: name -> function(ids) timing one cached forward of ``ids`` (``base`` first). Prints each
+    other name's median ÷ the base's, per row count."""
+    names = list(forwards)
+    for n in rows:
+        ids = step_ids(n, mask_id, plain=False)
+        times = {name: [] for name in names}
+        for repeat in range(repeats + 2):  # two warm-up rounds
+            shift = repeat % len(names)
+            for name in names[shift:] + names[:shift]:
+                elapsed = forwards[name](ids)
+                if repeat >= 2:
+                    times[name].append(elapsed)
+        base = statistics.median(times["base"])
+        ratios = "  ".join(f"{name} {statistics.median(times[name]) / base:.3f}" for name in names[1:])
+        print(f"  n={n:>2}: base {1000 * base:6.2f} ms   gated / base: {ratios}")
+
+
+def compare_kernels(base, gated, kernels: dict, mask_id: int, rows: list[int], repeats: int) -> None:
+    """One gated model serves every kernel build: each build's plans are swapped in before its forwards."""
     context = torch.randint(100, 40000, (1, 100), generator=torch.Generator().manual_seed(0))
     groups = kernel_groups(gated)
-    plans = {
-        name: [None] * len(groups) for name in kernels
-    }  # the load-time check's plans are this checkout's
-    names = ["base", *kernels]
-    with packed_linears(base, cpu_kernels), packed_linears(gated, cpu_kernels):
-        caches = {"base": prefill(base, context), "gated": prefill(gated, context)}
-        for n in rows:
-            ids = step_ids(n, mask_id, plain=False)
-            times = {name: [] for name in names}
-            for repeat in range(repeats + 2):  # two warm-up rounds
-                shift = repeat % len(names)
-                for name in names[shift:] + names[:shift]:
-                    if name == "base":
-                        elapsed = timed_forward(base, caches["base"], ids)
-                    else:
-                        gated_lora.GroupPlan, gated_lora.mask_rows_group_delta = kernels[name]
-                        for group, plan in zip(groups, plans[name]):
-                            group.plan = plan
-                        elapsed = timed_forward(gated, caches["gated"], ids)
-                        plans[name] = [group.plan for group in groups]
-                    if repeat >= 2:
-                        times[name].append(elapsed)
-            base_time = statistics.median(times["base"])
-            ratios = "  ".join(
-                f"{name} {statistics.median(times[name]) / base_time:.3f}" for name in names[1:]
-            )
-            print(f"  n={n:>2}: base {1000 * base_time:6.2f} ms   gated / base: {ratios}")
+    plans = {name: [None] * len(groups) for name in kernels}  # the load-time check built this checkout's
+    caches = {"base": prefill(base, context), "gated": prefill(gated, context)}
+
+    def gated_forward(name):
+        def forward(ids):
+            gated_lora.GroupPlan, gated_lora.mask_rows_group_delta = kernels[name]
+            for group, plan in zip(groups, plans[name]):
+                group.plan = plan
+            elapsed = timed_forward(gated, caches["gated"], ids)
+            plans[name] = [group.plan for group in groups]
+            return elapsed
+
+        return forward
+
+    forwards = {"base": lambda ids: timed_forward(base, caches["base"], ids)}
+    forwards.update({name: gated_forward(name) for name in kernels})
+    interleaved_ratios(forwards, rows, mask_id, repeats)
+
+
+def compare_adapters(models: dict, mask_id: int, rows: list[int], repeats: int) -> None:
+    """``models``: ``base`` and one gated copy per build."""
+    context = torch.randint(100, 40000, (1, 100), generator=torch.Generator().manual_seed(0))
+    caches = {name: prefill(model, context) for name, model in models.items()}
+    forwards = {
+        name: (lambda ids, model=model, cache=caches[name]: timed_forward(model, cache, ids))
+        for name, model in models.items()
+    }
+    interleaved_ratios(forwards, rows, mask_id, repeats)
 
 
 def main() -> None:
@@ -151,6 +197,11 @@ def main() -> None:
     parser.add_argument("--cpu-kernels", choices=("stock", "packed"), default="packed")
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--repeats", type=int, default=31)
+    parser.add_argument(
+        "--whole-adapter",
+        action="store_true",
+        help="compare gated_lora + gated_kernel of each build, not the kernel",
+    )
     args = parser.parse_args()
     builds = [name.strip() for name in args.builds.split(",") if name.strip()]
     checkpoint = Path(resolve_model_path(args.checkpoint))
@@ -159,23 +210,41 @@ def main() -> None:
     print(
         f"adapter: {args.checkpoint}; {args.cpu_kernels} linear kernels; {args.repeats} interleaved repeats, medians\n"
     )
+    rows = [int(n) for n in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
-        kernels = {}
-        for name in builds:
-            module = load_build(name, Path(scratch))
-            kernels[name] = kernel_functions(module)
-            if hasattr(module, "min_parallel_work"):  # builds before this script's commit do not say
-                print(f"{name}: a call splits over threads from {module.min_parallel_work()} multiply-adds")
+        if args.whole_adapter:
+            packages = {name: load_adapter_package(name, Path(scratch)) for name in builds}
+        else:
+            kernels = {}
+            for name in builds:
+                module = load_build(name, Path(scratch))
+                kernels[name] = kernel_functions(module)
+                if hasattr(module, "min_parallel_work"):  # builds before this script's commit do not say
+                    print(
+                        f"{name}: a call splits over threads from {module.min_parallel_work()} multiply-adds"
+                    )
         original = gated_lora.GroupPlan, gated_lora.mask_rows_group_delta
         try:
             for dtype_name in args.dtypes.split(","):
                 dtype = getattr(torch, dtype_name.strip())
-                models = load_variants(embedded_model_dir(), checkpoint, dtype, ["base", "gated"])
+                base = load_variants(embedded_model_dir(), checkpoint, dtype, ["base"])["base"]
                 print(dtype_name)
-                rows = [int(n) for n in args.rows.split(",")]
-                compare(
-                    models["base"], models["gated"], kernels, mask_id, rows, args.repeats, args.cpu_kernels
-                )
+                with contextlib.ExitStack() as stack:
+                    if args.whole_adapter:
+                        models = {"base": base}
+                        for name, package in packages.items():
+                            models[name] = AutoModelForCausalLM.from_pretrained(
+                                embedded_model_dir(), dtype=dtype
+                            )
+                            assert package.attach_shipped_adapter(models[name].eval(), checkpoint, kernel="c")
+                        for model in models.values():
+                            stack.enter_context(packed_linears(model, args.cpu_kernels))
+                        compare_adapters(models, mask_id, rows, args.repeats)
+                    else:
+                        gated = load_variants(embedded_model_dir(), checkpoint, dtype, ["gated"])["gated"]
+                        for model in (base, gated):
+                            stack.enter_context(packed_linears(model, args.cpu_kernels))
+                        compare_kernels(base, gated, kernels, mask_id, rows, args.repeats)
         finally:
             gated_lora.GroupPlan, gated_lora.mask_rows_group_delta = original
 
