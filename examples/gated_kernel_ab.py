@@ -2,7 +2,7 @@
 
 Timing the kernel's calls on their own misleads: between two calls of a real forward torch runs its own parallel
 products, attention and norms, which decide how warm the caches and the OpenMP threads are. (Timed between bare base
-products, one thread looked faster for every SmolLM2 group; in whole forwards it was slower.) So this script times
+products, one thread looked faster for every SmolLM2 group; in whole forwards it was no faster.) So this script times
 whole cached forwards of n rows as a MARS step feeds them (one real token, then masks) for the base model and each
 build, interleaved, the cache cropped back after each, and prints each build's gated forward ÷ the base model's,
 medians over ``--repeats``.

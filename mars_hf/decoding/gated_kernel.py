@@ -7,7 +7,8 @@ forward of the base model although its arithmetic is tiny. The kernel does the s
 per sibling group (layers that read one input: q/k/v, gate/up; or a layer alone), touching only the mask
 rows: ``t = x[mask rows] Aᵀ`` for the group's stacked ``A``, then each member's ``y[mask rows] += t Bᵀ``.
 Real rows keep the base layer's bits because they are never written. The matrices are read cold on every
-forward (the base weights evict them), so both products stream their matrix front to back.
+forward (the base weights evict them), so ``x Aᵀ`` reads ``A`` front to back (once per block of four mask
+rows) and the add reads ``Bᵀ`` a chunk of columns at a time across its rows.
 
 Numerics: float32 and bfloat16 models accumulate in float32 (bfloat16 inputs are widened exactly, the sum
 ``y + delta`` is rounded once, to nearest-even, as ``(y.float() + delta).to(torch.bfloat16)`` rounds);
