@@ -47,7 +47,8 @@ def group_delta(x, index, a, outputs, bts):
         (torch.bfloat16, torch.bfloat16, 1e-2),
     ],
 )
-@pytest.mark.parametrize("rank", [4, 12])
+# rank 3: nine rows of A, two blocks of four and one row alone
+@pytest.mark.parametrize("rank", [3, 4, 12])
 # 40 and 200 outputs: whole vectors and a partial one (the split over threads:
 # test_a_group_split_over_threads_gives_the_one_thread_bits)
 @pytest.mark.parametrize("outputs", [40, 200])
@@ -118,6 +119,25 @@ def test_a_mask_rows_delta_does_not_depend_on_the_rows_beside_it(dtype, vector_b
         alone = torch.zeros(5, 45, dtype=dtype)
         group_delta(x, torch.tensor([row]), a, [alone], [bt])
         assert torch.equal(alone[row], together[row])
+
+
+def test_bfloat16_pair_products_where_the_cpu_has_them_and_exact_sums(vector_bytes):
+    """A bf16 model's ``x Aᵀ`` sums pairs of bf16 products per instruction exactly where the CPU has AVX512_BF16;
+    either way whole vectors, odd tails and every block shape (a 4 x 4 block, the rows and the ranks left over) sum
+    small integers exactly, so the kernel must give the float64 result bit for bit."""
+    assert gated_kernel.bf16_pair_products() == ("avx512_bf16" in gated_kernel._cpu_flags().split())
+    generator = torch.Generator().manual_seed(5)
+    inputs = 2 * 64 + 7  # whole steps of 32 pairs with AVX-512 (16 with AVX2's width), then an odd tail
+    x = torch.randint(-3, 4, (6, inputs), generator=generator).to(torch.bfloat16)
+    a = torch.randint(-3, 4, (6, inputs), generator=generator).to(torch.bfloat16)  # 6 rows: a block of 4, 2 left
+    bt = torch.eye(6, 40, dtype=torch.bfloat16)  # the delta is t itself: exact in float32, then rounded once
+    y = torch.zeros(6, 40, dtype=torch.bfloat16)
+    index = torch.tensor([0, 1, 2, 3, 5])  # a block of four mask rows, then one alone
+    group_delta(x, index, a, [y], [bt])
+    t = x[index].double() @ a.double().T
+    expected = torch.zeros(6, 40, dtype=torch.float64)
+    expected[index, :6] = t
+    assert torch.equal(y, expected.to(torch.bfloat16))
 
 
 def test_bfloat16_sum_is_rounded_once_to_nearest_even(vector_bytes):

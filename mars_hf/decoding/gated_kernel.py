@@ -8,12 +8,17 @@ per sibling group (layers that read one input: q/k/v, gate/up; or a layer alone)
 rows: ``t = x[mask rows] Aᵀ`` for the group's stacked ``A``, then each member's ``y[mask rows] += t Bᵀ``.
 Real rows keep the base layer's bits because they are never written. The matrices are read cold on every
 forward (the base weights evict them), so ``x Aᵀ`` reads ``A`` front to back (once per block of four mask
-rows) and the add reads ``Bᵀ`` a chunk of columns at a time across its rows.
+rows) and the add reads ``Bᵀ`` a chunk of columns at a time across its rows. Both keep blocks of sums in registers
+(four mask rows by four rows of ``A``; four mask rows by four vectors of outputs), so that each vector loaded
+serves several multiply-adds.
 
 Numerics: float32 and bfloat16 models accumulate in float32 (bfloat16 inputs are widened exactly, the sum
 ``y + delta`` is rounded once, to nearest-even, as ``(y.float() + delta).to(torch.bfloat16)`` rounds);
-float64 models in float64. Summation order differs from torch's GEMM, so mask rows agree with the torch
-form to round-off, not bit for bit; it does not depend on the thread count.
+float64 models in float64. On a CPU with AVX512_BF16 a bfloat16 model's ``x Aᵀ`` (bf16 matrices) sums pairs of
+bf16 products into float32 with one instruction (VDPBF16PS: exact products, float32 sums; it treats subnormal
+inputs and results as zero): twice the multiply-adds per instruction, no widening (:func:`bf16_pair_products`).
+Summation order differs from torch's GEMM, so mask rows agree with the torch form to round-off, not bit for bit; it
+does not depend on the thread count, nor on how many mask rows a call has.
 
 The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``), for this CPU
 (``-march=native``), into ``$MARS_HF_HOME/kernels`` (default ``~/.cache/mars_hf/kernels``); the file
@@ -135,69 +140,73 @@ int mars_threads_for(int64_t work) {
     do { CT l_[VBYTES / sizeof(CT)]; memcpy(l_, &(v), VBYTES); CT s_ = l_[0];                \
          for (size_t k_ = 1; k_ < VBYTES / sizeof(CT); ++k_) s_ += l_[k_]; (out) = s_; } while (0)
 
-/* XA's step: the four rows' sums a0..a3 += x_k[off : off + lanes] * w[off : off + lanes] (w, x0..x3 and the
-   scratch vectors wv, xv are XA's). */
-#define FMA4(VLOADW, a0, a1, a2, a3, off)                                                    \
-    do { wv = VLOADW(w + (off));                                                             \
-         memcpy(&xv, x0 + (off), VBYTES); a0 += xv * wv;                                     \
-         memcpy(&xv, x1 + (off), VBYTES); a1 += xv * wv;                                     \
-         memcpy(&xv, x2 + (off), VBYTES); a2 += xv * wv;                                     \
-         memcpy(&xv, x3 + (off), VBYTES); a3 += xv * wv; } while (0)
-#define FMA1(VLOADW, a0, off)                                                                \
-    do { wv = VLOADW(w + (off)); memcpy(&xv, x0 + (off), VBYTES); a0 += xv * wv; } while (0)
+/* XA's register block: t[r0 + q, i0 + p] for NI mask rows p and NR rows q of `a` (NI, NR: 4 or 1), their NI * NR
+   sums in registers while j runs over whole steps of STEP entries; each x vector is used NR times and each row of
+   `a`'s vector NI times, so a 4 x 4 block loads one vector per two multiply-adds. XV/WV: the vector types loaded from
+   x and `a` (LOADXV, LOADWV), MAC(s, x, w): s plus their products. Every sum has one order whatever the block: one
+   running vector over j, then its lanes in order, then the tail one entry at a time. */
+#define XA_BLOCK(RT, WT, CT, XV, WV, LOADXV, LOADWV, MAC, STEP, LOADX, LOADW, NI, NR)        \
+    do { vec s_[NI][NR];                                                                    \
+         for (int p_ = 0; p_ < NI; ++p_) for (int q_ = 0; q_ < NR; ++q_) s_[p_][q_] = (vec){0}; \
+         for (int64_t j = 0; j < whole; j += STEP) {                                        \
+             WV w_[NR]; XV x_[NI];                                                          \
+             for (int q_ = 0; q_ < NR; ++q_) w_[q_] = LOADWV(a + (r0 + q_) * in + j);        \
+             for (int p_ = 0; p_ < NI; ++p_) x_[p_] = LOADXV(rows + (i0 + p_) * in + j);     \
+             for (int p_ = 0; p_ < NI; ++p_)                                                \
+                 for (int q_ = 0; q_ < NR; ++q_) s_[p_][q_] = MAC(s_[p_][q_], x_[p_], w_[q_]); \
+         }                                                                                  \
+         for (int p_ = 0; p_ < NI; ++p_)                                                    \
+             for (int q_ = 0; q_ < NR; ++q_) {                                              \
+                 const RT *x0 = rows + (i0 + p_) * in; const WT *w = a + (r0 + q_) * in;    \
+                 CT sum; HSUM(CT, s_[p_][q_], sum);                                         \
+                 for (int64_t j = whole; j < in; ++j) sum += LOADX(x0[j]) * LOADW(w[j]);    \
+                 t[(r0 + q_) * n + i0 + p_] = sum;                                          \
+             }                                                                              \
+    } while (0)
 
-/* t[r, i] = sum_j rows[i, j] * a[r, j] for r in [r_lo, r_hi)   (rows: the n mask rows widened; a: R x in
-   row-major; t: R x n, rank-major, so that threads splitting a's rows write separate cache lines). Four mask rows
-   at a time (their x rows stay in L1), each row of `a` one dot product per mask row with its partial sums in
-   registers; a thread reads its rows of `a` front to back once per block of four (from L2 after the first); the
-   last n % 4 rows one at a time (no multiply-adds on padding: one mask row costs a quarter of four). Every row's
-   sum has the same order (two partial sums, even and odd vectors, then the lanes, then the tail), whichever block
-   it falls in. */
-#define XA(NAME, WT, CT, LOADW, VLOADW)                                                      \
-static void NAME(const CT *rows, int64_t in, int64_t n, const WT *a, int64_t R, CT *t,      \
+/* t[r, i] = sum_j rows[i, j] * a[r, j] for r in [r_lo, r_hi)   (rows: the n mask rows, RT; a: R x in row-major;
+   t: R x n, rank-major, so that threads splitting a's rows write separate cache lines). Blocks of four mask rows by
+   four rows of `a` (XA_BLOCK), then the remainders one row at a time on either side (no multiply-adds on padding:
+   one mask row costs a quarter of four); a thread reads its rows of `a` once per block of four mask rows (from L2
+   after the first). */
+#define XA(NAME, RT, WT, CT, XV, WV, LOADXV, LOADWV, MAC, STEP, LOADX, LOADW)                \
+static void NAME(const RT *rows, int64_t in, int64_t n, const WT *a, CT *t,                 \
                  int64_t r_lo, int64_t r_hi) {                                              \
     typedef CT vec __attribute__((vector_size(VBYTES)));                                    \
-    const int64_t lanes = VBYTES / sizeof(CT), whole = in / lanes * lanes;                  \
-    int64_t i0 = 0;                                                                         \
-    for (; i0 + 4 <= n; i0 += 4) {                                                          \
-        const CT *x0 = rows + i0 * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;         \
-        for (int64_t r = r_lo; r < r_hi; ++r) {                                             \
-            const WT *w = a + r * in;                                                       \
-            vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0};     \
-            vec wv, xv;                                                                     \
-            int64_t j = 0;                                                                  \
-            for (; j + 2 * lanes <= whole; j += 2 * lanes) {                                \
-                FMA4(VLOADW, s0, s1, s2, s3, j); FMA4(VLOADW, e0, e1, e2, e3, j + lanes);   \
-            }                                                                               \
-            for (; j < whole; j += lanes) FMA4(VLOADW, s0, s1, s2, s3, j);                  \
-            s0 += e0; s1 += e1; s2 += e2; s3 += e3;                                         \
-            CT sums[4]; HSUM(CT, s0, sums[0]); HSUM(CT, s1, sums[1]);                       \
-            HSUM(CT, s2, sums[2]); HSUM(CT, s3, sums[3]);                                   \
-            for (j = whole; j < in; ++j) {                                                  \
-                CT wj = LOADW(w[j]);                                                        \
-                sums[0] += x0[j] * wj; sums[1] += x1[j] * wj;                               \
-                sums[2] += x2[j] * wj; sums[3] += x3[j] * wj;                               \
-            }                                                                               \
-            for (int64_t k = 0; k < 4; ++k) t[r * n + i0 + k] = sums[k];                     \
-        }                                                                                   \
-    }                                                                                       \
-    for (; i0 < n; ++i0) {                                                                  \
-        const CT *x0 = rows + i0 * in;                                                      \
-        for (int64_t r = r_lo; r < r_hi; ++r) {                                             \
-            const WT *w = a + r * in;                                                       \
-            vec s0 = {0}, e0 = {0}, wv, xv;                                                 \
-            int64_t j = 0;                                                                  \
-            for (; j + 2 * lanes <= whole; j += 2 * lanes) {                                \
-                FMA1(VLOADW, s0, j); FMA1(VLOADW, e0, j + lanes);                           \
-            }                                                                               \
-            for (; j < whole; j += lanes) FMA1(VLOADW, s0, j);                              \
-            s0 += e0;                                                                       \
-            CT sum; HSUM(CT, s0, sum);                                                      \
-            for (j = whole; j < in; ++j) sum += x0[j] * LOADW(w[j]);                        \
-            t[r * n + i0] = sum;                                                            \
+    const int64_t whole = in / (STEP) * (STEP);                                             \
+    for (int64_t i0 = 0; i0 < n; i0 += n - i0 >= 4 ? 4 : 1) {                              \
+        const int four_rows = n - i0 >= 4;                                                  \
+        for (int64_t r0 = r_lo; r0 < r_hi; r0 += r_hi - r0 >= 4 ? 4 : 1) {                  \
+            const int four_ranks = r_hi - r0 >= 4;                                          \
+            if (four_rows && four_ranks)                                                    \
+                XA_BLOCK(RT, WT, CT, XV, WV, LOADXV, LOADWV, MAC, STEP, LOADX, LOADW, 4, 4); \
+            else if (four_rows)                                                             \
+                XA_BLOCK(RT, WT, CT, XV, WV, LOADXV, LOADWV, MAC, STEP, LOADX, LOADW, 4, 1); \
+            else if (four_ranks)                                                            \
+                XA_BLOCK(RT, WT, CT, XV, WV, LOADXV, LOADWV, MAC, STEP, LOADX, LOADW, 1, 4); \
+            else XA_BLOCK(RT, WT, CT, XV, WV, LOADXV, LOADWV, MAC, STEP, LOADX, LOADW, 1, 1); \
         }                                                                                   \
     }                                                                                       \
 }
+#define FMA_MAC(s, x, w) ((s) + (x) * (w))
+/* bf16 rows and bf16 `a` on a CPU with AVX512_BF16: pairs of bf16 products summed into float32 lanes by one
+   instruction (VDPBF16PS), twice the entries of a float32 vector per instruction and no widening. */
+#if defined(__AVX512BF16__) && (VBYTES == 64 || defined(__AVX512VL__))
+#include <immintrin.h>
+#define BF16_DOT 1
+#if VBYTES == 64
+typedef __m512bh bf16pairs;
+static inline bf16pairs vload_pairs(const uint16_t *p) { return (bf16pairs)_mm512_loadu_si512((const void *)p); }
+static inline f32v dot_pairs(f32v s, bf16pairs x, bf16pairs w) { return (f32v)_mm512_dpbf16_ps((__m512)s, x, w); }
+#else
+typedef __m256bh bf16pairs;
+static inline bf16pairs vload_pairs(const uint16_t *p) { return (bf16pairs)_mm256_loadu_si256((const void *)p); }
+static inline f32v dot_pairs(f32v s, bf16pairs x, bf16pairs w) { return (f32v)_mm256_dpbf16_ps((__m256)s, x, w); }
+#endif
+#else
+#define BF16_DOT 0
+#endif
+int mars_bf16_dot(void) { return BF16_DOT; }
 
 /* y_i[o : o + width] += the two vectors a, b of sums, rounded once (a partial chunk lane by lane). */
 #define STORE_ROW(YT, CT, LOADY, STORE, VADD, yi, a, b)                                     \
@@ -213,18 +222,45 @@ static void NAME(const CT *rows, int64_t in, int64_t n, const WT *a, int64_t R, 
                 for (int64_t k_ = 0; k_ < (count); ++k_) l_[k_] = LOADW((src)[k_]);          \
                 memcpy(&(dst), l_, VBYTES); } } while (0)
 
+/* ADD's register block over whole vectors: y[idx[i0 + p], o : o + NV lanes] += sum_r t[r0 + r, i0 + p] bt[r, o : ...]
+   for NI mask rows (4 or 1) and NV vectors of outputs (4: two chunks), their NI * NV sums in registers while r runs;
+   each vector of bt is used NI times. */
+#define ADD_BLOCK(CT, VLOADW, VADD, NI, NV)                                                   \
+    do { vec s_[NI][NV];                                                                    \
+         for (int p_ = 0; p_ < NI; ++p_) for (int v_ = 0; v_ < NV; ++v_) s_[p_][v_] = (vec){0}; \
+         for (int64_t r = 0; r < rk; ++r) {                                                 \
+             vec w_[NV];                                                                    \
+             for (int v_ = 0; v_ < NV; ++v_) w_[v_] = VLOADW(bt + r * out + o + v_ * lanes); \
+             for (int p_ = 0; p_ < NI; ++p_) {                                              \
+                 const CT scale = t[(r0 + r) * n + i0 + p_];                                \
+                 for (int v_ = 0; v_ < NV; ++v_) s_[p_][v_] += scale * w_[v_];              \
+             }                                                                              \
+         }                                                                                  \
+         for (int p_ = 0; p_ < NI; ++p_)                                                    \
+             for (int v_ = 0; v_ < NV; ++v_) VADD(y + idx[i0 + p_] * out + o + v_ * lanes, s_[p_][v_]); \
+    } while (0)
+
 /* y[idx[i], o] += sum_{r < rk} t[r0 + r, i] * bt[r, o] for the column chunks [c_lo, c_hi) of two vectors each
    (bt: rk x out row-major, read where the layer holds it: an in-place edit reaches the next call), rounded once.
-   Register blocking: two vectors of outputs for four mask rows (eight sums) stay in registers while r runs, then the
-   last n % 4 rows one at a time; every output's sum runs r = 0, 1, ... in order, whoever computes it and whichever
-   block its row falls in. */
+   Register blocking: two whole chunks (four vectors) of outputs for four mask rows (sixteen sums) stay in registers
+   while r runs (ADD_BLOCK), then the last n % 4 rows one at a time; a lone or partial chunk the same way with two
+   vectors. Every output's sum runs r = 0, 1, ... in order, whoever computes it and whichever block its row and
+   its chunk fall in. */
 #define ADD(NAME, YT, WT, CT, LOADY, LOADW, VLOADW, STORE, VADD)                            \
 static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t,           \
                  int64_t r0, int64_t rk, const WT *bt, int64_t c_lo, int64_t c_hi) {        \
     typedef CT vec __attribute__((vector_size(VBYTES)));                                    \
     const int64_t lanes = VBYTES / sizeof(CT);                                              \
-    for (int64_t c = c_lo; c < c_hi; ++c) {                                                 \
-        const int64_t o = c * 2 * lanes, width = out - o < 2 * lanes ? out - o : 2 * lanes; \
+    for (int64_t c = c_lo; c < c_hi;) {                                                     \
+        const int64_t o = c * 2 * lanes;                                                    \
+        if (c + 1 < c_hi && o + 4 * lanes <= out) {  /* two whole chunks */                 \
+            int64_t i0 = 0;                                                                 \
+            for (; i0 + 4 <= n; i0 += 4) ADD_BLOCK(CT, VLOADW, VADD, 4, 4);                   \
+            for (; i0 < n; ++i0) ADD_BLOCK(CT, VLOADW, VADD, 1, 4);                           \
+            c += 2;                                                                         \
+            continue;                                                                       \
+        }                                                                                   \
+        const int64_t width = out - o < 2 * lanes ? out - o : 2 * lanes;                    \
         int64_t i0 = 0;                                                                     \
         for (; i0 + 4 <= n; i0 += 4) {                                                      \
             vec a[4] = {{0}}, b[4] = {{0}}, w0, w1;                                         \
@@ -251,6 +287,7 @@ static void NAME(YT *y, int64_t out, const int64_t *idx, int64_t n, const CT *t,
             }                                                                               \
             STORE_ROW(YT, CT, LOADY, STORE, VADD, y + idx[i0] * out + o, a0, b0);           \
         }                                                                                   \
+        c += 1;                                                                             \
     }                                                                                       \
 }
 
@@ -265,14 +302,14 @@ typedef struct {
 /* A sibling group (layers that read one input: q/k/v, gate/up; or one layer alone) in one call and one parallel
    region: t = x[idx] aᵀ for the stacked A of all members (threads split a's rows), then, after a barrier, each
    member's y_m[idx] += t[:, its ranks] bt_m (threads split the output columns). */
-#define GROUP(NAME, XA_NAME, ADD_NAME, XT, WT, CT, LOADX)                                   \
+#define GROUP(NAME, XA_NAME, ADD_NAME, XT, RT, WT, CT, LOADX)                               \
 int NAME(const group_call *call) {                                                          \
     const XT *x = (const XT *)call->x; const WT *a = (const WT *)call->a;                   \
     const int64_t in = call->in, n = call->n, R = call->R, members = call->members;         \
     const int64_t *idx = call->idx, *outs = call->outs, *ranks = call->ranks;               \
     if (members > MAX_MEMBERS) return 2;                                                    \
     const int64_t lanes = VBYTES / sizeof(CT);                                              \
-    CT *rows = (CT *)malloc(sizeof(CT) * (size_t)(n * in));  /* the mask rows, widened */    \
+    RT *rows = (RT *)malloc(sizeof(RT) * (size_t)(n * in));  /* the mask rows (RT: as XA reads them) */ \
     CT *t = (CT *)malloc(sizeof(CT) * (size_t)(n * R));                                     \
     if (!rows || !t) { free(rows); free(t); return 1; }                                     \
     for (int64_t i = 0; i < n; ++i)                                                         \
@@ -283,7 +320,7 @@ int NAME(const group_call *call) {                                              
     _Pragma("omp parallel num_threads(threads) if(split)")                                  \
     {                                                                                       \
         const int64_t parts = split ? omp_get_num_threads() : 1, me = split ? omp_get_thread_num() : 0; \
-        XA_NAME(rows, in, n, a, R, t, R * me / parts, R * (me + 1) / parts);                \
+        XA_NAME(rows, in, n, a, t, R * me / parts, R * (me + 1) / parts);                   \
         _Pragma("omp barrier")                                                              \
         for (int64_t m = 0, r0 = 0; m < members; r0 += ranks[m++]) {                        \
             const int64_t chunks = (outs[m] + 2 * lanes - 1) / (2 * lanes);                 \
@@ -298,19 +335,25 @@ int NAME(const group_call *call) {                                              
 #define SAME(v) (v)
 /* XA name suffix: the matrices' dtype (rows are widened to the accumulator's first); the others: model dtype _
    adapter matrices' dtype */
-XA(mars_xa_f32, float, float, SAME, vload_f32)
-XA(mars_xa_bf16, uint16_t, float, bf16_to_f32, vload_bf16)
-XA(mars_xa_f64, double, double, SAME, vload_f64)
+XA(mars_xa_f32, float, float, float, f32v, f32v, vload_f32, vload_f32, FMA_MAC, VBYTES / 4, SAME, SAME)
+XA(mars_xa_bf16, float, uint16_t, float, f32v, f32v, vload_f32, vload_bf16, FMA_MAC, VBYTES / 4, SAME, bf16_to_f32)
+XA(mars_xa_f64, double, double, double, f64v, f64v, vload_f64, vload_f64, FMA_MAC, VBYTES / 8, SAME, SAME)
 ADD(mars_add_f32_f32, float, float, float, SAME, SAME, vload_f32, SAME, vadd_f32)
 ADD(mars_add_f32_bf16, float, uint16_t, float, SAME, bf16_to_f32, vload_bf16, SAME, vadd_f32)
 ADD(mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32, bf16_to_f32, vload_bf16, f32_to_bf16, vadd_bf16)
 ADD(mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32, SAME, vload_f32, f32_to_bf16, vadd_bf16)
 ADD(mars_add_f64_f64, double, double, double, SAME, SAME, vload_f64, SAME, vadd_f64)
-GROUP(mars_group_f32_f32, mars_xa_f32, mars_add_f32_f32, float, float, float, SAME)
-GROUP(mars_group_f32_bf16, mars_xa_bf16, mars_add_f32_bf16, float, uint16_t, float, SAME)
-GROUP(mars_group_bf16_bf16, mars_xa_bf16, mars_add_bf16_bf16, uint16_t, uint16_t, float, bf16_to_f32)
-GROUP(mars_group_bf16_f32, mars_xa_f32, mars_add_bf16_f32, uint16_t, float, float, bf16_to_f32)
-GROUP(mars_group_f64_f64, mars_xa_f64, mars_add_f64_f64, double, double, double, SAME)
+GROUP(mars_group_f32_f32, mars_xa_f32, mars_add_f32_f32, float, float, float, float, SAME)
+GROUP(mars_group_f32_bf16, mars_xa_bf16, mars_add_f32_bf16, float, float, uint16_t, float, SAME)
+#if BF16_DOT
+XA(mars_xa_bf16_pairs, uint16_t, uint16_t, float, bf16pairs, bf16pairs, vload_pairs, vload_pairs, dot_pairs,
+   VBYTES / 2, bf16_to_f32, bf16_to_f32)
+GROUP(mars_group_bf16_bf16, mars_xa_bf16_pairs, mars_add_bf16_bf16, uint16_t, uint16_t, uint16_t, float, SAME)
+#else
+GROUP(mars_group_bf16_bf16, mars_xa_bf16, mars_add_bf16_bf16, uint16_t, float, uint16_t, float, bf16_to_f32)
+#endif
+GROUP(mars_group_bf16_f32, mars_xa_f32, mars_add_bf16_f32, uint16_t, float, float, float, bf16_to_f32)
+GROUP(mars_group_f64_f64, mars_xa_f64, mars_add_f64_f64, double, double, double, double, SAME)
 int mars_vector_bytes(void) { return VBYTES; }
 """.replace("@MAX_MEMBERS@", str(MAX_MEMBERS)).replace(
     "@MIN_PARALLEL_WORK@", str(DEFAULT_MIN_PARALLEL_WORK)
@@ -401,6 +444,7 @@ def _build() -> ctypes.CDLL:
             os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
     library = ctypes.CDLL(str(target))
     library.mars_vector_bytes.restype = ctypes.c_int
+    library.mars_bf16_dot.restype = ctypes.c_int
     library.mars_min_parallel_work.restype = ctypes.c_int64
     library.mars_threads_for.argtypes = [ctypes.c_int64]
     library.mars_threads_for.restype = ctypes.c_int
@@ -431,6 +475,12 @@ def failure() -> str | None:
 def vector_bytes() -> int | None:
     """The loaded build's vector width in bytes (None: no build)."""
     return None if library() is None else int(_LIBRARY.mars_vector_bytes())
+
+
+def bf16_pair_products() -> bool | None:
+    """Whether the loaded build's bf16 ``x Aᵀ`` sums pairs of bf16 products per instruction (AVX512_BF16's
+    VDPBF16PS, where ``-march=native`` has it); False: widened to float32 first; None: no build."""
+    return None if library() is None else bool(_LIBRARY.mars_bf16_dot())
 
 
 def min_parallel_work() -> int | None:
