@@ -185,16 +185,23 @@ def test_the_kernel_and_the_torch_form_agree_on_a_shipped_adapter(tokenizer, tmp
     torch.testing.assert_close(got[1], expected[1], rtol=1e-12, atol=1e-12)
 
 
-def test_the_kernel_reads_the_matrices_the_layers_hold_now(tokenizer, tmp_path):
-    """A group's kernel call keeps its Bᵀ pointers between forwards; once a layer holds a new matrix (what
-    ``model.to`` does to buffers) the next forward must read the new one, as the torch form does."""
+@pytest.mark.parametrize("buffer", ["mars_lora_A", "mars_lora_BT"])
+@pytest.mark.parametrize("how", ["assign", "register_buffer"])
+def test_the_kernel_reads_the_matrices_the_layers_hold_now(buffer, how, tokenizer, tmp_path):
+    """A group's kernel call keeps its A and Bᵀ pointers between forwards; once a layer holds a new matrix (assigned,
+    or registered again) the next forward must read the new one, as the torch form does."""
     _, with_kernel, _, _ = shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
     _, with_torch, _, _ = shipped_gated(tmp_path / "torch", "llama", tokenizer, kernel="torch")
     before, real = decode_steps(with_kernel, tokenizer)  # the kernel's plans are built here
     for model in (with_kernel, with_torch):
         for module in model.modules():
-            if "mars_lora_BT" in module._buffers:
-                module.mars_lora_BT = module.mars_lora_BT * 3  # a new tensor in each layer
+            if buffer in module._buffers:
+                new = module._buffers[buffer] * 3  # a new tensor in each layer
+                if how == "assign":
+                    setattr(module, buffer, new)
+                else:
+                    module.register_buffer(buffer, new, persistent=False)
+                assert buffer in module._non_persistent_buffers_set  # still out of the state dict
     got, _ = decode_steps(with_kernel, tokenizer)
     expected, _ = decode_steps(with_torch, tokenizer)
     assert not torch.allclose(got[1][~real], before[1][~real])

@@ -35,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import operator
 import os
 import shutil
 import subprocess
@@ -545,11 +544,12 @@ class GroupPlan:
     forward to forward filled once: the stacked ``A`` (``R x in``) and each member's output width, rank and ``Bᵀ``
     (``rank x out``), read where the layers hold them (an in-place edit reaches the next call).
 
-    :meth:`matches` is an identity check: assigning a layer a new matrix makes a new plan. What moves a matrix's
-    memory without replacing the tensor (``model.to``/``share_memory``/``half``: ``nn.Module._apply``) drops the
-    group's plan through the adapted layers' ``_apply`` (``gated_lora``). Reading each tensor's address and version
-    per call instead cost ≈ 0.7 ms of a 31 ms bf16 forward: the tensors' metadata is cold by then
-    (docs/gated_adapters.md, "Sixth pass")."""
+    A plan is valid until its group drops it: the adapted layers (``gated_lora``) drop it when a member's matrix is
+    replaced (``register_buffer``, which ``module.mars_lora_BT = t`` runs) or moved (``model.to``/``share_memory``/
+    ``half``: ``nn.Module._apply``, which may move storage without replacing the tensor). Checking the matrices
+    per call instead (identity, then also address and version) cost 0.3-1 ms of a 31 ms bf16 forward: the layers'
+    buffers and the tensors' metadata are cold by then (docs/gated_adapters.md, "Sixth pass" and "Seventh pass").
+    ``held`` keeps the matrices alive while the C struct points at them."""
 
     __slots__ = ("function", "call", "address", "held", "index")
 
@@ -563,10 +563,6 @@ class GroupPlan:
             self.call.outs[m], self.call.ranks[m], self.call.bts[m] = bt.shape[1], bt.shape[0], bt.data_ptr()
         self.address = ctypes.addressof(self.call)
         self.index = None  # the mask positions the struct holds (the same tensor for every group of a forward)
-
-    def matches(self, a: torch.Tensor, bts: list[torch.Tensor]) -> bool:
-        """Whether ``a`` and ``bts`` are the tensors this plan was built from."""
-        return a is self.held[0] and len(bts) + 1 == len(self.held) and all(map(operator.is_, bts, self.held[1:]))
 
 
 def mask_rows_group_delta(plan: GroupPlan, x: torch.Tensor, index: torch.Tensor, outputs: list[torch.Tensor]) -> None:
