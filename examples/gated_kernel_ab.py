@@ -7,13 +7,16 @@ whole cached forwards of n rows as a MARS step feeds them (one real token, then 
 build, interleaved, the cache cropped back after each, and prints each build's gated forward ÷ the base model's,
 medians over ``--repeats``.
 
-Two ways to compare:
+Ways to compare:
 - the C kernel alone (default): one gated model serves every build, each build's kernel plans swapped in before its
   forwards, so no build gains or loses from where its copy of the weights landed in memory (with one copy per
   build that moved ratios by up to 0.04 here). Builds: ``worktree`` (this checkout's
   ``mars_hf/decoding/gated_kernel.py``), ``REV`` (that file at a git revision, e.g. ``c34c627``), ``worktree@N``
   (this checkout's source with ``MARS_HF_KERNEL_MIN_PARALLEL_WORK=N``: where a call starts to split over threads).
   Each build compiles into ``$MARS_HF_HOME/kernels`` under its own name.
+- ``--base same-copy`` (kernel builds): divide by the gated model's own forward of as many real tokens (no mask,
+  so the adapter is skipped: the base model's arithmetic) instead of a separate base copy's, so that neither copy's
+  place in memory is in the ratio. ``--builds worktree --base same-copy`` is what the gate costs this checkout.
 - ``--whole-adapter``: the adapter's Python too (``gated_lora``, ``gated_kernel`` and ``home`` of a revision, loaded
   as a package of their own; ``worktree`` is this checkout's). One gated copy per build, loaded in ``--builds``
   order: run it twice with the order swapped, since a copy's place in memory moves its ratio.
@@ -23,6 +26,7 @@ A script, not a test: run it on an otherwise idle machine.
     python examples/gated_kernel_ab.py --builds c34c627,worktree --dtypes bfloat16 --cpu-kernels packed
     python examples/gated_kernel_ab.py --builds worktree,worktree@2097152 --rows 1,4,16 --repeats 31
     python examples/gated_kernel_ab.py --whole-adapter --builds c34c627,worktree --repeats 21
+    python examples/gated_kernel_ab.py --builds worktree --base same-copy --dtypes bfloat16,float32
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from mars_hf.models.embedded_model import embedded_model_dir, resolve_model_path
 KERNEL_PATH = "mars_hf/decoding/gated_kernel.py"
 # The adapter's modules: they import only each other, torch, transformers, safetensors and the standard library.
 ADAPTER_MODULES = ("gated_lora", "gated_kernel", "home")
+PLAIN_TOKEN = 1234  # a real token: what --base same-copy feeds instead of the step's tokens
 
 
 def revision_source(revision: str, path: str) -> str:
@@ -150,11 +155,17 @@ def interleaved_ratios(forwards: dict, rows: list[int], mask_id: int, repeats: i
 
 
 def compare_kernels(base, gated, kernels: dict, mask_id: int, rows: list[int], repeats: int) -> None:
-    """One gated model serves every kernel build: each build's plans are swapped in before its forwards."""
+    """One gated model serves every kernel build: each build's plans are swapped in before its forwards. ``base``
+    None: the base forward is the gated model's own on as many real tokens (no mask: the adapter is skipped)."""
     context = torch.randint(100, 40000, (1, 100), generator=torch.Generator().manual_seed(0))
     groups = kernel_groups(gated)
     plans = {name: [None] * len(groups) for name in kernels}  # the load-time check built this checkout's
-    caches = {"base": prefill(base, context), "gated": prefill(gated, context)}
+    caches = {"gated": prefill(gated, context)}
+    if base is None:
+        forwards = {"base": lambda ids: timed_forward(gated, caches["gated"], torch.full_like(ids, PLAIN_TOKEN))}
+    else:
+        caches["base"] = prefill(base, context)
+        forwards = {"base": lambda ids: timed_forward(base, caches["base"], ids)}
 
     def gated_forward(name):
         def forward(ids):
@@ -167,7 +178,6 @@ def compare_kernels(base, gated, kernels: dict, mask_id: int, rows: list[int], r
 
         return forward
 
-    forwards = {"base": lambda ids: timed_forward(base, caches["base"], ids)}
     forwards.update({name: gated_forward(name) for name in kernels})
     interleaved_ratios(forwards, rows, mask_id, repeats)
 
@@ -198,6 +208,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument(
+        "--base",
+        choices=("model", "same-copy"),
+        default="model",
+        help="the forward each gated one is divided by: the base model's (a copy of its own), or the gated model's "
+        "own on as many real tokens, which skips the adapter (no copy's place in memory in the ratio; kernel builds "
+        "only)",
+    )
+    parser.add_argument(
         "--whole-adapter",
         action="store_true",
         help="compare gated_lora + gated_kernel of each build, not the kernel",
@@ -208,9 +226,12 @@ def main() -> None:
     mask_id = int(json.loads((checkpoint / "mars_config.json").read_text())["mask_token_id"])
     print(f"CPU: {cpu_description()}")
     print(
-        f"adapter: {args.checkpoint}; {args.cpu_kernels} linear kernels; {args.repeats} interleaved repeats, medians\n"
+        f"adapter: {args.checkpoint}; {args.cpu_kernels} linear kernels; {args.repeats} interleaved repeats, medians; "
+        f"base forward: {'the gated model on real tokens only' if args.base == 'same-copy' else 'the base model'}\n"
     )
     rows = [int(n) for n in args.rows.split(",")]
+    if args.whole_adapter and args.base == "same-copy":
+        parser.error("--base same-copy compares kernel builds in one gated model; --whole-adapter loads a copy per build")
     with tempfile.TemporaryDirectory() as scratch:
         if args.whole_adapter:
             packages = {name: load_adapter_package(name, Path(scratch)) for name in builds}
@@ -244,7 +265,8 @@ def main() -> None:
                         gated = load_variants(embedded_model_dir(), checkpoint, dtype, ["gated"])["gated"]
                         for model in (base, gated):
                             stack.enter_context(packed_linears(model, args.cpu_kernels))
-                        compare_kernels(base, gated, kernels, mask_id, rows, args.repeats)
+                        same_copy = args.base == "same-copy"
+                        compare_kernels(None if same_copy else base, gated, kernels, mask_id, rows, args.repeats)
         finally:
             gated_lora.GroupPlan, gated_lora.mask_rows_group_delta = original
 
