@@ -91,8 +91,9 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN sta
     return (uint16_t)(u >> 16);
 }
 
-/* Layout: x Aᵀ reads A (ranks x inputs) row by row, one dot product per mask row with its partial sums in
-   registers; the add reads Bᵀ (rank x outputs) in chunks of columns, its sums in registers too. Vectors are as
+/* Layout: x Aᵀ reads A (ranks x inputs) four rows at a time, sixteen dot products (four mask rows by four rows of A)
+   with their partial sums in registers; the add reads Bᵀ (rank x outputs) in chunks of columns, its sums in
+   registers too. Vectors are as
    wide as the CPU's registers (GCC/Clang vector extensions): a 64-byte vector on an AVX2 CPU goes through the
    stack, which made an earlier version of this kernel run at 1-5 GFMA/s there. bf16 halves widen by a shift. */
 #ifndef VBYTES  /* -DVBYTES=32|64 (MARS_HF_KERNEL_VECTOR_BYTES) forces a width: tests run both on any x86 CPU */
