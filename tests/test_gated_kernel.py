@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -240,6 +241,23 @@ def test_matrices_moved_in_place_by_module_apply_are_read_where_they_now_are(tok
     got, _ = decode_steps(with_kernel, tokenizer)
     expected, _ = decode_steps(with_torch, tokenizer)
     torch.testing.assert_close(got[1], expected[1], rtol=1e-12, atol=1e-12)
+
+
+def test_a_deep_copy_reads_its_own_matrices(tokenizer, tmp_path):
+    """``copy.deepcopy`` of a gated model whose plans exist (they hold a C struct of the original's addresses) must
+    work, and the copy must read its own matrices: an in-place edit of the original's does not reach it."""
+    _, with_kernel, _, _ = shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
+    before, real = decode_steps(with_kernel, tokenizer)  # the kernel's plans are built here
+    copied = copy.deepcopy(with_kernel)
+    for module in with_kernel.modules():
+        for buffer in ("mars_lora_A", "mars_lora_BT"):
+            if buffer in module._buffers:
+                module._buffers[buffer].mul_(3)
+    got, _ = decode_steps(copied, tokenizer)
+    edited, _ = decode_steps(with_kernel, tokenizer)
+    assert not torch.allclose(edited[1][~real], before[1][~real])
+    for step in range(3):  # to round-off: a copy's weights sit elsewhere, which may change BLAS's summation order
+        torch.testing.assert_close(got[step], before[step], rtol=1e-12, atol=1e-12)
 
 
 def test_autograd_forwards_use_the_torch_form(tokenizer, tmp_path):

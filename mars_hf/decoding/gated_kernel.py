@@ -565,6 +565,11 @@ class GroupPlan:
         self.address = ctypes.addressof(self.call)
         self.index = None  # the mask positions the struct holds (the same tensor for every group of a forward)
 
+    def __deepcopy__(self, memo) -> None:
+        """A copied model gets no plan (its group builds one from its own matrices at its first forward): the
+        struct holds this model's addresses, and ctypes cannot copy it."""
+        return None
+
 
 def mask_rows_group_delta(plan: GroupPlan, x: torch.Tensor, index: torch.Tensor, outputs: list[torch.Tensor]) -> None:
     """``outputs[m][index] += (x[index] @ Aᵀ)[:, member m's ranks] @ Bᵀ_m`` in place for every member of ``plan``'s
