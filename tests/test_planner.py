@@ -535,6 +535,19 @@ def test_a_wide_forward_is_compared_with_one_column_forwards_of_as_many_rows():
     assert table is probe
 
 
+def test_one_slow_one_column_forward_does_not_make_wide_forwards_look_cheap():
+    """A planner that believes wide steps cheap runs few one-column forwards, so one slowed by something else
+    (a busy spell, a cache growing) must not become the unit: a 2-column forward is compared with the fastest
+    recent one-column forward, and 0.15 s against 0.1 s is 1.5×, not 0.75× (which the curve would clamp to 1)."""
+    model = tiny_model("llama", seed=9)
+    probe = CostTable((1, 2), (1.0, 1.75), "measured", 4, unit_seconds=0.1)
+    cost_model._TABLES[model] = {"key": probe}
+    table = cost_model.observe(model, probe, 1, 0.3)  # one slow one-column forward beside the probe's 0.1 s
+    for _ in range(3):
+        table = cost_model.observe(model, table, 2, 0.15)
+    assert table.source == "observed" and table.cost(2) == pytest.approx(1.5)
+
+
 def test_a_trusted_width_rebuilds_the_curve_only_when_its_median_moves():
     """Once trusted, a width's new forwards rebuild the curve only when they move its median by more than
     OBSERVED_TOLERANCE; the curve in use then holds the new median."""
