@@ -122,11 +122,16 @@ def test_a_mask_rows_delta_does_not_depend_on_the_rows_beside_it(dtype, vector_b
         assert torch.equal(alone[row], together[row])
 
 
-def test_bfloat16_pair_products_where_the_cpu_has_them_and_exact_sums(vector_bytes):
-    """A bf16 model's ``x Aᵀ`` sums pairs of bf16 products per instruction exactly where the CPU has AVX512_BF16;
+@pytest.mark.parametrize("pairs", ["", "0"])
+def test_bfloat16_pair_products_where_the_cpu_has_them_and_exact_sums(pairs, vector_bytes, monkeypatch):
+    """A bf16 model's ``x Aᵀ`` sums pairs of bf16 products per instruction exactly where the CPU has AVX512_BF16
+    (and MARS_HF_KERNEL_BF16_PAIRS=0 builds the widened path a CPU without it runs, so that both are tested here);
     either way whole vectors, odd tails and every block shape (a 4 x 4 block, the rows and the ranks left over) sum
     small integers exactly, so the kernel must give the float64 result bit for bit."""
-    assert gated_kernel.bf16_pair_products() == ("avx512_bf16" in gated_kernel._cpu_flags().split())
+    monkeypatch.setenv(gated_kernel.BF16_PAIRS_ENV, pairs)
+    unload_kernel(monkeypatch)
+    has_pairs = "avx512_bf16" in gated_kernel._cpu_flags().split()
+    assert gated_kernel.bf16_pair_products() == (has_pairs and pairs != "0"), gated_kernel.failure()
     generator = torch.Generator().manual_seed(5)
     inputs = 2 * 64 + 7  # whole steps of 32 pairs with AVX-512 (16 with AVX2's width), then an odd tail
     x = torch.randint(-3, 4, (6, inputs), generator=generator).to(torch.bfloat16)
@@ -372,6 +377,13 @@ def test_a_forced_vector_width_is_checked_and_builds_its_own_file(monkeypatch, t
     avx512 = "avx512f" in gated_kernel._cpu_flags().split()
     assert widths == {"": 64 if avx512 else 32, "64": 64}
     assert len(sorted((tmp_path / "kernels").glob("mars_gated_*.so"))) == 2
+
+
+def test_a_bf16_pairs_setting_other_than_0_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(gated_kernel.BF16_PAIRS_ENV, "yes")
+    unload_kernel(monkeypatch)
+    with pytest.raises(ValueError, match="MARS_HF_KERNEL_BF16_PAIRS must be 0"):
+        gated_kernel.library()
 
 
 def test_a_forced_thread_threshold_is_checked_and_builds_its_own_file(monkeypatch, tmp_path):

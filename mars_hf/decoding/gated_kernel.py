@@ -55,6 +55,9 @@ KERNEL_ENV = "MARS_HF_GATED_KERNEL"
 # an AVX2 CPU too, correctly but slowly.
 VECTOR_BYTES_ENV = "MARS_HF_KERNEL_VECTOR_BYTES"
 VECTOR_BYTES = ("32", "64")
+# "0" builds the kernel without AVX512_BF16's pair products, as on a CPU without them: so that a CPU with them tests
+# the widened bf16 path too (unset: pair products where -march=native has them).
+BF16_PAIRS_ENV = "MARS_HF_KERNEL_BF16_PAIRS"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99")
 OPENMP_FLAG = "-fopenmp"  # torch's thread count (same runtime); a compiler without OpenMP builds it single-threaded
 MAX_MEMBERS = 8  # the C struct's room for sibling layers (q/k/v: 3); the C source below is given this value
@@ -191,7 +194,7 @@ static void NAME(const RT *rows, int64_t in, int64_t n, const WT *a, CT *t,     
 #define FMA_MAC(s, x, w) ((s) + (x) * (w))
 /* bf16 rows and bf16 `a` on a CPU with AVX512_BF16: pairs of bf16 products summed into float32 lanes by one
    instruction (VDPBF16PS), twice the entries of a float32 vector per instruction and no widening. */
-#if defined(__AVX512BF16__) && (VBYTES == 64 || defined(__AVX512VL__))
+#if defined(__AVX512BF16__) && !defined(NO_BF16_PAIRS) && (VBYTES == 64 || defined(__AVX512VL__))
 #include <immintrin.h>
 #define BF16_DOT 1
 #if VBYTES == 64
@@ -401,13 +404,19 @@ def _cache_dir() -> Path:
 
 
 def _compile_flags() -> list[str]:
-    """:data:`COMPILE_FLAGS`, with what :data:`VECTOR_BYTES_ENV` and :data:`MIN_PARALLEL_WORK_ENV` force, if set."""
+    """:data:`COMPILE_FLAGS`, with what :data:`VECTOR_BYTES_ENV`, :data:`BF16_PAIRS_ENV` and
+    :data:`MIN_PARALLEL_WORK_ENV` force, if set."""
     flags = list(COMPILE_FLAGS)
     forced = os.environ.get(VECTOR_BYTES_ENV, "").strip()
     if forced:
         if forced not in VECTOR_BYTES:
             raise ValueError(f"{VECTOR_BYTES_ENV} must be one of {', '.join(VECTOR_BYTES)} (or unset), got {forced!r}.")
         flags.append(f"-DVBYTES={forced}")
+    pairs = os.environ.get(BF16_PAIRS_ENV, "").strip()
+    if pairs not in ("", "0"):
+        raise ValueError(f"{BF16_PAIRS_ENV} must be 0 (build without bf16 pair products) or unset, got {pairs!r}.")
+    if pairs == "0":
+        flags.append("-DNO_BF16_PAIRS")
     work = os.environ.get(MIN_PARALLEL_WORK_ENV, "").strip()
     if work:
         if not work.isdigit():
@@ -479,7 +488,8 @@ def vector_bytes() -> int | None:
 
 def bf16_pair_products() -> bool | None:
     """Whether the loaded build's bf16 ``x Aᵀ`` sums pairs of bf16 products per instruction (AVX512_BF16's
-    VDPBF16PS, where ``-march=native`` has it); False: widened to float32 first; None: no build."""
+    VDPBF16PS, where ``-march=native`` has it and :data:`BF16_PAIRS_ENV` is not 0); False: widened to float32
+    first; None: no build."""
     return None if library() is None else bool(_LIBRARY.mars_bf16_dot())
 
 
