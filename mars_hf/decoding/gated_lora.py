@@ -495,7 +495,8 @@ class _SharedInput:
             module.__dict__["_mars_adapter"].base_forward(x, *args, **kwargs).contiguous() for module in self.members
         ]
         if x.dtype == outputs[0].dtype == self.kernel_dtype and x.is_cpu:
-            plan = self.plan  # dropped whenever a member's matrices are replaced or moved (_apply_dropping_plan, _register_buffer_dropping_plan)
+            # dropped whenever a member's matrix is replaced or moved: _register_buffer_dropping_plan, _apply_dropping_plan
+            plan = self.plan
             if plan is None:
                 bts = [module._buffers["mars_lora_BT"] for module in self.members]
                 plan = self.plan = GroupPlan(x.dtype, self.leader._buffers["mars_lora_A"], bts)
