@@ -265,6 +265,21 @@ def test_a_deep_copy_reads_its_own_matrices(tokenizer, tmp_path):
         torch.testing.assert_close(got[step], before[step], rtol=1e-12, atol=1e-12)
 
 
+def test_a_gated_model_round_trips_through_torch_save(tokenizer, tmp_path):
+    """``torch.save`` of a whole gated model whose plans exist, then ``torch.load``: the wrapped forwards come back
+    wrapping the layers' own forwards (not themselves), the plans come back empty, and the loaded model decodes as
+    the saved one did."""
+    _, with_kernel, _, _ = shipped_gated(tmp_path / "c", "llama", tokenizer, kernel="c")
+    before, _ = decode_steps(with_kernel, tokenizer)  # the kernel's plans are built here
+    torch.save(with_kernel, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert loaded.model.layers[0].self_attn.q_proj.__dict__["_mars_adapter"].group.plan is None
+    got, _ = decode_steps(loaded, tokenizer)
+    for step in range(3):
+        torch.testing.assert_close(got[step], before[step], rtol=1e-12, atol=1e-12)
+    assert runs_kernel(loaded.model.layers[0].self_attn.q_proj)
+
+
 def test_autograd_forwards_use_the_torch_form(tokenizer, tmp_path):
     """The kernel has no backward: with grad enabled the torch form runs, so the gradient through the
     adapter's delta reaches the input (it would be missing had the kernel written y behind autograd's back)."""

@@ -580,6 +580,10 @@ class GroupPlan:
         struct holds this model's addresses, and ctypes cannot copy it."""
         return None
 
+    def __reduce__(self):
+        """Pickled as None, for the same reason (``torch.save(model)``)."""
+        return type(None), ()
+
 
 def mask_rows_group_delta(plan: GroupPlan, x: torch.Tensor, index: torch.Tensor, outputs: list[torch.Tensor]) -> None:
     """``outputs[m][index] += (x[index] @ Aᵀ)[:, member m's ranks] @ Bᵀ_m`` in place for every member of ``plan``'s

@@ -30,11 +30,11 @@ imports only torch, transformers, safetensors, the standard library and that sib
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
-import types
 
 import torch
 import torch.nn.functional as F
@@ -654,11 +654,22 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
             bt.to(device=module.weight.device, dtype=dtype).contiguous(),
             persistent=False,
         )
-        adapter = _Adapter(module.forward, gate, group, member)
+        adapter = _Adapter(_own(module, "forward"), gate, group, member)
         object.__setattr__(module, "_mars_adapter", adapter)
-        module.forward = types.MethodType(_adapted_forward, module)
-        module._apply = types.MethodType(_apply_dropping_plan, module)
-        module.register_buffer = types.MethodType(_register_buffer_dropping_plan, module)
+        # partials of module-level functions, not bound methods: a model holding them pickles (torch.save)
+        module.forward = functools.partial(_adapted_forward, module)
+        module._apply = functools.partial(_apply_dropping_plan, module)
+        module.register_buffer = functools.partial(_register_buffer_dropping_plan, module)
+
+
+def _own(module, name: str):
+    """``module``'s method ``name`` as a picklable callable: a partial of its class's function when it is the
+    class's own (a bound method pickles as a lookup of ``name``, which would find the wrapper installed in its
+    place), else whatever the module holds."""
+    method = getattr(module, name)
+    if getattr(method, "__self__", None) is module and getattr(method, "__func__", None) is getattr(type(module), name):
+        return functools.partial(getattr(type(module), name), module)
+    return method
 
 
 def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:
