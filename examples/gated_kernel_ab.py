@@ -248,11 +248,10 @@ def main() -> None:
         try:
             for dtype_name in args.dtypes.split(","):
                 dtype = getattr(torch, dtype_name.strip())
-                base = load_variants(embedded_model_dir(), checkpoint, dtype, ["base"])["base"]
                 print(dtype_name)
                 with contextlib.ExitStack() as stack:
                     if args.whole_adapter:
-                        models = {"base": base}
+                        models = load_variants(embedded_model_dir(), checkpoint, dtype, ["base"])
                         for name, package in packages.items():
                             models[name] = AutoModelForCausalLM.from_pretrained(
                                 embedded_model_dir(), dtype=dtype
@@ -262,11 +261,14 @@ def main() -> None:
                             stack.enter_context(packed_linears(model, args.cpu_kernels))
                         compare_adapters(models, mask_id, rows, args.repeats)
                     else:
-                        gated = load_variants(embedded_model_dir(), checkpoint, dtype, ["gated"])["gated"]
-                        for model in (base, gated):
-                            stack.enter_context(packed_linears(model, args.cpu_kernels))
-                        same_copy = args.base == "same-copy"
-                        compare_kernels(None if same_copy else base, gated, kernels, mask_id, rows, args.repeats)
+                        # one call: load_variants loads the base model whatever it is asked for; with --base same-copy
+                        # it is left aside (and unpacked), the gated model divided by itself
+                        models = load_variants(embedded_model_dir(), checkpoint, dtype, ["base", "gated"])
+                        base = None if args.base == "same-copy" else models["base"]
+                        for model in (base, models["gated"]):
+                            if model is not None:
+                                stack.enter_context(packed_linears(model, args.cpu_kernels))
+                        compare_kernels(base, models["gated"], kernels, mask_id, rows, args.repeats)
         finally:
             gated_lora.GroupPlan, gated_lora.mask_rows_group_delta = original
 
