@@ -654,7 +654,7 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
             bt.to(device=module.weight.device, dtype=dtype).contiguous(),
             persistent=False,
         )
-        adapter = _Adapter(_own(module, "forward"), gate, group, member)
+        adapter = _Adapter(_own_forward(module), gate, group, member)
         object.__setattr__(module, "_mars_adapter", adapter)
         # partials of module-level functions, not bound methods: a model holding them pickles (torch.save)
         module.forward = functools.partial(_adapted_forward, module)
@@ -662,14 +662,14 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
         module.register_buffer = functools.partial(_register_buffer_dropping_plan, module)
 
 
-def _own(module, name: str):
-    """``module``'s method ``name`` as a picklable callable: a partial of its class's function when it is the
-    class's own (a bound method pickles as a lookup of ``name``, which would find the wrapper installed in its
-    place), else whatever the module holds."""
-    method = getattr(module, name)
-    if getattr(method, "__self__", None) is module and getattr(method, "__func__", None) is getattr(type(module), name):
-        return functools.partial(getattr(type(module), name), module)
-    return method
+def _own_forward(module):
+    """``module.forward`` as a picklable callable: a partial of its class's ``forward`` when it is the class's own (a
+    bound method pickles as a lookup of ``forward``, which would find the wrapper installed in its place), else
+    whatever the module holds."""
+    forward = module.forward
+    if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward:
+        return functools.partial(type(module).forward, module)
+    return forward
 
 
 def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:
