@@ -120,6 +120,52 @@ def test_eos_stop_criteria_and_max_new_tokens_inside_drafts(tok):
     assert out.accepted_counts.max() > 1
 
 
+class StopAfterNewTokens:
+    """A user stopping criterion that fires once a row has ``count`` new tokens (the prompt is ``prompt_length``)."""
+
+    def __init__(self, prompt_length: int, count: int):
+        self.prompt_length, self.count = prompt_length, count
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = input_ids.shape[1] - self.prompt_length >= self.count
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool)
+
+
+def test_a_stopping_criterion_before_an_eos_in_the_same_step_ends_the_row_there(tok):
+    """A step that keeps several tokens may hold both the token where a criterion fires and, after it, an EOS:
+    the row ends at the criterion, as in stock decoding (the EOS check used to win and keep the tokens up to it)."""
+    model = peaked_model("llama")
+    encoded = _batch(tok)
+    eos = tok.convert_tokens_to_ids("three")
+    prompt_length = encoded.input_ids.shape[1]
+    for count in range(1, 12):
+        stop = StoppingCriteriaList([StopAfterNewTokens(prompt_length, count)])
+        kwargs = dict(max_new_tokens=16, eos_token_id=eos, stopping_criteria=stop)
+        stock = model.generate(**encoded, do_sample=False, **kwargs)
+        for layout in LAYOUTS:
+            out = _verify(model, encoded, mars_layout=layout, mars_cost_probe=False, **kwargs)
+            assert torch.equal(out.sequences, stock), (count, layout)
+        tau = model.generate(**encoded, do_sample=False, mars_threshold=0.0, mars_cost_probe=False, **kwargs)
+        assert tau.shape[1] <= prompt_length + count  # τ = 0 keeps every mask: long steps, still cut at the criterion
+
+
+def test_a_step_is_cut_at_the_first_stop_whichever_kind():
+    """``StepLogits.stops`` on one row: the first of an EOS and a criterion's stop ends the tokens."""
+    from types import SimpleNamespace
+
+    from mars_hf.decoding.acceptance import StepLogits
+
+    def stop_after_five(buffer, scores):
+        return buffer[:, -1] == 5
+
+    row = SimpleNamespace(eos={9}, column=0, batch_index=0, processing=SimpleNamespace(sequences=torch.zeros(1, 8, dtype=torch.long)))
+    step = StepLogits(None, None, stopping_criteria=stop_after_five)
+    assert step.stops(row, [3, 5, 9, 4]) == ([3, 5], "stop")
+    assert step.stops(row, [3, 9, 5, 4]) == ([3, 9], "stop")
+    assert step.stops(row, [3, 4]) == ([3, 4], None)
+    assert StepLogits(None, None).stops(row, [3, 5, 9, 4]) == ([3, 5, 9], "stop")
+
+
 def test_scores_are_the_models_own(tok):
     """Each output token's score is the model's processed next-token distribution, as in stock generate."""
     model = peaked_model("qwen3")

@@ -253,17 +253,20 @@ class StepLogits:
         return self.gather(entries), spans
 
     def stops(self, row, tokens):
-        """Cut ``tokens`` right after an EOS or where a stopping criterion fires; say why."""
-        for j, token in enumerate(tokens):
-            if token in row.eos:
-                return tokens[: j + 1], "stop"
-        if self.stopping_criteria and tokens:
-            self.write(row.processing, [(row, row.column + j) for j in range(len(tokens))], tokens)
+        """Cut ``tokens`` right after the first token where an EOS or a stopping criterion ends the row, as stock
+        decoding checks both after every token; say why. (The criteria run up to the first EOS only: a criterion
+        that fires before it ends the row there.)"""
+        end = next((j + 1 for j, token in enumerate(tokens) if token in row.eos), None)
+        checked = tokens if end is None else tokens[:end]
+        if self.stopping_criteria and checked:
+            self.write(row.processing, [(row, row.column + j) for j in range(len(checked))], checked)
             buffer = row.processing.sequences
-            for j in range(len(tokens)):
+            for j in range(len(checked)):
                 done = self.stopping_criteria(buffer[:, : row.column + j + 1], None)
                 if bool(done[row.batch_index]):
                     return tokens[: j + 1], "stop"
+        if end is not None:
+            return tokens[:end], "stop"
         return tokens, None
 
     @staticmethod
