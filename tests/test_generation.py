@@ -525,6 +525,28 @@ def test_streamer_receives_exactly_the_final_tokens(scheme, tok):
     assert recorder.ended
 
 
+@pytest.mark.parametrize("mars", [{"mars_threshold": 0.5}, {"mars_acceptance": "verify"}])
+def test_a_batch_streams_whole_output_columns_as_stock_does(mars, tok):
+    """Stock `generate` puts one ``(batch,)`` column per step, and the columns stack to the output's new tokens.
+    Rows keep different numbers of tokens per step here, so a column is sent once every running row has filled
+    it: the same columns (verify: the same as stock's, one by one), never a pad in the middle of a row."""
+    model = peaked_model("llama")
+    encoded = _batch(tok)
+    kwargs = dict(max_new_tokens=14, do_sample=False, eos_token_id=tok.convert_tokens_to_ids("three"))
+    stock_recorder, recorder = Recorder(), Recorder()
+    stock = model.generate(**encoded, streamer=stock_recorder, **kwargs)
+    out = model.generate(
+        **encoded, streamer=recorder, return_dict_in_generate=True, mars_cost_probe=False, **mars, **kwargs
+    )
+    prompt_length = encoded.input_ids.shape[1]
+    assert recorder.chunks[0] == encoded.input_ids.tolist() and recorder.ended
+    assert all(len(column) == len(PROMPTS) for column in recorder.chunks[1:])
+    assert torch.tensor(recorder.chunks[1:]).T.tolist() == out.sequences[:, prompt_length:].tolist()
+    assert len(set(out.accepted_counts[out.accepted_counts > 0].tolist())) > 1  # rows kept unequal counts
+    if "mars_acceptance" in mars:
+        assert torch.equal(out.sequences, stock) and recorder.chunks == stock_recorder.chunks
+
+
 def test_text_streamers(tok, capsys):
     model = peaked_model("qwen2")
     prompt = tok(["the cat sat"], return_tensors="pt")

@@ -421,33 +421,60 @@ class _Transcript:
 def _run(decoder: MARSBatchDecoder, transcript: _Transcript, streamer, pad_token_id: int, max_new: int) -> None:
     """Step until every row has finished; finished rows leave the decoder, final tokens are streamed. The
     linears are routed to their kernels once for the whole call, not per step."""
+    stream = _FinalTokenStream(streamer, transcript, pad_token_id) if streamer is not None else None
     with packed_linears(decoder.model, decoder.cpu_kernels):
-        _step_until_done(decoder, transcript, streamer, pad_token_id, max_new)
-    if streamer is not None:
-        streamer.end()
+        _step_until_done(decoder, transcript, stream, max_new)
+    if stream is not None:
+        stream.end()
 
 
-def _step_until_done(decoder, transcript: _Transcript, streamer, pad_token_id: int, max_new: int) -> None:
+def _step_until_done(decoder, transcript: _Transcript, stream, max_new: int) -> None:
     while max_new and decoder.num_rows:
         updates = decoder.step()
         transcript.record(updates)
         for update in updates:
             if update.finished:
                 decoder.drop_row(update.row_id)
-        if streamer is not None:
-            _stream(streamer, updates, transcript.batch_size, pad_token_id)
+        if stream is not None:
+            stream.after_step(updates)
 
 
-def _stream(streamer, updates: list[RowUpdate], batch_size: int, pad_token_id: int) -> None:
-    """Send only final (accepted / verified) tokens: a row's tokens at once for one row, else by column."""
-    tokens = {u.row_id: u.tokens for u in updates}
-    if batch_size == 1:
-        if tokens.get(0):
-            streamer.put(torch.tensor(tokens[0]))
-        return
-    for j in range(max((len(t) for t in tokens.values()), default=0)):
-        column = [tokens[b][j] if j < len(tokens.get(b, ())) else pad_token_id for b in range(batch_size)]
-        streamer.put(torch.tensor(column))
+class _FinalTokenStream:
+    """Sends the streamer final (accepted / verified) tokens only, in stock `generate`'s shapes.
+
+    One row: its tokens as each step keeps them (several at once). A batch: whole columns of the output, a
+    ``(batch,)`` tensor each as stock sends them, once every row still running has reached that column (a
+    finished row's place holds the pad token), so that the columns sent stack to exactly the output's new
+    tokens. Rows keep different numbers of tokens per step, so a column is held back until the slowest running
+    row has filled it."""
+
+    def __init__(self, streamer, transcript: _Transcript, pad_token_id: int):
+        self.streamer, self.transcript, self.pad_token_id = streamer, transcript, pad_token_id
+        self.sent = 0  # columns sent (batch > 1)
+        self.finished: set[int] = set()
+
+    def after_step(self, updates: list[RowUpdate]) -> None:
+        if self.transcript.batch_size == 1:
+            tokens = next((u.tokens for u in updates if u.row_id == 0), None)
+            if tokens:
+                self.streamer.put(torch.tensor(tokens))
+            return
+        self.finished.update(u.row_id for u in updates if u.finished)
+        generated = self.transcript.generated
+        running = [len(tokens) for b, tokens in enumerate(generated) if b not in self.finished]
+        self._send_columns_up_to(min(running) if running else max(map(len, generated)))
+
+    def end(self) -> None:
+        self._send_columns_up_to(max(map(len, self.transcript.generated), default=0))
+        self.streamer.end()
+
+    def _send_columns_up_to(self, columns: int) -> None:
+        if self.transcript.batch_size == 1:
+            return
+        for j in range(self.sent, columns):
+            column = [tokens[j] if j < len(tokens) else self.pad_token_id for tokens in self.transcript.generated]
+            self.streamer.put(torch.tensor(column))
+        self.sent = max(self.sent, columns)
 
 
 # --------------------------------------------------------------------------------------------------
