@@ -688,6 +688,15 @@ def test_clear_errors(tok):
         run(mars_threshold=0.5, mars_cache="paged")
     with pytest.raises(ValueError, match="beam"):
         run(mars_threshold=0.5, num_beams=2)
+    from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+
+    # classifier-free guidance runs the model itself once per new token: it crashed (float64) or guided wrongly
+    for mars in ({"mars_threshold": 1.0}, {"mars_acceptance": "verify"}):
+        with pytest.raises(ValueError, match="guidance_scale"):
+            run(guidance_scale=1.5, do_sample=False, **mars)
+        guidance = UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, model)
+        with pytest.raises(ValueError, match="guidance_scale"):
+            run(logits_processor=LogitsProcessorList([guidance]), do_sample=False, **mars)
 
     no_mask = tiny_model("llama", block_size=None)
     with pytest.raises(ValueError, match="add_mask_token"):

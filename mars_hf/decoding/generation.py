@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationMixin
-from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.logits_process import LogitsProcessorList, UnbatchedClassifierFreeGuidanceLogitsProcessor
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -190,7 +190,7 @@ def mars_generate(
         batch_size=batch_size,
         max_new_tokens=max_new,
     )
-    _check_supported(model, generation_config, model_kwargs)
+    _check_supported(model, generation_config, model_kwargs, logits_processor)
     leads = _prompt_leads(model_kwargs.pop("attention_mask", None), input_ids)
     user_cache = _take_model_inputs(model_kwargs, settings.cache, generation_config)
     pad_token_id = _pad_token(generation_config, eos_ids)
@@ -217,8 +217,17 @@ def mars_generate(
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_supported(model, generation_config, model_kwargs) -> None:
+def _check_supported(model, generation_config, model_kwargs, logits_processor=None) -> None:
     """Refuse what MARS decoding cannot do, naming the setting to change."""
+    guidance = getattr(generation_config, "guidance_scale", None)
+    if (guidance is not None and guidance != 1) or any(
+        isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor) for p in logits_processor or ()
+    ):
+        # its processor runs the model on the unconditional prompt with a cache of its own, one call per new token;
+        # a MARS step scores several prefixes at once (its scores would be wrong, or its dtypes clash)
+        raise ValueError(
+            "MARS decoding does not support classifier-free guidance; unset `guidance_scale` (or set it to 1)."
+        )
     if getattr(generation_config, "num_beams", 1) not in (None, 1):
         raise ValueError("MARS decoding does not support beam search; set `num_beams=1`.")
     if model.config.is_encoder_decoder:
