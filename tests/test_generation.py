@@ -717,6 +717,23 @@ def test_clear_errors(tok):
         run(mars_threshold=0.5, cache=FrozenCache())
 
 
+def test_a_threshold_per_prompt_serves_each_of_its_return_sequences(tok):
+    """transformers repeats each prompt ``num_return_sequences`` times side by side: one τ per prompt is that
+    prompt's for every one of its sequences (the call used to be refused for a count that was not the rows')."""
+    model = peaked_model("llama")
+    encoded = _batch(tok, PROMPTS[:2])
+    kwargs = dict(max_new_tokens=10, do_sample=True, num_return_sequences=2, return_dict_in_generate=True)
+    torch.manual_seed(0)
+    per_prompt = model.generate(**encoded, mars_threshold=[0.0, 1.0], **kwargs)
+    torch.manual_seed(0)
+    per_row = model.generate(**encoded, mars_threshold=[0.0, 0.0, 1.0, 1.0], **kwargs)
+    assert torch.equal(per_prompt.sequences, per_row.sequences)
+    counts = per_prompt.accepted_counts
+    assert counts[:, :2].max() > 1 and counts[:, 2:].max() <= 1  # τ = 0 keeps masks; τ = 1 one token per step
+    with pytest.raises(ValueError, match="num_return_sequences=2"):
+        model.generate(**encoded, mars_threshold=[0.5, 0.5, 0.5], **kwargs)
+
+
 def test_tau_one_feeds_no_masks_at_all(tok):
     """One-token mode is plain decoding: one new column per forward, never a mask token."""
     model = peaked_model("llama")

@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationMixin
-from transformers.generation.logits_process import LogitsProcessorList, UnbatchedClassifierFreeGuidanceLogitsProcessor
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -123,7 +126,7 @@ def mars_generate(
     stop criterion and never beyond ``max_length``.
 
     Args:
-        mars_threshold: τ, a float or one value per batch row. With the probability (or margin) metric,
+        mars_threshold: τ, a float, one value per prompt (repeated for its ``num_return_sequences``) or per row. With the probability (or margin) metric,
             τ >= 1 accepts exactly one token per step and appends no masks at all. With
             ``mars_acceptance="verify"`` it is optional and means a *proposal floor* in [0, 1]: masks
             whose confidence is below it are not proposed as drafts (fewer wasted rows; never changes

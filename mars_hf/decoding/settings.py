@@ -97,7 +97,8 @@ class MARSDecodingSettings:
         check_choice("mars_cache", cache)
         window = resolve_window(model, values["mars_block_size"])
         mask_token_id = resolve_mask_token(model, values["mars_mask_token_id"])
-        thresholds = resolve_thresholds(values["mars_threshold"], acceptance, batch_size)
+        per_prompt = int(getattr(generation_config, "num_return_sequences", None) or 1)
+        thresholds = resolve_thresholds(values["mars_threshold"], acceptance, batch_size, per_prompt)
         cache_block = DEFAULT_CACHE_BLOCK if cache_block is None else int(cache_block)
         if cache_block < 1:
             raise ValueError(f"`mars_cache_block` (C) must be >= 1, got {cache_block}.")
@@ -267,8 +268,10 @@ def resolve_mask_token(model, mask_token_id) -> int:
     return int(mask_token_id)
 
 
-def resolve_thresholds(threshold, acceptance: str, batch_size: int) -> list[float | None]:
-    """τ per batch row, in the range ``acceptance`` gives it."""
+def resolve_thresholds(threshold, acceptance: str, batch_size: int, per_prompt: int = 1) -> list[float | None]:
+    """τ per batch row, in the range ``acceptance`` gives it. With ``per_prompt`` sequences per prompt
+    (``num_return_sequences``: transformers repeats each prompt's row that many times, side by side), one value
+    per prompt is repeated for each of its sequences."""
     if acceptance == "verify" and threshold is None:
         return [None] * batch_size
     if threshold is None:
@@ -279,8 +282,14 @@ def resolve_thresholds(threshold, acceptance: str, batch_size: int) -> list[floa
     tau = threshold_values(threshold)
     if tau.numel() == 1:
         tau = tau.expand(batch_size)
+    elif per_prompt > 1 and tau.numel() * per_prompt == batch_size:
+        tau = tau.repeat_interleave(per_prompt)
     if tau.numel() != batch_size:
-        raise ValueError(f"`mars_threshold` has {tau.numel()} values for a batch of {batch_size} rows.")
+        prompts = f" ({batch_size // per_prompt} prompts x num_return_sequences={per_prompt})" if per_prompt > 1 else ""
+        raise ValueError(
+            f"`mars_threshold` has {tau.numel()} values for a batch of {batch_size} rows{prompts}: give one value, "
+            "one per prompt, or one per row."
+        )
     if torch.isnan(tau).any():
         raise ValueError("`mars_threshold` contains NaN.")
     if acceptance in ("probability", "margin") and ((tau < 0) | (tau > 1)).any():
