@@ -4,8 +4,10 @@ Three ways in, one decoder (``decoder.MARSBatchDecoder``):
 
 - ``model.generate(custom_generate=mars_generate, mars_threshold=0.9)``: the *callable* form of
   ``custom_generate``; transformers prepares inputs, logits processors and stopping criteria, then
-  calls ``mars_generate``. transformers does not hand such a callable the ``streamer``: on a model
-  without ``enable_mars``, pass it as ``mars_streamer=``.
+  calls ``mars_generate``. transformers does not hand such a callable ``streamer``, ``assistant_model`` or
+  ``tokenizer`` (and cannot be asked whether they were given): on a model without ``enable_mars``, pass
+  ``mars_streamer=`` and ``mars_assistant_model=``, and stop strings as a ``StopStringCriteria`` in
+  ``stopping_criteria``.
 - ``enable_mars(model)`` (or a class that mixes in ``MARSGenerationMixin``): afterwards
   ``model.generate(**inputs, mars_threshold=0.9)`` or ``mars_acceptance="verify"`` routes to MARS;
   without them it is stock ``generate``. The settings may also come from a ``GenerationConfig``
@@ -126,9 +128,9 @@ def mars_generate(
     stop criterion and never beyond ``max_length``.
 
     Args:
-        mars_threshold: τ, a float, one value per prompt (repeated for its ``num_return_sequences``) or per row. With the probability (or margin) metric,
-            τ >= 1 accepts exactly one token per step and appends no masks at all. With
-            ``mars_acceptance="verify"`` it is optional and means a *proposal floor* in [0, 1]: masks
+        mars_threshold: τ, a float, one value per prompt (repeated for its ``num_return_sequences``) or one
+            per row. With the probability (or margin) metric, τ >= 1 accepts exactly one token per step
+            and appends no masks at all. With ``mars_acceptance="verify"`` it is optional and means a *proposal floor* in [0, 1]: masks
             whose confidence is below it are not proposed as drafts (fewer wasted rows; never changes
             the output).
         mars_block_size: window W (default ``config.mars["block_size"]``).
@@ -161,7 +163,8 @@ def mars_generate(
             pack rounds exactly like it (bfloat16 on oneDNN; ``mars_hf.decoding.cpu_kernels``).
         mars_streamer: the streamer. transformers does not hand ``streamer`` to a decoding callable, so
             the MARS entry points pass it here; with the callable form on a model without
-            ``enable_mars``, pass it here yourself. It receives the prompt, then only final tokens.
+            ``enable_mars``, pass it here yourself. It receives the prompt, then only final tokens (one row:
+            as each step keeps them; a batch: whole ``(batch,)`` output columns, as stock ``generate`` sends).
         mars_assistant_model: ``generate(assistant_model=...)`` (moved here by the entry points): a draft
             model with the same tokenizer (docs/method.md §5). Verify: it proposes ``num_assistant_tokens``
             drafts per step beside the masks' (the planner picks what to feed). τ: every step checks its
