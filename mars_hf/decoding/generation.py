@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 class MARSGenerateOutput(GenerateDecoderOnlyOutput):
     """``GenerateDecoderOnlyOutput`` plus MARS statistics.
 
+    ``scores`` / ``logits`` hold, for each token a row generated, what stock ``generate`` holds there (the
+    processed / raw next-token logits it was chosen from); after a row has finished they are zeros, where stock
+    has the logits of the padding it keeps feeding (MARS feeds a finished row nothing).
+
     Args:
         num_forwards: every model call of the generation, the prompt's included.
         accepted_counts: ``[num_steps, batch]`` tokens accepted by each row at each step (0 once a
