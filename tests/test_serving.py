@@ -397,6 +397,40 @@ def test_stop_strings_end_the_row(tok):
         assert "".join(ch.choices[0].text for ch in stream if ch.choices) == out.choices[0].text
 
 
+def test_a_stop_string_bills_the_tokens_up_to_it(tok):
+    """A step keeps several tokens, and the row runs on until the cancel that the stop string causes reaches the
+    scheduler: usage counts the tokens up to the one that completes the stop, and the forwards up to it, the same
+    for every repeat of the request however many steps ran after (they used to be billed, a timing-dependent
+    number of them)."""
+    server, engine, _ = start(tok, ScriptedEngine(step_s=0.0), max_new_tokens=64)
+    with server:
+        ids = tok("hello")["input_ids"]
+        full = ScriptedEngine.expected(ids, 40)
+        stop = tok.decode(full[3:5], skip_special_tokens=True)
+        upto = next(n for n in range(1, 41) if stop in tok.decode(full[:n], skip_special_tokens=True))
+        per_step = 3  # the scripted engine's tokens per step at τ = 0.5
+        assert upto % per_step  # the stop completes inside a step: that step kept tokens past it
+        c = client(server)
+        for _ in range(3):
+            out = c.completions.create(
+                model="tiny", prompt="hello", max_tokens=40, stop=stop, extra_body={"mars_threshold": 0.5}
+            )
+            usage = out.usage.model_dump()
+            assert out.choices[0].finish_reason == "stop"
+            assert usage["completion_tokens"] == upto and usage["mars_forwards"] == -(-upto // per_step)
+            stream = c.completions.create(
+                model="tiny",
+                prompt="hello",
+                max_tokens=40,
+                stop=stop,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"mars_threshold": 0.5},
+            )
+            last = [chunk for chunk in stream][-1]
+            assert last.usage.completion_tokens == upto
+
+
 def test_text_assembler_holds_back_partial_stop_strings(tok):
     ids = [tok.convert_tokens_to_ids(w) for w in "the cat sat on the mat".split()]
     assembler = TextAssembler(tok, ["on the"])

@@ -11,6 +11,7 @@ are never logged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -22,7 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mars_hf.serving.protocol import Limits, ParsedRequest, RequestError, error_body, parse_request
-from mars_hf.serving.request import Done, Failed, GenerationRequest, Tokens
+from mars_hf.serving.request import Done, Failed, GenerationRequest, Progress, Tokens
 from mars_hf.serving.responses import (
     TextAssembler,
     chat_chunk,
@@ -223,6 +224,7 @@ class Reply:
     created: int = field(default_factory=lambda: int(time.time()))
     finish_reason: str | None = None
     failure: Failed | None = None
+    billed: Progress | None = None  # at a stop string: the progress of the tokens up to it
 
     def __post_init__(self):
         self.request_id = new_id("chatcmpl" if self.chat else "cmpl")
@@ -231,10 +233,12 @@ class Reply:
     def take(self, event) -> str:
         """Apply one event; returns the new text it makes sendable (a stop string ends the row)."""
         if isinstance(event, Tokens):
+            stopped = self.assembler.stopped
             delta = self.assembler.add(event.tokens)
-            if self.assembler.stopped:
+            if self.assembler.stopped and not stopped:
                 self.state.scheduler.cancel(self.request, outcome="ok")
                 self.finish_reason = "stop"
+                self.billed = dataclasses.replace(event.progress, completion_tokens=self.assembler.stop_tokens)
             return delta
         if isinstance(event, Done):
             self.finish_reason = event.finish_reason
@@ -247,7 +251,8 @@ class Reply:
         return self.finish_reason is not None or self.failure is not None
 
     def usage(self) -> dict:
-        return usage(self.request, self.parsed.settings.acceptance)
+        progress = self.billed if self.billed is not None else self.request.progress()
+        return usage(progress, len(self.request.prompt_ids), self.parsed.settings.acceptance)
 
     async def collect(self, http_request: Request) -> Response:
         """The whole completion as one JSON response (499, unsent, when the client went away)."""

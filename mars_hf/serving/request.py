@@ -14,11 +14,33 @@ from dataclasses import dataclass, field
 from mars_hf.decoding.decoder import RowSettings
 
 
+@dataclass(frozen=True)
+class Progress:
+    """What a request's row had done when an event was sent: the counts ``usage`` reports. A reply that ends
+    at a stop string bills the event that completed it, not the tokens the row ran on for until its cancel
+    reached the scheduler (a step later or more, depending on timing)."""
+
+    completion_tokens: int = 0
+    steps: int = 0
+    tau_sum: float = 0.0
+    tau_steps: int = 0
+    drafts: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_forward(self) -> float | None:
+        return self.completion_tokens / self.steps if self.steps else None
+
+    @property
+    def mean_tau(self) -> float | None:
+        return self.tau_sum / self.tau_steps if self.tau_steps else None
+
+
 @dataclass
 class Tokens:
-    """New final tokens of the request's row."""
+    """New final tokens of the request's row, and the row's progress with them."""
 
     tokens: list[int]
+    progress: Progress = field(default_factory=Progress)
 
 
 @dataclass
@@ -95,10 +117,7 @@ class GenerationRequest:
         counts["proposed"] += proposed
         counts["accepted"] += accepted
 
-    @property
-    def tokens_per_forward(self) -> float | None:
-        return self.completion_tokens / self.steps if self.steps else None
-
-    @property
-    def mean_tau(self) -> float | None:
-        return self.tau_sum / self.tau_steps if self.tau_steps else None
+    def progress(self) -> Progress:
+        """The counts so far (a copy: the scheduler thread goes on counting)."""
+        drafts = {source: dict(counts) for source, counts in self.drafts.items()}
+        return Progress(self.completion_tokens, self.steps, self.tau_sum, self.tau_steps, drafts)

@@ -11,20 +11,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(request, acceptance: str) -> dict:
-    """Token counts plus what MARS did for this request (τ used, tokens per forward)."""
-    mean_tau = request.mean_tau
-    tpf = request.tokens_per_forward
-    prompt = len(request.prompt_ids)
+def usage(progress, prompt_tokens: int, acceptance: str) -> dict:
+    """Token counts plus what MARS did for this request (τ used, tokens per forward), from its `Progress`."""
+    mean_tau = progress.mean_tau
+    tpf = progress.tokens_per_forward
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": request.completion_tokens,
-        "total_tokens": prompt + request.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": progress.completion_tokens,
+        "total_tokens": prompt_tokens + progress.completion_tokens,
         "mars_threshold": None if mean_tau is None else round(mean_tau, 4),
         "mars_acceptance": acceptance,
         "mars_tokens_per_forward": None if tpf is None else round(tpf, 4),
-        "mars_forwards": request.steps,
-        "mars_drafts": {source: dict(counts) for source, counts in request.drafts.items()},
+        "mars_forwards": progress.steps,
+        "mars_drafts": {source: dict(counts) for source, counts in progress.drafts.items()},
     }
 
 
@@ -98,19 +97,26 @@ class TextAssembler:
         self.ids: list[int] = []
         self.sent = 0
         self.stopped = False
+        self.stop_tokens: int | None = None  # tokens up to the one that completed a stop string
         self.text = ""
 
     def add(self, tokens: list[int]) -> str:
-        """New text to send after ``tokens``; sets ``stopped`` when a stop string appeared."""
+        """New text to send after ``tokens``; sets ``stopped`` (and ``stop_tokens``) when a stop string appeared."""
         if self.stopped:
             return ""
+        before = len(self.ids)
         self.ids.extend(tokens)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for stop in self.stop:
-            at = text.find(stop)
-            if at != -1:
-                self.stopped = True
-                text = text[:at]
+        cut = self._stop_at(text)
+        if cut is not None:
+            self.stopped = True
+            text = text[:cut]
+            # the fewest tokens whose text holds the stop (a step may have kept tokens past it)
+            self.stop_tokens = len(self.ids)
+            for count in range(before + 1, len(self.ids)):
+                if self._stop_at(self._decode(count)) is not None:
+                    self.stop_tokens = count
+                    break
         self.text = text
         if self.stopped:
             end = len(text)
@@ -122,6 +128,14 @@ class TextAssembler:
             return ""
         delta, self.sent = text[self.sent : end], end
         return delta
+
+    def _stop_at(self, text: str) -> int | None:
+        """Where the earliest stop string starts in ``text`` (None: none there)."""
+        found = [at for at in (text.find(stop) for stop in self.stop) if at != -1]
+        return min(found) if found else None
+
+    def _decode(self, count: int) -> str:
+        return self.tokenizer.decode(self.ids[:count], skip_special_tokens=True)
 
     def flush(self) -> str:
         delta, self.sent = self.text[self.sent :], len(self.text)
