@@ -301,6 +301,17 @@ BAD_BODIES = [
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), "`n: 1`"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), "stream"),
     (json.dumps({"messages": [{"role": "user", "content": " ".join(["cat"] * 300)}]}).encode(), "at most"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests too deeply"),  # a RecursionError in json: was a 500
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}).encode(), "seed"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}).encode(),
+        "presence_penalty",
+    ),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}).encode(),
+        "frequency_penalty",
+    ),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}).encode(), "logit_bias"),
 ]
 
 
@@ -324,6 +335,29 @@ def test_malformed_requests_are_4xx_with_a_message(tok):
         assert httpx.get(server.base_url + "/health").status_code == 200
         metrics = httpx.get(server.base_url + "/metrics").text
         assert metric(metrics, 'mars_requests_total{outcome="bad_request"}') == len(BAD_BODIES) + 3
+
+
+def test_what_a_request_cannot_be_is_refused_early_in_openai_shape(tok):
+    """A body over the server's limit is a 413 before it is parsed or tokenized (an 8 MB prompt held every other
+    stream up for seconds); a prompt of whitespace only, completions' `logprobs`, an unknown route: each a 4xx in
+    OpenAI's error shape. Settings that could never serve are refused when the server is configured."""
+    server, engine, _ = start(tok, max_body_bytes=2_000)
+    with server:
+        url = server.base_url + "/v1/completions"
+        r = httpx.post(url, json={"prompt": "the " * 1_000, "max_tokens": 2})
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+        r = httpx.post(url, json={"prompt": "   ", "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = httpx.post(url, json={"prompt": "the cat", "max_tokens": 2, "logprobs": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+        r = httpx.get(server.base_url + "/v1/models/tiny")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+        assert engine.added == []
+        out = client(server).completions.create(model="tiny", prompt="the cat", max_tokens=2)
+        assert out.choices[0].text == expected_text(tok, tok("the cat")["input_ids"], 2)
+    for name in ("default_max_tokens", "max_body_bytes"):
+        with pytest.raises(ValueError, match=name):
+            ServerConfig(**{name: 0})
 
 
 def test_full_queue_is_429_with_retry_after(tok, counted_submissions):

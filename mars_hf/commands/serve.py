@@ -23,6 +23,7 @@ SERVER_FLAGS = {
     "default_max_tokens": "default_max_tokens",
     "request_timeout": "request_timeout_s",
     "shutdown_grace": "shutdown_grace_s",
+    "max_body_bytes": "max_body_bytes",
 }
 CONTROLLER_FLAGS = {"tau_min": "tau_min", "tau_max": "tau_max", "wait_high": "wait_high_s"}
 
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, help="Longest prompt accepted (400 above).")
     parser.add_argument("--max-new-tokens", type=int, help="Largest max_tokens accepted (400 above).")
     parser.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none.")
+    parser.add_argument(
+        "--max-body-bytes", type=int, help="Largest request body accepted (413 above; default 1 MiB)."
+    )
     parser.add_argument(
         "--request-timeout", type=float, help="Seconds from arrival to last token (504 after)."
     )

@@ -21,6 +21,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mars_hf.serving.protocol import Limits, ParsedRequest, RequestError, error_body, parse_request
 from mars_hf.serving.request import Done, Failed, GenerationRequest, Progress, Tokens
@@ -84,8 +86,14 @@ def build_app(
         shutdown_grace_s=shutdown_grace_s,
     )
     app.include_router(router)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     return app
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """An unknown route or method in OpenAI's error shape (FastAPI's own is ``{"detail": ...}``)."""
+    return _error(f"{exc.detail}: {request.method} {request.url.path}", exc.status_code)
 
 
 @asynccontextmanager
@@ -160,7 +168,11 @@ async def completions(request: Request, state: Serving):
 async def _complete(http_request: Request, state: ServingState, *, chat: bool):
     """Both completion routes: validate the body, queue the request, answer it (JSON or a stream)."""
     try:
-        parsed = _parse(await http_request.body(), state, chat=chat)
+        raw = await _read_body(http_request, state.limits.max_body_bytes)
+        if raw is None:  # the client went away while sending: nobody reads an answer
+            logger.info("Client disconnected while sending a request to %s", http_request.url.path)
+            return Response(status_code=499)
+        parsed = _parse(raw, state, chat=chat)
     except RequestError as error:
         state.metrics.requests.labels("bad_request").inc()
         return JSONResponse(error.body(), status_code=error.status)
@@ -179,12 +191,36 @@ async def _complete(http_request: Request, state: ServingState, *, chat: bool):
     return await reply.collect(http_request)
 
 
+async def _read_body(http_request: Request, limit: int) -> bytes | None:
+    """The body, at most ``limit`` bytes (413 above: parsing and tokenizing a huge prompt would hold up every
+    stream on the event loop before its length could be refused); None when the client disconnected."""
+    declared = http_request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in http_request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        return None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> RequestError:
+    return RequestError(
+        f"The request body is over {limit} bytes, this server's limit (--max-body-bytes).", status=413
+    )
+
+
 def _parse(raw: bytes, state: ServingState, *, chat: bool) -> ParsedRequest:
     """The validated request; `RequestError` (with its HTTP status) for anything this server refuses."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("The request body is not valid JSON.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
+        raise RequestError("The request body is not valid JSON (or nests too deeply).") from None
     if isinstance(body, dict) and body.get("model") not in (None, state.model_id):
         raise RequestError(
             f"This server serves the model {state.model_id!r}, not {body.get('model')!r} (see /v1/models).",

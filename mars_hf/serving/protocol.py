@@ -52,6 +52,7 @@ class Limits:
     positions_field: str = "max_position_embeddings"
     mask_token_id: int | None = None
     mask_token: str | None = None
+    max_body_bytes: int = 1 << 20
 
 
 @dataclass
@@ -151,7 +152,7 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: dict, *, chat: bool) -> None:
     n = body.get("n")
     if n not in (None, 1):
         raise RequestError("Only `n: 1` is supported; send several requests instead.", param="n")
@@ -160,6 +161,13 @@ def _refuse_unsupported(body: dict) -> None:
     for name in ("logprobs", "top_logprobs", "echo", "suffix"):
         if body.get(name):
             raise RequestError(f"`{name}` is not supported by this server.", param=name)
+    if not chat and body.get("logprobs") is not None:  # completions: 0 asks for the chosen token's
+        raise RequestError("`logprobs` is not supported by this server.", param="logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0):
+            raise RequestError(f"`{name}` is not supported by this server; leave it at 0.", param=name)
+    if body.get("logit_bias") not in (None, {}):
+        raise RequestError("`logit_bias` is not supported by this server.", param="logit_bias")
     if body.get("tools") or body.get("functions"):
         raise RequestError("Tool calls are not supported by this server.", param="tools")
     response_format = body.get("response_format")
@@ -239,6 +247,8 @@ def check_prompt_ids(prompt_ids: list[int], limits: Limits, *, param: str) -> No
     prompt that holds it asks the model to fill that position in rather than to read it (and the
     tokenizer cannot spell it any other way). A user who wants the literal text must avoid it.
     """
+    if not prompt_ids:
+        raise RequestError("The prompt has no tokens (only whitespace?); send some text.", param=param)
     positions = limits.model_positions
     if positions is not None and len(prompt_ids) >= positions:
         raise RequestError(
@@ -264,7 +274,7 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
     """Validate an OpenAI (chat) completions body; raises `RequestError` with a clear message."""
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat=chat)
     stream, include_usage = _stream_fields(body)
     threshold, acceptance, pinned = _mars_fields(body)
     temperature = _number(body, "temperature", 0.0, 2.0)
@@ -272,7 +282,7 @@ def parse_request(body, tokenizer, limits: Limits, *, chat: bool) -> ParsedReque
     if top_p == 0.0:
         raise RequestError("`top_p` must be > 0.", param="top_p")
     top_k = _integer(body, "top_k", 0, None, default=0)
-    seed = _integer(body, "seed")
+    seed = _integer(body, "seed", -(1 << 63), (1 << 63) - 1)  # a 64-bit generator seed
     lookup, ngram = _prompt_lookup(body, acceptance)
     stop = _stop(body)
     prompt_ids = _prompt_ids(body, tokenizer, limits, chat=chat)

@@ -43,10 +43,18 @@ class ServerConfig:
     default_max_tokens: int = field(default=256, metadata={"help": "max_tokens when a request gives none."})
     request_timeout_s: float | None = field(default=300.0, metadata={"help": "Arrival to last token."})
     shutdown_grace_s: float = field(default=10.0, metadata={"help": "Drain time on shutdown."})
+    max_body_bytes: int = field(
+        default=1 << 20,
+        metadata={
+            "help": "Largest request body accepted (413 above): a body is parsed and tokenized before the "
+            "prompt's length can be checked, on the event loop every stream shares."
+        },
+    )
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     def __post_init__(self):
-        for name in ("max_rows", "max_length", "max_queue", "max_prompt_tokens", "max_new_tokens"):
+        limits = ("max_rows", "max_length", "max_queue", "max_prompt_tokens", "max_new_tokens")
+        for name in limits + ("default_max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1.")
         if self.max_prompt_tokens >= self.max_length:
@@ -59,6 +67,7 @@ class ServerConfig:
             max_new_tokens=self.max_new_tokens,
             max_length=self.max_length,
             default_max_tokens=self.default_max_tokens,
+            max_body_bytes=self.max_body_bytes,
         )
 
 
