@@ -134,9 +134,9 @@ def mars_generate(
     Args:
         mars_threshold: τ, a float, one value per prompt (repeated for its ``num_return_sequences``) or one
             per row. With the probability (or margin) metric, τ >= 1 accepts exactly one token per step
-            and appends no masks at all. With ``mars_acceptance="verify"`` it is optional and means a *proposal floor* in [0, 1]: masks
-            whose confidence is below it are not proposed as drafts (fewer wasted rows; never changes
-            the output).
+            and appends no masks at all. With ``mars_acceptance="verify"`` it is optional and means a
+            *proposal floor* in [0, 1]: masks whose confidence is below it are not proposed as drafts
+            (fewer wasted rows; never changes the output).
         mars_block_size: window W (default ``config.mars["block_size"]``).
         mars_acceptance: (default ``"probability"``) ``"probability"`` (p(chosen) >= τ), ``"entropy"``
             (H <= τ), ``"margin"`` (p1 - p2 >= τ), or ``"verify"``: mask predictions are drafts that the

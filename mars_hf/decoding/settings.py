@@ -285,10 +285,12 @@ def resolve_thresholds(threshold, acceptance: str, batch_size: int, per_prompt: 
     elif per_prompt > 1 and tau.numel() * per_prompt == batch_size:
         tau = tau.repeat_interleave(per_prompt)
     if tau.numel() != batch_size:
-        prompts = f" ({batch_size // per_prompt} prompts x num_return_sequences={per_prompt})" if per_prompt > 1 else ""
+        rows = f"{batch_size} rows"
+        if per_prompt > 1:
+            rows += f" ({batch_size // per_prompt} prompts x num_return_sequences={per_prompt})"
         raise ValueError(
-            f"`mars_threshold` has {tau.numel()} values for a batch of {batch_size} rows{prompts}: give one value, "
-            "one per prompt, or one per row."
+            f"`mars_threshold` has {tau.numel()} values for a batch of {rows}: give one value, one per prompt, "
+            "or one per row."
         )
     if torch.isnan(tau).any():
         raise ValueError("`mars_threshold` contains NaN.")
