@@ -287,7 +287,7 @@ class Reply:
         return self.finish_reason is not None or self.failure is not None
 
     def usage(self) -> dict:
-        progress = self.billed if self.billed is not None else self.request.progress()
+        progress = self.billed if self.billed is not None else self.request.progress
         return usage(progress, len(self.request.prompt_ids), self.parsed.settings.acceptance)
 
     async def collect(self, http_request: Request) -> Response:

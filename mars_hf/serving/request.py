@@ -8,6 +8,7 @@ keeps the statistics a response reports in ``usage``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -16,15 +17,36 @@ from mars_hf.decoding.decoder import RowSettings
 
 @dataclass(frozen=True)
 class Progress:
-    """What a request's row had done when an event was sent: the counts ``usage`` reports. A reply that ends
-    at a stop string bills the event that completed it, not the tokens the row ran on for until its cancel
-    reached the scheduler (a step later or more, depending on timing)."""
+    """What a request's row has done: the counts ``usage`` reports. Immutable, so that each event carries the
+    progress of its moment (the scheduler thread replaces the request's, never edits it): a reply that ends at a
+    stop string bills the event that completed it, not the tokens the row ran on for until its cancel reached
+    the scheduler (a step later or more, depending on timing).
+
+    ``drafts``: verify's drafts checked and kept per source (``"masks"``, ``"lookup"``)."""
 
     completion_tokens: int = 0
     steps: int = 0
     tau_sum: float = 0.0
     tau_steps: int = 0
     drafts: dict = field(default_factory=dict)
+
+    def after_step(self, threshold: float | None) -> Progress:
+        """One more step, at τ ``threshold`` (None: verify, no τ)."""
+        if threshold is None:
+            return dataclasses.replace(self, steps=self.steps + 1)
+        return dataclasses.replace(
+            self, steps=self.steps + 1, tau_sum=self.tau_sum + threshold, tau_steps=self.tau_steps + 1
+        )
+
+    def with_tokens(self, count: int) -> Progress:
+        return dataclasses.replace(self, completion_tokens=self.completion_tokens + count)
+
+    def with_drafts(self, source: str, proposed: int, accepted: int) -> Progress:
+        drafts = {name: dict(counts) for name, counts in self.drafts.items()}
+        counts = drafts.setdefault(source, {"proposed": 0, "accepted": 0})
+        counts["proposed"] += proposed
+        counts["accepted"] += accepted
+        return dataclasses.replace(self, drafts=drafts)
 
     @property
     def tokens_per_forward(self) -> float | None:
@@ -79,13 +101,8 @@ class GenerationRequest:
     finished_at: float | None = None
     cancelled: bool = False
     cancel_outcome: str = "cancelled"
-    completion_tokens: int = 0
-    steps: int = 0
-    tau_sum: float = 0.0
-    tau_steps: int = 0
     finish_reason: str | None = None
-    # verify: drafts checked and kept per source ("masks", "lookup"), reported in ``usage``
-    drafts: dict = field(default_factory=dict)
+    progress: Progress = field(default_factory=Progress)
 
     @property
     def deadline(self) -> float | None:
@@ -107,17 +124,10 @@ class GenerationRequest:
 
     def record_step(self) -> None:
         """The row took part in one step, at the τ it holds now."""
-        self.steps += 1
-        if self.settings.threshold is not None:
-            self.tau_sum += self.settings.threshold
-            self.tau_steps += 1
+        self.progress = self.progress.after_step(self.settings.threshold)
 
     def record_drafts(self, source: str, proposed: int, accepted: int) -> None:
-        counts = self.drafts.setdefault(source, {"proposed": 0, "accepted": 0})
-        counts["proposed"] += proposed
-        counts["accepted"] += accepted
+        self.progress = self.progress.with_drafts(source, proposed, accepted)
 
-    def progress(self) -> Progress:
-        """The counts so far (a copy: the scheduler thread goes on counting)."""
-        drafts = {source: dict(counts) for source, counts in self.drafts.items()}
-        return Progress(self.completion_tokens, self.steps, self.tau_sum, self.tau_steps, drafts)
+    def record_tokens(self, count: int) -> None:
+        self.progress = self.progress.with_tokens(count)

@@ -176,8 +176,8 @@ class RunningRows:
             if request.first_token_at is None:
                 request.first_token_at = now
                 self.metrics.ttft.observe(now - request.arrival)
-            request.completion_tokens += len(update.tokens)
-            request.deliver(Tokens(list(update.tokens), request.progress()))
+            request.record_tokens(len(update.tokens))
+            request.deliver(Tokens(list(update.tokens), request.progress))
         if update.finished:
             self.end(update.row_id, Done(update.finish_reason or "stop"), "ok")
         return len(update.tokens)
