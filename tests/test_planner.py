@@ -548,6 +548,68 @@ def test_one_slow_one_column_forward_does_not_make_wide_forwards_look_cheap():
     assert table.source == "observed" and table.cost(2) == pytest.approx(1.5)
 
 
+def test_a_unit_from_a_slow_spell_is_re_timed_and_corrects_every_ratio():
+    """A probe timed through a slow spell makes one column dear (0.2 s, truly 0.1 s), so 2-column forwards of
+    0.15 s read 0.75× (clamped to 1×) and a planner that believes it never runs the one-column forward that
+    would correct it. After UNIT_FIRST wide forwards a plain step is due; its time becomes the unit and the
+    forwards already seen are re-read against it (1.5×) at once; the next one is due UNIT_REFRESH later."""
+    model = tiny_model("llama", seed=10)
+    probe = CostTable((1, 2), (1.0, 1.75), "measured", 4, unit_seconds=0.2)
+    cost_model._TABLES[model] = {"key": probe}
+    table = probe
+    for _ in range(cost_model.UNIT_FIRST):
+        assert not cost_model.unit_due(model, table, 4)
+        table = cost_model.observe(model, table, 2, 0.15)
+    assert table.cost(2) == 1.0  # looks free: the planner would go on feeding 2 columns
+    assert cost_model.unit_due(model, table, 4) and not cost_model.unit_due(model, table, 3)
+    table = cost_model.observe(model, table, 1, 0.1)  # the plain step
+    assert table.cost(2) == pytest.approx(1.5) and cost_model._TABLES[model]["key"] is table
+    for _ in range(cost_model.UNIT_REFRESH - 1):
+        table = cost_model.observe(model, table, 2, 0.15)
+    assert not cost_model.unit_due(model, table, 4)
+    table = cost_model.observe(model, table, 2, 0.15)
+    assert cost_model.unit_due(model, table, 4)
+    given = CostTable.from_mapping({1: 1.0, 2: 1.75})
+    for _ in range(cost_model.UNIT_REFRESH + 1):
+        cost_model.observe(model, given, 2, 0.15)
+    assert not cost_model.unit_due(model, given, 4)  # the user's curve: never second-guessed
+
+
+def test_the_decoder_re_times_a_slow_probes_unit_with_a_plain_step(tok, monkeypatch):
+    """The probe's one column took 10 s (a slow spell) where every real forward takes as many seconds as it has
+    columns: wide forwards read as free and the planner feeds wide steps. After UNIT_FIRST of them it runs one
+    plain step (counted as ``unit``), whose time corrects the curve; the output stays stock greedy's."""
+    from mars_hf.decoding import decoder as decoder_module
+
+    model = peaked_model("llama")
+    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
+    encoded = tok(["the cat sat"], return_tensors="pt")
+    stock = model.generate(**encoded, max_new_tokens=40, do_sample=False)
+    slow_reading = lambda model, *, batch, **_: CostTable((1,), (1.0,), "measured", batch, 10.0)  # noqa: E731
+    monkeypatch.setattr(cost_model, "measure", slow_reading)
+    widths = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+
+    class Clock:  # a forward takes as many seconds as it has columns
+        @staticmethod
+        def perf_counter():
+            return float(sum(widths))
+
+    monkeypatch.setattr(decoder_module, "time", Clock)
+    try:
+        out = _verify(model, encoded, None, max_new_tokens=40)
+    finally:
+        handle.remove()
+    assert torch.equal(out.sequences, stock)
+    decode = out.forward_widths[1:].tolist()
+    first = cost_model.UNIT_FIRST
+    assert min(decode[:first]) > 1 and decode[first] == 1 and out.plan_counts["unit"] == 1
+    widest = max(decode[:first])
+    assert out.cost_curve[widest] == pytest.approx(widest)
+
+
 def test_a_trusted_width_rebuilds_the_curve_only_when_its_median_moves():
     """Once trusted, a width's new forwards rebuild the curve only when they move its median by more than
     OBSERVED_TOLERANCE; the curve in use then holds the new median."""

@@ -21,7 +21,9 @@ so the decoder asks this module, which measures the curve where decoding runs:
   scratch cache, and on a slow CPU its one or two rounds can misread a width by half (one 2-core AVX2
   machine: 2 columns read 1.75× at batch 4, 1.1–1.3× when timed at length). Each width the decoder
   really runs, once seen a few times, takes the median of its observed cost over the recent one-column
-  forwards, for the rest of the process. Given and flat curves are the user's choice: never corrected.
+  forwards, for the rest of the process; and when the planner has run only wider steps for a while, a
+  plain step re-times the one column everything is divided by (:func:`unit_due`). Given and flat curves
+  are the user's choice: never corrected.
 
 This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
@@ -303,6 +305,11 @@ OBSERVED_MIN = 3  # observations of a width before they replace the probe's read
 # A trusted width's median must move by more than this share before the curve is rebuilt: rebuilding it after
 # every forward (its median of five moves by a hair each time) cost ≈ 2 % of a small model's decoding time.
 OBSERVED_TOLERANCE = 0.02
+# Forwards of as many rows without a one-column one before a plain step is due to re-time the unit: the
+# first time (the probe's unit is one reading from before decoding ran) and from then on. A plain step in
+# place of a planned one costs about a third of a token; every 32 forwards that is ≈ 1 % of decoding.
+UNIT_FIRST = 8
+UNIT_REFRESH = 32
 REFINABLE = ("measured", "disk", "observed")  # a given or flat curve is the user's: never corrected
 
 _OBSERVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: ObservedCosts}
@@ -315,7 +322,15 @@ class ObservedCosts:
     4 passes through 3 rows as its rows finish — whose forwards cost differently). The fastest, not the
     median: a forward is slowed by whatever else runs, never sped up, and while a planner that thinks wide
     steps cheap runs few one-column forwards, one slow one in a median of two made every wide forward look
-    as cheap as one column (a batch-4 bf16 curve read 3 columns 1.00×, measured 1.35×)."""
+    as cheap as one column (a batch-4 bf16 curve read 3 columns 1.00×, measured 1.35×).
+
+    The unit itself must stay fresh: a probe timed through a slow spell makes one column look dear and
+    every wide forward cheap by comparison (a batch-4 bf16 curve read 3 columns 1.05×, re-run 1.50×), and
+    a planner that believes it never runs the one-column forward that would correct it. So after
+    :data:`UNIT_FIRST`, then every :data:`UNIT_REFRESH` forwards without one, a plain step is due
+    (:meth:`unit_due`), and wide forwards are kept as seconds, their ratios taken against the unit as it
+    stands when the curve is rebuilt.
+    """
 
     def __init__(self, unit_seconds: float | None = None, batch: int = 1):
         # the probe's one-column time (of ``batch`` rows) stands in until decoding runs one-column forwards
@@ -323,23 +338,38 @@ class ObservedCosts:
         self.ones: dict[int, collections.deque] = {}
         if unit_seconds:
             self._ones(batch).append(unit_seconds)
-        self.ratios: dict[int, collections.deque] = {}
+        self.wide: dict[int, collections.deque] = {}  # width -> recent (seconds, rows)
         self.applied: dict[int, float] = {}  # each trusted width's median as the current curve has it
+        self.since_one: dict[int, int] = {}  # rows -> forwards of that many rows since a one-column one
+        self.timed_ones: set[int] = set()  # row counts decoding has run a one-column forward of
 
     def _ones(self, rows: int) -> collections.deque:
         return self.ones.setdefault(rows, collections.deque(maxlen=OBSERVED_RECENT))
 
     def record(self, width: int, seconds: float, rows: int) -> bool:
-        """Add one forward of ``rows`` rows; True when the width's observed cost is newly trusted or has moved
+        """Add one forward of ``rows`` rows; True when a width's observed cost is newly trusted or has moved
         by more than :data:`OBSERVED_TOLERANCE` since the curve last took it (worth a new table)."""
-        ones = self._ones(rows)
         if width == 1:
-            ones.append(seconds)
-            return False
-        if not ones:
-            return False
-        ratios = self.ratios.setdefault(width, collections.deque(maxlen=OBSERVED_RECENT))
-        ratios.append(seconds / min(ones))
+            self._ones(rows).append(seconds)
+            self.since_one[rows] = 0
+            self.timed_ones.add(rows)
+            return any(self._moved(w) for w in self.wide)  # a new unit moves every ratio
+        self.since_one[rows] = self.since_one.get(rows, 0) + 1
+        if not self.ones.get(rows):
+            return False  # nothing of as many rows to compare it with
+        self.wide.setdefault(width, collections.deque(maxlen=OBSERVED_RECENT)).append((seconds, rows))
+        return self._moved(width)
+
+    def unit_due(self, rows: int) -> bool:
+        """A plain step of ``rows`` rows is due, to re-time the unit (see the class docstring)."""
+        every = UNIT_REFRESH if rows in self.timed_ones else UNIT_FIRST
+        return self.since_one.get(rows, 0) >= every
+
+    def _ratios(self, width: int) -> list[float]:
+        return [seconds / min(self.ones[rows]) for seconds, rows in self.wide[width]]
+
+    def _moved(self, width: int) -> bool:
+        ratios = self._ratios(width)
         if len(ratios) < OBSERVED_MIN:
             return False
         applied = self.applied.get(width)
@@ -348,12 +378,29 @@ class ObservedCosts:
     def refine(self, table: CostTable) -> CostTable:
         """``table`` with every trusted width's observed cost (never below one column's)."""
         points = table.as_dict()
-        for width, ratios in self.ratios.items():
+        for width in self.wide:
+            ratios = self._ratios(width)
             if len(ratios) >= OBSERVED_MIN:
                 self.applied[width] = statistics.median(ratios)
                 points[width] = max(1.0, self.applied[width])
         refined = CostTable.from_mapping(points, "observed", table.batch)
         return dataclasses.replace(refined, unit_seconds=table.unit_seconds)
+
+
+def _observed(model, table: CostTable, create: bool = False) -> tuple:
+    """What decoding observed of ``table``'s curve (None where it is not this process's curve of the model:
+    a given or flat one, or one handed over by a caller), with the process's tables and its key there."""
+    if table.source not in REFINABLE:
+        return None, None, None
+    per_model = _TABLES.setdefault(model, {})
+    key = next((k for k, known in per_model.items() if known is table), None)
+    if key is None:
+        return None, None, None
+    observations = _OBSERVATIONS.setdefault(model, {})
+    observed = observations.get(key)
+    if observed is None and create:
+        observed = observations[key] = ObservedCosts(table.unit_seconds, table.batch)
+    return observed, per_model, key
 
 
 def observe(model, table: CostTable, width: int, seconds: float, rows: int | None = None) -> CostTable:
@@ -364,21 +411,19 @@ def observe(model, table: CostTable, width: int, seconds: float, rows: int | Non
     The refined curve replaces the probe's for the rest of the process (later ``generate`` calls start
     from it). Only curves this module measured or read are refined.
     """
-    if table.source not in REFINABLE:
-        return table
-    per_model = _TABLES.setdefault(model, {})
-    key = next((k for k, known in per_model.items() if known is table), None)
-    if key is None:  # not this process's curve for the model (e.g. handed over by a caller): no memory
-        return table
-    observations = _OBSERVATIONS.setdefault(model, {})
-    observed = observations.get(key)
-    if observed is None:
-        observed = observations[key] = ObservedCosts(table.unit_seconds, table.batch)
-    if not observed.record(width, seconds, table.batch if rows is None else rows):
+    observed, per_model, key = _observed(model, table, create=True)
+    if observed is None or not observed.record(width, seconds, table.batch if rows is None else rows):
         return table
     refined = observed.refine(table)
     per_model[key] = refined
     return refined
+
+
+def unit_due(model, table: CostTable, rows: int) -> bool:
+    """A plain step of ``rows`` rows is due to re-time the curve's unit (``ObservedCosts.unit_due``); never
+    for a curve decoding does not correct."""
+    observed, _, _ = _observed(model, table)
+    return observed is not None and observed.unit_due(rows)
 
 
 # --------------------------------------------------------------------------------------------------

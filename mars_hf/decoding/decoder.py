@@ -69,7 +69,8 @@ class MARSBatchDecoder:
             on the rows' token buffer (``ScoreProcessing.sequences``, indexed by each row's ``batch_index``).
 
     ``forward_widths`` (columns per row of each forward, padding included) and ``plan_counts`` (how
-    often a row fed nothing extra, drafts only, a linear or a quadratic group, or a fixed layout)
+    often a row fed nothing extra, drafts only, a linear or a quadratic group, a fixed layout, or a plain
+    ``unit`` step that re-times one column)
     say what the planner chose; ``cost_tables`` the curves it used, per batch bucket.
     """
 

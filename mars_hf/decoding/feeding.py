@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .cost_model import batch_bucket, observe
+from .cost_model import batch_bucket, observe, unit_due
 from .cost_model import cost_table as curve_for
 from .draft_choice import DraftChooser
 from .draft_sources import CHAINED, MASKS
@@ -99,6 +99,8 @@ class StepFeed:
             table = self.cost_table(len(rows), measure=False) if pads else None
         else:
             table = self.cost_table(len(rows))
+            if all(spec.base <= 1 for spec in specs) and unit_due(self.model, table, len(rows)):
+                return self._unit_step(rows, deciding, plans, specs)
             # lookup drafts may outnumber the window: the grid then allows that many
             longest = max((len(s.draft_probs) for s in specs if s.kind == AUTO), default=0)
             width, choices = choose(specs, table.effective, max(self.window, longest))
@@ -108,6 +110,18 @@ class StepFeed:
             width = table.padded_width(width)
         cost = table.cost(width) if table is not None else 1.0
         return StepPlan(plans, specs, choices, width, cost)
+
+    def _unit_step(self, rows, deciding, plans, specs) -> StepPlan:
+        """A plain step for the planner's rows, to re-time one column where the planner has long run only
+        wider steps (``cost_model.unit_due``); only where every row then feeds one column. Its rows learn
+        nothing from it (fixed specs): a step they did not choose says nothing of their drafts or gain."""
+        for i, (row, spec) in enumerate(zip(rows, specs)):
+            if spec.kind != FIXED:
+                plans[i] = self._chosen_plan(row, RowChoice())
+                specs[i] = RowSpec(FIXED, 1)
+            if deciding[i]:
+                self.plan_counts["unit"] = self.plan_counts.get("unit", 0) + 1
+        return StepPlan(plans, specs, [RowChoice() for _ in rows], 1, 1.0)
 
     def _fixed_plans_and_specs(self, rows, deciding):
         """Fixed rows' plans (None for the planner's rows) and every row's spec; prompt lookup's drafts

@@ -79,7 +79,8 @@ class MARSGenerateOutput(GenerateDecoderOnlyOutput):
         forward_widths: ``[num_forwards]`` columns per row each forward fed, padding included (the
             prompt's first): what the step planner chose, next to ``cost_curve``.
         plan_counts: how often a row fed nothing extra (``plain``), drafts only, a ``linear`` or a
-            ``quadratic`` mask layout, or a ``fixed`` one (explicit layout, τ without the planner).
+            ``quadratic`` mask layout, a ``fixed`` one (explicit layout, τ without the planner), or a
+            ``unit`` step (plain, to re-time one column after a long run of wider steps).
         drafts_by_source: ``{"masks": {"proposed": n, "accepted": n}, "lookup": {...}}``: drafts checked
             and kept per source over the whole call (``lookup``: ``prompt_lookup_num_tokens``).
         cost_curve: the relative forward cost per columns-per-row the planner used (``{n: cost}``), or
