@@ -542,17 +542,19 @@ def test_one_slow_one_column_forward_does_not_make_wide_forwards_look_cheap():
     model = tiny_model("llama", seed=9)
     probe = CostTable((1, 2), (1.0, 1.75), "measured", 4, unit_seconds=0.1)
     cost_model._TABLES[model] = {"key": probe}
-    table = cost_model.observe(model, probe, 1, 0.3)  # one slow one-column forward beside the probe's 0.1 s
+    table = cost_model.observe(model, probe, 1, 0.1)
+    table = cost_model.observe(model, table, 1, 0.3)  # one slow one-column forward beside a fast one
     for _ in range(3):
         table = cost_model.observe(model, table, 2, 0.15)
     assert table.source == "observed" and table.cost(2) == pytest.approx(1.5)
 
 
-def test_a_unit_from_a_slow_spell_is_re_timed_and_corrects_every_ratio():
-    """A probe timed through a slow spell makes one column dear (0.2 s, truly 0.1 s), so 2-column forwards of
-    0.15 s read 0.75× (clamped to 1×) and a planner that believes it never runs the one-column forward that
-    would correct it. After UNIT_FIRST wide forwards a plain step is due; its time becomes the unit and the
-    forwards already seen are re-read against it (1.5×) at once; the next one is due UNIT_REFRESH later."""
+def test_wide_forwards_wait_for_decodings_own_unit_which_a_plain_step_times():
+    """The probe's one-column time (0.2 s here, a slow spell; on a scratch cache with no mask or step around
+    it, in any case not a decoding forward) is never what a decoding forward is divided by: 2-column forwards
+    of 0.15 s would read 0.75× (clamped to 1×), and a planner that believed it would never run the
+    one-column forward that corrects it. They wait, and after UNIT_FIRST of them a plain step is due; its
+    time becomes the unit and those forwards read 1.5× at once. The next one is due UNIT_REFRESH later."""
     model = tiny_model("llama", seed=10)
     probe = CostTable((1, 2), (1.0, 1.75), "measured", 4, unit_seconds=0.2)
     cost_model._TABLES[model] = {"key": probe}
@@ -560,7 +562,7 @@ def test_a_unit_from_a_slow_spell_is_re_timed_and_corrects_every_ratio():
     for _ in range(cost_model.UNIT_FIRST):
         assert not cost_model.unit_due(model, table, 4)
         table = cost_model.observe(model, table, 2, 0.15)
-    assert table.cost(2) == 1.0  # looks free: the planner would go on feeding 2 columns
+    assert table is probe  # nothing to compare them with yet
     assert cost_model.unit_due(model, table, 4) and not cost_model.unit_due(model, table, 3)
     table = cost_model.observe(model, table, 1, 0.1)  # the plain step
     assert table.cost(2) == pytest.approx(1.5) and cost_model._TABLES[model]["key"] is table
@@ -575,10 +577,11 @@ def test_a_unit_from_a_slow_spell_is_re_timed_and_corrects_every_ratio():
     assert not cost_model.unit_due(model, given, 4)  # the user's curve: never second-guessed
 
 
-def test_the_decoder_re_times_a_slow_probes_unit_with_a_plain_step(tok, monkeypatch):
-    """The probe's one column took 10 s (a slow spell) where every real forward takes as many seconds as it has
-    columns: wide forwards read as free and the planner feeds wide steps. After UNIT_FIRST of them it runs one
-    plain step (counted as ``unit``), whose time corrects the curve; the output stays stock greedy's."""
+def test_the_decoder_times_its_own_unit_with_a_plain_step(tok, monkeypatch):
+    """The probe read a flat curve (its one column took 10 s, a slow spell) where every real forward takes as
+    many seconds as it has columns: the planner feeds wide steps and runs no one-column forward. After
+    UNIT_FIRST of them it runs one plain step (counted as ``unit``), whose time corrects the curve; the
+    output stays stock greedy's."""
     from mars_hf.decoding import decoder as decoder_module
 
     model = peaked_model("llama")
@@ -616,7 +619,7 @@ def test_a_trusted_width_rebuilds_the_curve_only_when_its_median_moves():
     model = tiny_model("llama", seed=6)
     probe = CostTable((1, 2), (1.0, 1.75), "measured", 1, unit_seconds=0.1)
     cost_model._TABLES[model] = {"key": probe}
-    table = probe
+    table = cost_model.observe(model, probe, 1, 0.1)
     for seconds in (0.12, 0.12, 0.12):
         table = cost_model.observe(model, table, 2, seconds)
     assert table is not probe and table.cost(2) == pytest.approx(1.2)

@@ -305,9 +305,9 @@ OBSERVED_MIN = 3  # observations of a width before they replace the probe's read
 # A trusted width's median must move by more than this share before the curve is rebuilt: rebuilding it after
 # every forward (its median of five moves by a hair each time) cost ≈ 2 % of a small model's decoding time.
 OBSERVED_TOLERANCE = 0.02
-# Forwards of as many rows without a one-column one before a plain step is due to re-time the unit: the
-# first time (the probe's unit is one reading from before decoding ran) and from then on. A plain step in
-# place of a planned one costs about a third of a token; every 32 forwards that is ≈ 1 % of decoding.
+# Forwards of as many rows without a one-column one before a plain step is due to time the unit: the first
+# time (no wide forward is compared before it) and from then on (the context grows). A plain step in place
+# of a planned one costs about a third of a token; every 32 forwards that is ≈ 1 % of decoding.
 UNIT_FIRST = 8
 UNIT_REFRESH = 32
 REFINABLE = ("measured", "disk", "observed")  # a given or flat curve is the user's: never corrected
@@ -324,49 +324,39 @@ class ObservedCosts:
     steps cheap runs few one-column forwards, one slow one in a median of two made every wide forward look
     as cheap as one column (a batch-4 bf16 curve read 3 columns 1.00×, measured 1.35×).
 
-    The unit itself must stay fresh: a probe timed through a slow spell makes one column look dear and
-    every wide forward cheap by comparison (a batch-4 bf16 curve read 3 columns 1.05×, re-run 1.50×), and
-    a planner that believes it never runs the one-column forward that would correct it. So after
+    The unit is decoding's own: the probe's one-column time, on a scratch cache of 32 tokens with no
+    attention mask and no step around it, is not comparable with a decoding forward (divided by it, a
+    batch-4 bf16 run's 3-column forwards read 1.76×; a probe timed through a slow spell made them read
+    1.05×, re-run 1.50×). Wide forwards are kept as seconds and compared once decoding has timed one
+    column of as many rows, and a planner that believes wide steps cheap would never run one: after
     :data:`UNIT_FIRST`, then every :data:`UNIT_REFRESH` forwards without one, a plain step is due
-    (:meth:`unit_due`), and wide forwards are kept as seconds, their ratios taken against the unit as it
-    stands when the curve is rebuilt.
+    (:meth:`unit_due`).
     """
 
-    def __init__(self, unit_seconds: float | None = None, batch: int = 1):
-        # the probe's one-column time (of ``batch`` rows) stands in until decoding runs one-column forwards
-        # itself (a planner that believes wide steps are cheap may never run one)
-        self.ones: dict[int, collections.deque] = {}
-        if unit_seconds:
-            self._ones(batch).append(unit_seconds)
+    def __init__(self):
+        self.ones: dict[int, collections.deque] = {}  # rows -> recent one-column forwards' seconds
         self.wide: dict[int, collections.deque] = {}  # width -> recent (seconds, rows)
         self.applied: dict[int, float] = {}  # each trusted width's median as the current curve has it
         self.since_one: dict[int, int] = {}  # rows -> forwards of that many rows since a one-column one
-        self.timed_ones: set[int] = set()  # row counts decoding has run a one-column forward of
-
-    def _ones(self, rows: int) -> collections.deque:
-        return self.ones.setdefault(rows, collections.deque(maxlen=OBSERVED_RECENT))
 
     def record(self, width: int, seconds: float, rows: int) -> bool:
         """Add one forward of ``rows`` rows; True when a width's observed cost is newly trusted or has moved
         by more than :data:`OBSERVED_TOLERANCE` since the curve last took it (worth a new table)."""
         if width == 1:
-            self._ones(rows).append(seconds)
+            self.ones.setdefault(rows, collections.deque(maxlen=OBSERVED_RECENT)).append(seconds)
             self.since_one[rows] = 0
-            self.timed_ones.add(rows)
             return any(self._moved(w) for w in self.wide)  # a new unit moves every ratio
         self.since_one[rows] = self.since_one.get(rows, 0) + 1
-        if not self.ones.get(rows):
-            return False  # nothing of as many rows to compare it with
         self.wide.setdefault(width, collections.deque(maxlen=OBSERVED_RECENT)).append((seconds, rows))
         return self._moved(width)
 
     def unit_due(self, rows: int) -> bool:
         """A plain step of ``rows`` rows is due, to re-time the unit (see the class docstring)."""
-        every = UNIT_REFRESH if rows in self.timed_ones else UNIT_FIRST
+        every = UNIT_REFRESH if rows in self.ones else UNIT_FIRST
         return self.since_one.get(rows, 0) >= every
 
     def _ratios(self, width: int) -> list[float]:
-        return [seconds / min(self.ones[rows]) for seconds, rows in self.wide[width]]
+        return [seconds / min(self.ones[rows]) for seconds, rows in self.wide[width] if rows in self.ones]
 
     def _moved(self, width: int) -> bool:
         ratios = self._ratios(width)
@@ -399,7 +389,7 @@ def _observed(model, table: CostTable, create: bool = False) -> tuple:
     observations = _OBSERVATIONS.setdefault(model, {})
     observed = observations.get(key)
     if observed is None and create:
-        observed = observations[key] = ObservedCosts(table.unit_seconds, table.batch)
+        observed = observations[key] = ObservedCosts()
     return observed, per_model, key
 
 
