@@ -111,7 +111,10 @@ class ScoreProcessing:
             index = torch.tensor([rows[i] for i in members], device=scores.device)
             picked = torch.tensor(members, device=scores.device)
             full[index] = scores[picked]
-            out[picked] = processors(self.sequences[:, :length], full)[index]
+            prefix = self.sequences[:, :length]
+            for processor in processors:  # not LogitsProcessorList.__call__ (see _apply_free): once per length
+                full = processor(prefix, full)
+            out[picked] = full[index]
         return out
 
 
