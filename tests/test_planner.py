@@ -577,35 +577,41 @@ def test_wide_forwards_wait_for_decodings_own_unit_which_a_plain_step_times():
     assert not cost_model.unit_due(model, given, 4)  # the user's curve: never second-guessed
 
 
-def test_the_decoder_times_its_own_unit_with_a_plain_step(tok, monkeypatch):
-    """The probe read a flat curve (its one column took 10 s, a slow spell) where every real forward takes as
-    many seconds as it has columns: the planner feeds wide steps and runs no one-column forward. After
-    UNIT_FIRST of them it runs one plain step (counted as ``unit``), whose time corrects the curve; the
-    output stays stock greedy's."""
+def _verify_after_a_flat_reading(model, encoded, monkeypatch, unit_seconds: float, max_new_tokens: int):
+    """Verify after a probe that read a flat curve (one column in ``unit_seconds``), where the decoder's clock
+    says every forward took as many seconds as it had columns; asserts stock greedy's output, returns it."""
     from mars_hf.decoding import decoder as decoder_module
 
-    model = peaked_model("llama")
-    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
-    encoded = tok(["the cat sat"], return_tensors="pt")
-    stock = model.generate(**encoded, max_new_tokens=40, do_sample=False)
-    slow_reading = lambda model, *, batch, **_: CostTable((1,), (1.0,), "measured", batch, 10.0)  # noqa: E731
-    monkeypatch.setattr(cost_model, "measure", slow_reading)
+    stock = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False)
+    flat = lambda model, *, batch, **_: CostTable((1,), (1.0,), "measured", batch, unit_seconds)  # noqa: E731
+    monkeypatch.setattr(cost_model, "measure", flat)
     widths = []
-    handle = model.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
-    )
 
-    class Clock:  # a forward takes as many seconds as it has columns
+    class Clock:
         @staticmethod
         def perf_counter():
             return float(sum(widths))
 
     monkeypatch.setattr(decoder_module, "time", Clock)
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     try:
-        out = _verify(model, encoded, None, max_new_tokens=40)
+        out = _verify(model, encoded, None, max_new_tokens=max_new_tokens)
     finally:
         handle.remove()
     assert torch.equal(out.sequences, stock)
+    return out
+
+
+def test_the_decoder_times_its_own_unit_with_a_plain_step(tok, monkeypatch):
+    """The probe read a flat curve (its one column took 10 s, a slow spell) where every real forward takes as
+    many seconds as it has columns: the planner feeds wide steps and runs no one-column forward. After
+    UNIT_FIRST of them it runs one plain step (counted as ``unit``), whose time corrects the curve; the
+    output stays stock greedy's."""
+    model = peaked_model("llama")
+    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
+    out = _verify_after_a_flat_reading(model, tok(["the cat sat"], return_tensors="pt"), monkeypatch, 10.0, 40)
     decode = out.forward_widths[1:].tolist()
     first = cost_model.UNIT_FIRST
     assert min(decode[:first]) > 1 and decode[first] == 1 and out.plan_counts["unit"] == 1
@@ -636,30 +642,8 @@ def test_the_decoder_learns_the_curve_from_its_own_forwards(tok, monkeypatch):
     """The probe reads a flat curve (wide steps look free) but every real forward costs its width in
     seconds: once a wide width has been run three times the curve says so, and worthless masks go back
     to one-token steps. The output stays stock greedy's."""
-    from mars_hf.decoding import decoder as decoder_module
-
     model = enable_mars(tiny_model("llama", seed=3))
-    encoded = _batch(tok)
-    stock = model.generate(**encoded, max_new_tokens=30, do_sample=False)
-    flat_reading = lambda model, *, batch, **_: CostTable((1,), (1.0,), "measured", batch, 1.0)  # noqa: E731
-    monkeypatch.setattr(cost_model, "measure", flat_reading)
-    widths = []
-
-    def record_width(module, args, kwargs):
-        widths.append(kwargs["input_ids"].shape[1])
-
-    class Clock:  # a forward takes as many seconds as it has columns
-        @staticmethod
-        def perf_counter():
-            return float(sum(widths))
-
-    monkeypatch.setattr(decoder_module, "time", Clock)
-    handle = model.register_forward_pre_hook(record_width, with_kwargs=True)
-    try:
-        out = _verify(model, encoded, None, max_new_tokens=30)
-    finally:
-        handle.remove()
-    assert torch.equal(out.sequences, stock)
+    out = _verify_after_a_flat_reading(model, _batch(tok), monkeypatch, 1.0, 30)
     decode = out.forward_widths[1:].tolist()
     widest = max(decode)
     assert widest > 1 and decode.count(widest) >= 3  # the flat reading sent wide steps
