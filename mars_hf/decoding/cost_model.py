@@ -20,9 +20,9 @@ so the decoder asks this module, which measures the curve where decoding runs:
 - corrected by decoding's own forwards on a CPU (:func:`observe`): the probe is short and runs on a
   scratch cache, and on a slow CPU its one or two rounds can misread a width by half (one 2-core AVX2
   machine: 2 columns read 1.75× at batch 4, 1.1–1.3× when timed at length). Each width the decoder
-  really runs, once seen a few times, takes the median of its observed cost over the recent one-column
-  forwards, for the rest of the process; and when the planner has run only wider steps for a while, a
-  plain step re-times the one column everything is divided by (:func:`unit_due`). Given and flat curves
+  really runs, once seen a few times, takes the median of its observed cost over decoding's own recent
+  one-column forwards (never the probe's), for the rest of the process; and when the planner has run only
+  wider steps for a while, a plain step times that one column (:func:`unit_due`). Given and flat curves
   are the user's choice: never corrected.
 
 This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
