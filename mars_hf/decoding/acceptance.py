@@ -72,9 +72,7 @@ class ScoreProcessing:
         if not processors:
             return scores
         placeholder = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        for processor in processors:  # not LogitsProcessorList.__call__: it inspects signatures per call
-            scores = processor(placeholder, scores)
-        return scores
+        return _call_each(processors, placeholder, scores)
 
     def free(self, scores: torch.Tensor) -> torch.Tensor:
         """All processors at once; only valid when every processor is position-free."""
@@ -111,11 +109,17 @@ class ScoreProcessing:
             index = torch.tensor([rows[i] for i in members], device=scores.device)
             picked = torch.tensor(members, device=scores.device)
             full[index] = scores[picked]
-            prefix = self.sequences[:, :length]
-            for processor in processors:  # not LogitsProcessorList.__call__ (see _apply_free): once per length
-                full = processor(prefix, full)
-            out[picked] = full[index]
+            out[picked] = _call_each(processors, self.sequences[:, :length], full)[index]
         return out
+
+
+def _call_each(processors, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``processors`` applied in order, each called directly: ``LogitsProcessorList.__call__`` reads every
+    processor's signature on each call, and verify calls them several times a step (8 % of the synthetic
+    model's decoding time)."""
+    for processor in processors:
+        scores = processor(input_ids, scores)
+    return scores
 
 
 def _runs(processors: LogitsProcessorList) -> list[tuple[bool, LogitsProcessorList]]:
