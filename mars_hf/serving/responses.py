@@ -106,7 +106,7 @@ class TextAssembler:
             return ""
         before = len(self.ids)
         self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._decode(len(self.ids))
         cut = self._stop_at(text)
         if cut is not None:
             self.stopped = True

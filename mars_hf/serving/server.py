@@ -40,11 +40,13 @@ class ServerConfig:
     max_queue: int = field(default=64, metadata={"help": "Waiting requests before 429."})
     max_prompt_tokens: int = field(default=1536, metadata={"help": "Longest prompt accepted."})
     max_new_tokens: int = field(default=512, metadata={"help": "Largest max_tokens accepted."})
-    default_max_tokens: int = field(default=256, metadata={"help": "max_tokens when a request gives none."})
+    default_max_tokens: int = field(
+        default=Limits.default_max_tokens, metadata={"help": "max_tokens when a request gives none."}
+    )
     request_timeout_s: float | None = field(default=300.0, metadata={"help": "Arrival to last token."})
     shutdown_grace_s: float = field(default=10.0, metadata={"help": "Drain time on shutdown."})
     max_body_bytes: int = field(
-        default=1 << 20,
+        default=Limits.max_body_bytes,
         metadata={
             "help": "Largest request body accepted (413 above): a body is parsed and tokenized before the "
             "prompt's length can be checked, on the event loop every stream shares."
