@@ -1,28 +1,35 @@
 """Run generated code (HumanEval completions and their tests) in a separate, limited process.
 
 Every program runs in a fresh ``python -I`` process started through a small launcher that, before
-the program starts, applies the guards this machine offers (probed once, reported by
-:func:`active_guards`, and every missing one logged as a warning, never silent):
+the program starts, applies the guards below (probed once, reported by :func:`active_guards`):
 
 * **resource limits** (``resource.setrlimit``): address space, CPU seconds, number of processes,
   size of any file written, no core dumps;
 * a **private folder** (mode 0700), removed afterwards: working directory, ``HOME`` and ``TMPDIR``,
   and an environment with nothing but ``PATH``;
-* **its own namespaces** through ``unshare`` (as root; ``--map-root-user`` otherwise), each where the
-  machine allows it:
+* **its own namespaces** through ``unshare`` (as root; ``--map-root-user`` otherwise):
 
   - *network*: empty, so no connection leaves. Without it only an in-process ``socket`` guard
     remains, which the program can bypass (``import _socket``).
   - *PID*: the program is the namespace's first process, so at the timeout (or when it exits) the
     kernel kills every process it started, however they detached (``setsid``, double fork, a
-    daemon that keeps stdout open). Without it only the program's process group is killed: a child
-    that called ``setsid`` survives the call (until its CPU limit, if it uses CPU).
-  - *mount*: ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` (the world-writable folders) are
-    views of the private folder, so nothing written there persists. Without it those writes land
-    in the machine's real folders and stay there.
+    daemon that keeps stdout open); ``/proc`` is mounted for that namespace, so the program sees
+    only its own processes. Without it only the program's process group is killed (a child that
+    called ``setsid`` survives), and the machine's processes and command lines are visible.
+  - *mount*: a tmpfs of ``max_disk_mb`` is the private folder as the program sees it, and
+    ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` (the world-writable folders) are views of
+    it: everything it writes is capped in total and gone with it. Without it those writes land in
+    the machine's real folders, uncapped, and stay there.
+  - *IPC*: SysV shared memory, semaphores and message queues are the namespace's own (shared
+    memory capped at ``memory_mb``) and die with it. Without it a segment outlives the program, and
+    the next program can read it.
 
 * an **unprivileged user** (``nobody``) when the evaluation runs as root, so the process cannot write
   the caller's files and the process limit counts only its own processes.
+
+Where a namespace is missing, :func:`run_program` refuses (:class:`SandboxUnavailableError`, naming
+what is missing) unless the caller opts in to the weaker sandbox (``allow_weak_sandbox=True`` or
+``MARS_HF_ALLOW_WEAK_SANDBOX=1``); it then runs with a warning for each missing guard.
 
 The wall-clock bound holds in every case: output is read with a deadline, never until the pipe
 closes, so a detached process that keeps stdout open cannot hold the call up.
@@ -52,7 +59,13 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 NOBODY_UID = NOBODY_GID = 65534
-NAMESPACES = ("net", "pid", "mount")
+NAMESPACES = ("net", "pid", "mount", "ipc")
+NAMESPACE_NAMES = {"net": "network", "pid": "PID", "mount": "mount", "ipc": "IPC"}
+# Opt-in to run generated code with fewer guards than the full set when this machine cannot give them.
+WEAK_SANDBOX_ENV = "MARS_HF_ALLOW_WEAK_SANDBOX"
+# Files the private tmpfs holds at most: each costs kernel memory that its size cap does not count.
+MAX_FILES = 16384
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 # The world-writable folders a program could leave files in; with a mount namespace each is a view of
 # the private folder (those that exist here as real folders, not links).
 PRIVATE_VIEWS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
@@ -74,21 +87,37 @@ del _name, _socket
 """
 
 # Runs first in the child (one thread, nothing imported but the standard library), inside the
-# namespaces: the private views (binding the working folder, "."); with a PID namespace, a fork, so that
-# the program is the namespace's first process while this one waits and ends as it ended (the signal
-# included; `unshare --fork` reports signals wrongly in util-linux 2.38); limits, then the privilege
-# drop, then exec of the program itself (limits survive exec).
+# namespaces. With a mount namespace: a size-capped tmpfs on the first world-writable folder (the
+# program copied in from the private folder), bound onto the others, and a fresh mqueue file system; with a PID
+# namespace, a fork, so that the program is the namespace's first process while this one waits and ends
+# as it ended (the signal included; `unshare --fork` reports signals wrongly in util-linux 2.38), and
+# /proc mounted for that namespace; with an IPC namespace, its SysV shared memory capped. Then limits,
+# the privilege drop, and exec of the program itself (limits survive exec).
 _LAUNCHER = """\
-import json, os, resource, signal, sys
+import ctypes, json, os, resource, signal, sys
 settings = json.loads(sys.argv[1])
-if settings["views"]:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    for view in settings["views"]:
-        if libc.mount(b".", view.encode(), None, 4096, None) != 0:  # MS_BIND
-            error = ctypes.get_errno()
-            raise OSError(error, f"cannot bind the private folder onto {view}: {os.strerror(error)}")
-    os.chdir(settings["views"][0])
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def mount(source, target, kind, flags, options=None):
+    encode = lambda text: None if text is None else text.encode()
+    if libc.mount(encode(source), encode(target), encode(kind), flags, encode(options)) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot mount {kind or source} on {target}: {os.strerror(error)}")
+
+
+if settings["tmpfs"] is not None:
+    home = (settings["views"] or [os.getcwd()])[0]
+    program = open("candidate.py", "rb").read() if os.path.exists("candidate.py") else None
+    mount("tmpfs", home, "tmpfs", 2 | 4, settings["tmpfs"])  # MS_NOSUID | MS_NODEV
+    os.chdir(home)
+    if program is not None:
+        with open("candidate.py", "wb") as handle:
+            handle.write(program)
+    for view in settings["views"][1:]:
+        mount(home, view, None, 4096)  # MS_BIND
+    if settings["mqueue"]:  # a mqueue mount belongs to the IPC namespace it was made in
+        mount("mqueue", "/dev/mqueue", "mqueue", 2 | 4 | 8)
 if settings["pid_namespace"]:
     child = os.fork()
     if child:
@@ -100,6 +129,11 @@ if settings["pid_namespace"]:
             os.kill(os.getpid(), os.WTERMSIG(status))
             os._exit(128 + os.WTERMSIG(status))
         os._exit(os.waitstatus_to_exitcode(status) % 256)
+    if settings["own_proc"]:  # only the namespace's processes (in the namespace's first process)
+        mount("proc", "/proc", "proc", 2 | 4 | 8)  # MS_NOSUID | MS_NODEV | MS_NOEXEC
+for name, value in settings["ipc_limits"].items():  # per IPC namespace
+    with open(f"/proc/sys/kernel/{name}", "w") as handle:
+        handle.write(str(value))
 for name, value in settings["limits"].items():
     resource.setrlimit(getattr(resource, name), (value, value))
 if settings["drop_to"] is not None:
@@ -108,8 +142,7 @@ if settings["drop_to"] is not None:
     os.setgid(gid)
     os.setuid(uid)
 if settings["pid_namespace"]:  # after the drop, which clears it: end with the waiting parent
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 interpreter = settings["interpreter"]
 if settings["program"] == "-c":  # the probe: can this user start this interpreter here?
     os.execv(interpreter, [interpreter, "-I", "-c", "pass"])
@@ -126,6 +159,11 @@ class ExecutionLimits:
     cpu_seconds: int | None = None
     max_processes: int = 32
     max_file_mb: int = 64
+    max_disk_mb: int = 256
+
+    def __post_init__(self):
+        if self.max_disk_mb < 1:
+            raise ValueError(f"max_disk_mb must be at least 1 (MB), got {self.max_disk_mb!r}")
 
     def rlimits(self) -> dict[str, int]:
         cpu = self.cpu_seconds if self.cpu_seconds is not None else math.ceil(self.timeout) + 1
@@ -162,6 +200,46 @@ class Isolation:
             return []
         return [v for v in PRIVATE_VIEWS if os.path.isdir(v) and not os.path.islink(v)]
 
+    def own_proc(self) -> bool:
+        """/proc shows only the program's processes: needs its PID namespace and a mount namespace for /proc."""
+        return {"pid", "mount"} <= self.namespaces
+
+    def missing(self) -> list[str]:
+        """The guards a full sandbox has and this one lacks, in words."""
+        missing = [f"{NAMESPACE_NAMES[name]} namespace" for name in NAMESPACES if name not in self.namespaces]
+        if "mount" not in self.namespaces:
+            missing += ["private /tmp views", "total disk cap"]
+        if not self.own_proc():
+            missing.append("own /proc")
+        return missing
+
+    def settings(self, limits: ExecutionLimits, program: str) -> dict:
+        """What the launcher applies for ``program`` (``"-c"``: the probe)."""
+        tmpfs = None
+        if "mount" in self.namespaces:
+            tmpfs = f"size={limits.max_disk_mb}m,nr_inodes={MAX_FILES},mode=0700"
+            if self.drop is not None:
+                tmpfs += f",uid={self.drop[0]},gid={self.drop[1]}"
+        ipc_limits = {}
+        if "ipc" in self.namespaces:  # SysV shared memory counts against the memory limit
+            ipc_limits = {"shmmax": limits.memory_mb * 2**20, "shmall": limits.memory_mb * 2**20 // _PAGE}
+        return {
+            "limits": limits.rlimits() if program != "-c" else {},
+            "drop_to": self.drop,
+            "program": program,
+            "interpreter": self.interpreter,
+            "views": self.views(),
+            "tmpfs": tmpfs,
+            "mqueue": {"mount", "ipc"} <= self.namespaces and os.path.isdir("/dev/mqueue"),
+            "pid_namespace": "pid" in self.namespaces,
+            "own_proc": self.own_proc(),
+            "ipc_limits": ipc_limits,
+        }
+
+
+class SandboxUnavailableError(RuntimeError):
+    """This machine cannot give generated code the full sandbox, and no one opted in to a weaker one."""
+
 
 @functools.lru_cache(maxsize=1)
 def _unprivileged_interpreter() -> tuple[tuple[int, int] | None, str]:
@@ -187,14 +265,7 @@ def _launches(prefix: tuple[str, ...], isolation: Isolation) -> bool:
     try:
         if isolation.drop is not None:
             os.chown(folder, *isolation.drop)
-        settings = {
-            "limits": {},
-            "drop_to": isolation.drop,
-            "program": "-c",
-            "interpreter": isolation.interpreter,
-            "views": isolation.views(),
-            "pid_namespace": "pid" in isolation.namespaces,
-        }
+        settings = isolation.settings(ExecutionLimits(), "-c")
         command = [*prefix, isolation.interpreter, "-I", "-c", _LAUNCHER, json.dumps(settings)]
         probe = subprocess.run(command, capture_output=True, timeout=10, cwd=folder)
         return probe.returncode == 0
@@ -212,12 +283,14 @@ def _unshare_prefix(unshare: str, names: tuple[str, ...], flavour: tuple[str, ..
         prefix.append("--pid")
     if "mount" in names:  # unshare makes the new namespace's mounts private (nothing propagates back)
         prefix.append("--mount")
+    if "ipc" in names:  # SysV shared memory, semaphores and message queues die with the namespace
+        prefix.append("--ipc")
     return tuple(prefix)
 
 
 @functools.lru_cache(maxsize=1)
 def _isolation() -> Isolation:
-    """The most namespaces this machine gives a program (all three, then pairs, then one), probed once."""
+    """The most namespaces this machine gives a program (all four, then three, ...), probed once."""
     drop, interpreter = _unprivileged_interpreter()
     unshare = shutil.which("unshare")
     if unshare is not None:
@@ -239,6 +312,7 @@ def active_guards(limits: ExecutionLimits | None = None) -> dict:
     isolation = _isolation()
     netns = "net" in isolation.namespaces
     pidns = "pid" in isolation.namespaces
+    ipcns = "ipc" in isolation.namespaces
     rlimits = limits.rlimits()
     return {
         "network_namespace": netns,
@@ -248,6 +322,13 @@ def active_guards(limits: ExecutionLimits | None = None) -> dict:
         if pidns
         else "only the process group is killed: a child that calls setsid survives",
         "private_tmp_views": isolation.views(),
+        "ipc_namespace": ipcns,
+        "sysv_ipc": f"private, shared memory capped at {limits.memory_mb} MB"
+        if ipcns
+        else "the machine's: segments outlive the program and other programs can read them",
+        "own_proc": isolation.own_proc(),
+        "disk_cap_mb": limits.max_disk_mb if "mount" in isolation.namespaces else None,
+        "missing": isolation.missing(),
         "unprivileged_user": "nobody" if isolation.drop else None,
         "resource_limits": {
             "memory_mb": limits.memory_mb,
@@ -255,6 +336,7 @@ def active_guards(limits: ExecutionLimits | None = None) -> dict:
             # RLIMIT_NPROC does not bind root: only counted when the program runs as nobody.
             "max_processes": limits.max_processes if isolation.drop or os.geteuid() != 0 else None,
             "max_file_mb": limits.max_file_mb,
+            "max_disk_mb": limits.max_disk_mb if "mount" in isolation.namespaces else None,
         },
         "private_tmp": True,
         "interpreter": isolation.interpreter,
@@ -268,11 +350,14 @@ def log_guards() -> None:
     guards = active_guards()
     limits = guards["resource_limits"]
     logger.info(
-        "Generated code runs in a separate process: %s; %s; private views of %s; user %s; limits: %d MB "
-        "memory, %d s CPU, %s processes, %d MB per file; private folder.",
+        "Generated code runs in a separate process: %s; %s%s; SysV IPC %s; private views of %s (%s); user %s; "
+        "limits: %d MB memory, %d s CPU, %s processes, %d MB per file; private folder.",
         guards["network"],
         "own PID namespace" if guards["pid_namespace"] else "no PID namespace",
+        " and /proc" if guards["own_proc"] else "",
+        guards["sysv_ipc"],
         ", ".join(guards["private_tmp_views"]) or "nothing",
+        f"{guards['disk_cap_mb']} MB in all" if guards["disk_cap_mb"] else "no disk cap",
         guards["unprivileged_user"] or "unchanged (not root)",
         limits["memory_mb"],
         limits["cpu_seconds"],
@@ -297,8 +382,36 @@ def log_guards() -> None:
     if not guards["private_tmp_views"]:
         logger.warning(
             "No mount namespace for generated code on this machine (`unshare --mount` failed or is missing): "
-            "files it writes to /tmp, /var/tmp or /dev/shm stay there."
+            "files it writes to /tmp, /var/tmp or /dev/shm stay there, and no cap bounds the disk it fills."
         )
+    if not guards["ipc_namespace"]:
+        logger.warning(
+            "No IPC namespace for generated code on this machine (`unshare --ipc` failed or is missing): "
+            "SysV shared memory it leaves behind stays allocated, and later programs can read it."
+        )
+    if not guards["own_proc"]:
+        logger.warning(
+            "No /proc of its own for generated code on this machine (needs the PID and mount namespaces): "
+            "it sees every process of the machine and their command lines."
+        )
+
+
+def _refuse_weaker(isolation: Isolation) -> None:
+    """Raise unless the full sandbox is here or the caller opted in to what this machine gives."""
+    missing = isolation.missing()
+    if not missing:
+        return
+    if shutil.which("unshare") is None:
+        cause = "the `unshare` command (util-linux) is missing"
+    elif os.geteuid() != 0:
+        cause = "`unshare` failed: run as root, or enable unprivileged user namespaces"
+    else:
+        cause = "`unshare` failed as root (a container without CAP_SYS_ADMIN or a seccomp filter?)"
+    raise SandboxUnavailableError(
+        f"Refusing to run generated code in a weaker sandbox: no {', no '.join(missing)} on this machine "
+        f"({cause}). To run it anyway with only the guards this machine has (active_guards() lists them), "
+        f"set {WEAK_SANDBOX_ENV}=1 or pass allow_weak_sandbox=True to run_program."
+    )
 
 
 def _children(pid: int) -> list[int]:
@@ -384,15 +497,27 @@ def _kill_everything(process: subprocess.Popen, pid_namespace: bool) -> None:
     process.stdout.close()
 
 
-def run_program(program: str, limits: ExecutionLimits | None = None, **overrides) -> ProgramResult:
+def run_program(
+    program: str,
+    limits: ExecutionLimits | None = None,
+    *,
+    allow_weak_sandbox: bool | None = None,
+    **overrides,
+) -> ProgramResult:
     """Run ``program``; it passes when it exits with status 0 within the timeout.
 
     ``limits`` (or keyword overrides such as ``timeout=5``) set the resource limits; see the module
     docstring for the guards. Returns by ``timeout`` (plus the moment killing takes) in every case.
+    Raises :class:`SandboxUnavailableError` where this machine lacks a guard, unless
+    ``allow_weak_sandbox`` (default: the ``MARS_HF_ALLOW_WEAK_SANDBOX`` environment variable is ``1``).
     """
     limits = dataclasses.replace(limits or ExecutionLimits(), **overrides)
-    log_guards()
     isolation = _isolation()
+    if allow_weak_sandbox is None:
+        allow_weak_sandbox = os.environ.get(WEAK_SANDBOX_ENV, "").lower() in ("1", "true", "yes")
+    if not allow_weak_sandbox:
+        _refuse_weaker(isolation)
+    log_guards()
     folder = Path(tempfile.mkdtemp(prefix="mars_hf_exec_"))
     try:
         if isolation.drop is not None:
@@ -400,14 +525,7 @@ def run_program(program: str, limits: ExecutionLimits | None = None, **overrides
         (folder / "candidate.py").write_text(_SOCKET_GUARD + "\n" + program, encoding="utf-8")
         views = isolation.views()
         inside = views[0] if views else str(folder)  # the private folder as the program sees it
-        settings = {
-            "limits": limits.rlimits(),
-            "drop_to": isolation.drop,
-            "program": f"{inside}/candidate.py",
-            "interpreter": isolation.interpreter,
-            "views": views,
-            "pid_namespace": "pid" in isolation.namespaces,
-        }
+        settings = isolation.settings(limits, f"{inside}/candidate.py")
         command = [*isolation.prefix, isolation.interpreter, "-I", "-c", _LAUNCHER, json.dumps(settings)]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": inside, "TMPDIR": inside}
         env.update({"PYTHONHASHSEED": "0", "no_proxy": "*"})
