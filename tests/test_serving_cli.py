@@ -73,14 +73,61 @@ def test_serve_flags_leave_their_defaults_to_the_config_dataclasses():
     from dataclasses import fields
 
     from mars_hf.cli import build_parser
-    from mars_hf.commands.serve import CONTROLLER_FLAGS, SERVER_FLAGS, config_kwargs
-    from mars_hf.serving import ControllerConfig, ServerConfig
+    from mars_hf.commands.serve import CONTROLLER_FLAGS, SECURITY_FLAGS, SERVER_FLAGS, config_kwargs
+    from mars_hf.serving import ControllerConfig, SecurityConfig, ServerConfig
 
-    assert set(SERVER_FLAGS.values()) == {f.name for f in fields(ServerConfig)} - {"model_id", "controller"}
+    nested = {"model_id", "controller", "security"}
+    assert set(SERVER_FLAGS.values()) == {f.name for f in fields(ServerConfig)} - nested
     assert set(CONTROLLER_FLAGS.values()) <= {f.name for f in fields(ControllerConfig)}
+    assert set(SECURITY_FLAGS.values()) == {f.name for f in fields(SecurityConfig)}
     parser = build_parser()
     args = parser.parse_args(["serve", "m"])
     assert config_kwargs(args, SERVER_FLAGS) == {} and config_kwargs(args, CONTROLLER_FLAGS) == {}
+    assert config_kwargs(args, SECURITY_FLAGS) == {}
     args = parser.parse_args(["serve", "m", "--max-rows", "3", "--request-timeout", "5", "--tau-min", "0.5"])
     assert config_kwargs(args, SERVER_FLAGS) == {"max_rows": 3, "request_timeout_s": 5.0}
     assert config_kwargs(args, CONTROLLER_FLAGS) == {"tau_min": 0.5}
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_request_timeout_that_would_504_every_request_is_refused_at_startup(value):
+    """Issue 52, fault 13: ``--request-timeout 0`` (or negative) was accepted and every request then got a 504."""
+    from mars_hf.serving import ServerConfig
+
+    process = subprocess.run(
+        [sys.executable, "-m", "mars_hf.cli", "serve", "synthetic", f"--request-timeout={value}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert process.returncode == 2, process.stderr  # argparse's usage error, before any model is loaded
+    assert "--request-timeout" in process.stderr and "> 0" in process.stderr, process.stderr
+    with pytest.raises(ValueError, match="request_timeout_s.*--request-timeout"):
+        ServerConfig(request_timeout_s=float(value))
+    with pytest.raises(ValueError, match="--shutdown-grace"):
+        ServerConfig(shutdown_grace_s=-1.0)
+    assert ServerConfig(request_timeout_s=None).request_timeout_s is None  # the library's "no timeout"
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    from mars_hf.cli import build_parser
+    from mars_hf.commands.serve import server_config
+
+    parser = build_parser()
+    monkeypatch.delenv("MARS_HF_API_KEY", raising=False)
+    assert server_config(parser.parse_args(["serve", "m"])).security.api_key is None
+    monkeypatch.setenv("MARS_HF_API_KEY", "from-env")
+    assert server_config(parser.parse_args(["serve", "m"])).security.api_key == "from-env"
+    args = parser.parse_args(
+        [
+            "serve",
+            "m",
+            "--api-key",
+            "flag",
+            "--allowed-hosts",
+            "a.lan, b.lan",
+            "--allowed-origins",
+            "http://x:3",
+        ]
+    )
+    security = server_config(args).security
+    assert security.api_key == "flag" and security.allowed_hosts == ("a.lan", "b.lan")
+    assert security.allowed_origins == ("http://x:3",)

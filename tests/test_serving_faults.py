@@ -264,6 +264,84 @@ def test_a_prompt_holding_the_mask_token_is_refused():
     assert scheduler.engine.num_forwards > 0 and scheduler.engine.num_rows == 0
 
 
+# ------------------------------------------------------------------------ the model's generation config
+
+
+def _generate_ids(model, ids, n, **kwargs):
+    prompt = torch.tensor([ids])
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False, **kwargs
+    )
+    return out[0, prompt.shape[1] :].tolist()
+
+
+DECODE_PATHS = [  # plain (one token per step), MARS with τ, verified
+    ({"mars_threshold": 1.0}, {}),
+    ({"mars_threshold": 0.3}, {"mars_threshold": 0.3}),
+    ({"mars_acceptance": "verify"}, {"mars_acceptance": "verify"}),
+]
+
+
+def test_the_server_suppresses_the_mask_token_as_generate_does():
+    """Fault 5 of issue 52: with the mask token's logit boosted above every other, ``generate`` emitted no mask
+    token (``generation_config.suppress_tokens``) and the server one per position, hidden by
+    ``skip_special_tokens`` in the text but counted in ``usage`` and fed back as real tokens."""
+    from mars_hf.models.mask_token import suppress_mask_token
+    from mars_hf.tools.fault_run import boost_token
+
+    tok = tiny_tokenizer()
+    model = llama(tok)
+    suppress_mask_token(model)
+    mask = tok.mask_token_id
+    handle = boost_token(model, mask)
+    try:
+        app, scheduler = _served(model, tok)
+        ids = tok("the cat sat on")["input_ids"]
+        jobs = [
+            ("/v1/completions", {"prompt": ids, "max_tokens": 12, **extra}, False)
+            for extra, _ in DECODE_PATHS
+        ]
+        jobs.append(("/v1/completions", {"prompt": ids, "max_tokens": 12, "stream": True,
+                                         "stream_options": {"include_usage": True}, "mars_threshold": 0.3}, True))  # fmt: skip
+        with BackgroundServer(app) as server:
+            answers = asyncio.run(_gather_posts(server.base_url, jobs))
+        for (extra, kwargs), answer in zip(DECODE_PATHS + [DECODE_PATHS[1]], answers):
+            want = _generate_ids(model, ids, 12, **kwargs)
+            assert mask not in want and want  # generate never emits it, though it ranks first everywhere
+            text = answer["sse"]["text"] if "sse" in answer else answer["json"]["choices"][0]["text"]
+            assert text == tok.decode(want, skip_special_tokens=True), (extra, answer)
+            if "json" in answer:
+                assert answer["json"]["usage"]["completion_tokens"] == len(want), (extra, answer)
+        assert scheduler.engine.num_rows == 0
+    finally:
+        handle.remove()
+
+
+def test_the_server_applies_begin_suppress_tokens_and_bad_words_as_generate_does():
+    """The prefix-reading processors of the generation config (the first new token; multi-token bad words) on
+    every decode path, read from the row's own token buffer."""
+    tok = tiny_tokenizer()
+    model = llama(tok)
+    ids = tok("the cat sat on")["input_ids"]
+    free = _generate_ids(model, ids, 12)
+    model.generation_config.begin_suppress_tokens = [free[0]]
+    model.generation_config.bad_words_ids = [[free[2]], [free[4], free[5]]]
+    constrained = _generate_ids(model, ids, 12)
+    assert constrained[0] != free[0] and constrained != free  # the settings change what generate gives
+    app, scheduler = _served(model, tok)
+    jobs = [
+        ("/v1/completions", {"prompt": ids, "max_tokens": 12, **extra}, False) for extra, _ in DECODE_PATHS
+    ]
+    with BackgroundServer(app) as server:
+        answers = asyncio.run(_gather_posts(server.base_url, jobs))
+    for (extra, kwargs), answer in zip(DECODE_PATHS, answers):
+        want = _generate_ids(model, ids, 12, **kwargs)
+        assert answer["status"] == 200, answer
+        assert answer["json"]["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True), extra
+        assert answer["json"]["usage"]["completion_tokens"] == len(want)
+    assert scheduler.engine.num_rows == 0
+
+
 # ------------------------------------------------------------------------------------------------ drain
 
 

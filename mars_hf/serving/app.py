@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -36,6 +37,7 @@ from mars_hf.serving.responses import (
     usage,
 )
 from mars_hf.serving.scheduler import SHUTDOWN_RETRY_AFTER_S, QueueFull, Scheduler, ServerClosing
+from mars_hf.serving.security import RequestGuard, SecurityConfig
 
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
@@ -74,8 +76,16 @@ def build_app(
     limits: Limits,
     request_timeout_s: float | None = 120.0,
     shutdown_grace_s: float = 10.0,
+    security: SecurityConfig | None = None,
+    bind_host: str = "127.0.0.1",
 ) -> FastAPI:
-    """An app whose lifespan starts the scheduler thread and, on shutdown, drains or cancels its rows."""
+    """An app whose lifespan starts the scheduler thread and, on shutdown, drains or cancels its rows.
+
+    Every request first passes `RequestGuard` (Host, Origin, API key, content type: ``security``; ``bind_host``
+    is one of the names it answers to); with ``security.allowed_origins``, CORS preflights of those origins are
+    answered (Starlette's `CORSMiddleware`).
+    """
+    security = security or SecurityConfig()
     app = FastAPI(title="mars-hf serve", lifespan=_lifespan)
     app.state.serving = ServingState(
         tokenizer,
@@ -88,6 +98,15 @@ def build_app(
     app.include_router(router)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
+    if security.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(security.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
+    # added last, so outermost: nothing (CORS included) runs for a request it refuses
+    app.add_middleware(RequestGuard, security=security, bind_host=bind_host, metrics=scheduler.metrics)
     return app
 
 
@@ -274,7 +293,9 @@ class Reply:
             if self.assembler.stopped and not stopped:
                 self.state.scheduler.cancel(self.request, outcome="ok")
                 self.finish_reason = "stop"
-                self.billed = dataclasses.replace(event.progress, completion_tokens=self.assembler.stop_tokens)
+                self.billed = dataclasses.replace(
+                    event.progress, completion_tokens=self.assembler.stop_tokens
+                )
             return delta
         if isinstance(event, Done):
             self.finish_reason = event.finish_reason

@@ -20,9 +20,12 @@ from typing import Protocol
 
 import torch
 
+from mars_hf.decoding.acceptance import POSITION_FREE_PROCESSORS, ScoreProcessing
 from mars_hf.decoding.cpu_kernels import packed_linears
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings, RowUpdate
+from mars_hf.decoding.rows import sampling_processors
 from mars_hf.decoding.settings import model_defaults
+from mars_hf.serving.processors import model_processors, token_buffer, unapplied_settings
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +73,29 @@ class Engine(Protocol):
 
 @dataclass
 class _RowRecord:
-    """What `DecoderEngine` needs to rebuild a row: its prompt, settings and the tokens it produced."""
+    """What `DecoderEngine` needs to rebuild a row: its prompt, settings and the tokens it produced; and the
+    processors of the decoder row it has now (their token buffer, if any, follows the kept tokens)."""
 
     prompt: list[int]
     settings: RowSettings
     generated: list[int] = dataclasses.field(default_factory=list)
+    processing: ScoreProcessing | None = None
 
     def remaining(self):
         """The row as a fresh one: prompt + generated so far, and the tokens still allowed."""
         left = self.settings.max_new_tokens - len(self.generated)
         return self.prompt + self.generated, dataclasses.replace(self.settings, max_new_tokens=left)
+
+    def keep(self, tokens: list[int]) -> None:
+        """Tokens the row kept in a step; also written into the processors' token buffer, where a step may have
+        left provisional tokens (drafts) at their columns and prefix-reading processors look next step."""
+        buffer = self.processing.sequences if self.processing is not None else None
+        if buffer is not None and tokens:
+            start = len(self.prompt) + len(self.generated)
+            buffer[0, start : start + len(tokens)] = torch.tensor(
+                tokens, dtype=torch.long, device=buffer.device
+            )
+        self.generated += list(tokens)
 
 
 class DecoderEngine:
@@ -101,6 +117,10 @@ class DecoderEngine:
 
     The step planner's cost curves are measured for every batch bucket up to ``max_rows`` when the engine
     is built (``MARSBatchDecoder.measure_costs``), so that no request waits on a probe while serving.
+
+    Every row gets the processors ``generate`` builds from the model's generation config (``suppress_tokens``:
+    how MARS checkpoints keep their mask token out of outputs; ``begin_suppress_tokens``, ``bad_words_ids``;
+    see `mars_hf.serving.processors`), then its request's sampling warpers.
     """
 
     def __init__(self, model, *, max_rows: int = 8, max_length: int = 2048, cache: str = "cursor"):
@@ -115,6 +135,16 @@ class DecoderEngine:
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
         pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else eos
         self.mask_token_id = int(mars["mask_token_id"])
+        self.model = model
+        self.window = int(mars["block_size"])
+        ignored = unapplied_settings(generation_config)
+        if ignored:
+            logger.warning(
+                "The model's generation config sets %s; served requests do not get these (only its "
+                "suppress_tokens, begin_suppress_tokens and bad_words_ids are applied, and each request's own "
+                "sampling fields).",
+                ", ".join(ignored),
+            )
         self._make_decoder = lambda kv_cache=None: MARSBatchDecoder(
             model,
             max_rows=max_rows,
@@ -143,11 +173,30 @@ class DecoderEngine:
         """Queue a row (prefilled in the next step); the decoder and the record each get their own copy
         of ``settings``, since τ is changed on both by `set_threshold`."""
         row_id = self._next_row_id  # ids are the engine's, so that a rebuilt decoder keeps them
+        record = _RowRecord(list(prompt_ids), dataclasses.replace(settings))
         with torch.inference_mode():
-            self.decoder.add_row(list(prompt_ids), dataclasses.replace(settings), row_id=row_id)
+            self._place(self.decoder, row_id, record)
         self._next_row_id += 1
-        self._rows[row_id] = _RowRecord(list(prompt_ids), dataclasses.replace(settings))
+        self._rows[row_id] = record
         return row_id
+
+    def _place(self, decoder: MARSBatchDecoder, row_id: int, record: _RowRecord) -> None:
+        """Add ``record``'s row as it stands (prompt + tokens so far) to ``decoder``, with fresh processors."""
+        tokens, settings = record.remaining()
+        record.processing = self._processing(record, tokens, settings)
+        decoder.add_row(tokens, settings, processing=record.processing, row_id=row_id)
+
+    def _processing(self, record: _RowRecord, tokens: list[int], settings: RowSettings) -> ScoreProcessing:
+        """The model's generation-config processors (as `generate` applies them), then the request's own; with
+        a token buffer when one of them reads the prefix."""
+        device = self.model.device
+        processors = model_processors(self.model.generation_config, len(record.prompt), device)
+        processors.extend(settings.logits_processor or sampling_processors(settings))
+        if all(isinstance(p, POSITION_FREE_PROCESSORS) for p in processors):
+            return ScoreProcessing(processors)
+        # room for the new tokens and one step's provisional ones (masks' predictions or drafts)
+        room = max(settings.max_new_tokens, 0) + self.window + (settings.prompt_lookup_num_tokens or 0) + 2
+        return ScoreProcessing(processors, token_buffer(tokens, room, device))
 
     def kernels(self) -> contextlib.AbstractContextManager:
         """The decoder's linears routed to their kernels once for as long as the block lasts (a scheduler's
@@ -161,10 +210,11 @@ class DecoderEngine:
                 updates = self.decoder.step()
         except Exception as error:
             return self._isolate(error)
-        for update in updates:
-            record = self._rows.get(update.row_id)
-            if record is not None:
-                record.generated += list(update.tokens)
+        with torch.inference_mode():  # a token buffer is an inference tensor
+            for update in updates:
+                record = self._rows.get(update.row_id)
+                if record is not None:
+                    record.keep(update.tokens)
         return updates
 
     def _log_failure(self, what: str, error: Exception) -> None:
@@ -187,9 +237,8 @@ class DecoderEngine:
         with torch.inference_mode():
             for row_id, record in list(self._rows.items()):
                 probe = self._make_decoder(kv)
-                prompt, settings = record.remaining()
                 try:
-                    probe.add_row(prompt, settings, row_id=row_id)
+                    self._place(probe, row_id, record)
                     (update,) = probe.step()
                 except Exception as row_error:
                     self._log_failure(f"Row {row_id} fails on its own; failing its request alone", row_error)
@@ -198,14 +247,13 @@ class DecoderEngine:
                     continue
                 finally:
                     self._retired_forwards += probe.num_forwards
-                record.generated += list(update.tokens)
+                record.keep(update.tokens)
                 updates.append(update)
                 if not update.finished:
                     survivors.append(row_id)
             self.decoder = self._make_decoder(kv)
             for row_id in survivors:
-                prompt, settings = self._rows[row_id].remaining()
-                self.decoder.add_row(prompt, settings, row_id=row_id)
+                self._place(self.decoder, row_id, self._rows[row_id])
         logger.warning(
             "After the failed step: %d row(s) failed, %d continue.",
             sum(1 for u in updates if isinstance(u, RowFailure)),

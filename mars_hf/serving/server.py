@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import socket
 import threading
@@ -26,6 +27,7 @@ from mars_hf.serving.engine import DecoderEngine, Engine
 from mars_hf.serving.metrics import ServingMetrics
 from mars_hf.serving.protocol import Limits
 from mars_hf.serving.scheduler import Scheduler
+from mars_hf.serving.security import SecurityConfig, bind_warnings
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +55,23 @@ class ServerConfig:
         },
     )
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self):
         limits = ("max_rows", "max_length", "max_queue", "max_prompt_tokens", "max_new_tokens")
         for name in limits + ("default_max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1.")
+        timeout = self.request_timeout_s
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(
+                f"`request_timeout_s` (--request-timeout) must be a number of seconds > 0, got {timeout}: "
+                "every request would time out (504). Leave it unset for the default."
+            )
+        if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
+            raise ValueError(
+                f"`shutdown_grace_s` (--shutdown-grace) must be a number of seconds >= 0, got {self.shutdown_grace_s}."
+            )
         if self.max_prompt_tokens >= self.max_length:
             self.max_prompt_tokens = self.max_length - 1
 
@@ -108,11 +121,12 @@ def cap_to_model_positions(config: ServerConfig, model) -> tuple[int, str] | Non
     return positions, name
 
 
-def build_server(model_or_engine, tokenizer, config: ServerConfig):
+def build_server(model_or_engine, tokenizer, config: ServerConfig, *, host: str = "127.0.0.1"):
     """``(app, scheduler)``; ``model_or_engine`` is a MARS model or anything implementing `Engine`.
 
     With a model, ``config.max_length`` is first capped by the model's position limit (the config is
-    changed in place, so the caller sees the limit in force).
+    changed in place, so the caller sees the limit in force). ``host``: the address the app will be bound
+    to, one of the Host names it answers to (``config.security``).
     """
     positions = None
     if hasattr(model_or_engine, "step") and hasattr(model_or_engine, "add_row"):
@@ -137,7 +151,11 @@ def build_server(model_or_engine, tokenizer, config: ServerConfig):
         limits=limits,
         request_timeout_s=config.request_timeout_s,
         shutdown_grace_s=config.shutdown_grace_s,
+        security=config.security,
+        bind_host=host,
     )
+    for warning in bind_warnings(host, config.security):
+        logger.warning(warning)
     return app, scheduler
 
 
@@ -217,7 +235,7 @@ class BackgroundServer:
 
 def serve(model, tokenizer, config: ServerConfig, *, host: str, port: int) -> None:
     """Run the server for ``model`` in the foreground until SIGINT/SIGTERM (then drain)."""
-    app, _ = build_server(model, tokenizer, config)
+    app, _ = build_server(model, tokenizer, config, host=host)
     logger.info(
         "Serving %s on http://%s:%d (slots %d, rows of %d tokens).",
         config.model_id,

@@ -79,6 +79,17 @@ def inject_faults(model, marker_token_id: int) -> list:
     ]
 
 
+def boost_token(model, token_id: int):
+    """Make ``token_id`` every prediction's top logit (a model that wants to emit it: a trained MARS checkpoint's
+    mask token can rank high). Returns the hook handle."""
+
+    def boost(module, args, kwargs, output):
+        logits = output.logits
+        logits[..., token_id] = logits.max(dim=-1).values + 5.0
+
+    return model.register_forward_hook(boost, with_kwargs=True)
+
+
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=()) -> list[int]:
     """Plain greedy decoding by full forwards (no cache, no MARS): the answer a lossless row must give."""
     ids, out = list(prompt_ids), []
