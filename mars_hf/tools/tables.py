@@ -29,7 +29,7 @@ class Column:
     align: str = ">"
 
     def cell(self, row: dict) -> str:
-        value = row[self.value] if isinstance(self.value, str) else self.value(row)
+        value = row.get(self.value) if isinstance(self.value, str) else self.value(row)
         text = fmt(value, self.spec) + ("" if value is None else self.suffix)
         return format(text, f"{self.align}{self.width}")
 

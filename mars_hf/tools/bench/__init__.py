@@ -13,6 +13,12 @@ cache scheme and block C):
   set (in batches), so rows of different batch sizes do the same work.
 - ``tokens_per_s`` and ``speedup`` = tokens/s ÷ stock tokens/s (equal to the wall-clock ratio when both
   produce the same number of tokens, which they do whenever the outputs match).
+- ``kernels``, ``vs_off`` and ``off_reference``: what a row's forwards ran on (stock kernels or packed
+  oneDNN linears) and its tokens/s ÷ the fastest MARS-off row on the same kernels (`denominators`).
+- ``masks_value``: verify with the trained masks ÷ verify on the base model with an untrained mask row
+  (`untrained`), same window, planner and kernels: what the training adds.
+- per category (``--dataset``: MT-Bench, HumanEval, a JSONL file; `eval_sets`, `categories`): tokens per
+  forward, answers identical to stock greedy, both ratios.
 - ``efficiency`` = speedup ÷ (tokens_per_forward ÷ stock tokens_per_forward): the share of the saved
   forwards that turned into saved time (at batch 1: speedup ÷ tokens per forward).
 - ``predicted``: the speedup docs/method.md §4's cost model predicts from the measured cost of an
@@ -24,9 +30,17 @@ cache scheme and block C):
 """
 
 from mars_hf.tools.bench.configurations import SCHEMES, BenchConfiguration, build_configurations
+from mars_hf.tools.bench.denominators import add_denominators
+from mars_hf.tools.bench.eval_sets import (
+    EVAL_SETS,
+    evaluation_prompts,
+    exclude_evaluation_rows,
+    load_eval_set,
+)
 from mars_hf.tools.bench.measure import (
     ForwardCounter,
     RunMeasurement,
+    UntrainedDecoder,
     count_generated_tokens,
     greedy_generation_config,
     interleaved_runs,
@@ -43,25 +57,34 @@ from mars_hf.tools.bench.prompts import (
 from mars_hf.tools.bench.report import format_table
 from mars_hf.tools.bench.runner import BenchArguments, run_benchmark
 from mars_hf.tools.bench.summary import summarise_measurements
+from mars_hf.tools.bench.untrained import load_untrained_mask_model, with_untrained_mask
 
 __all__ = [
     "BUILTIN_PROMPTS",
+    "EVAL_SETS",
     "PROMPT_SETS",
     "SCHEMES",
     "BenchArguments",
     "BenchConfiguration",
     "ForwardCounter",
     "RunMeasurement",
+    "UntrainedDecoder",
+    "add_denominators",
     "build_configurations",
     "count_generated_tokens",
+    "evaluation_prompts",
+    "exclude_evaluation_rows",
     "format_table",
     "greedy_generation_config",
     "grounded_prompts",
     "interleaved_runs",
+    "load_eval_set",
     "load_prompts",
+    "load_untrained_mask_model",
     "prepare_batches",
     "prepare_inputs",
     "run_benchmark",
     "run_once",
     "summarise_measurements",
+    "with_untrained_mask",
 ]

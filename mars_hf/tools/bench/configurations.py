@@ -22,6 +22,7 @@ class BenchConfiguration:
     layout: str | None = None  # verified decoding (mars_acceptance="verify", no τ): auto, linear, quadratic
     lookup: int | None = None
     cpu_kernels: str = "auto"  # mars_cpu_kernels of a MARS row; "packed" on a stock row: the kernels' share
+    masks: str = "trained"  # "untrained": the base model with a mean-initialized mask row (untrained.py)
 
     @property
     def verify(self) -> bool:
@@ -32,10 +33,17 @@ class BenchConfiguration:
         if self.scheme == "stock":
             label = f"stock prompt-lookup={self.lookup}" if self.lookup else "stock"
         else:
-            label = f"{self.scheme} verify-{self.layout}" if self.verify else f"{self.scheme} tau={self.tau:g}"
+            label = (
+                f"{self.scheme} verify-{self.layout}" if self.verify else f"{self.scheme} tau={self.tau:g}"
+            )
             label += f" W={self.window}" + (f" prompt-lookup={self.lookup}" if self.lookup else "")
             label += f" C={self.cache_block}" if self.cache_block is not None else ""
-        return label + (f" kernels={self.cpu_kernels}" if self.cpu_kernels != "auto" else "")
+        label += f" kernels={self.cpu_kernels}" if self.cpu_kernels != "auto" else ""
+        return label + (" masks=untrained" if self.untrained else "")
+
+    @property
+    def untrained(self) -> bool:
+        return self.masks == "untrained"
 
     def generate_kwargs(self, acceptance: str) -> dict:
         if self.scheme == "stock":
@@ -64,13 +72,15 @@ def build_configurations(
     verify_layouts=(),
     lookup_tokens=(),
     cpu_kernels=("auto",),
+    untrained_masks: bool = False,
 ) -> list[BenchConfiguration]:
     """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
     (τ ≥ 1 with the probability or margin metric: ``one_token_per_step``) the schemes all do the same
     work, so only ``one_token_schemes`` run there. Each of ``verify_layouts`` adds verified decoding
     (cursor scheme) for every window. Each k of ``lookup_tokens`` adds transformers' prompt lookup
     (stock ``generate``, batch 1 only) and every verify row again with prompt-lookup drafts. Every MARS row
-    runs once per ``cpu_kernels`` mode (``mars_cpu_kernels``)."""
+    runs once per ``cpu_kernels`` mode (``mars_cpu_kernels``). With ``untrained_masks``, every verify row of
+    the planner (layout ``auto``, no prompt lookup) runs again on the untrained-mask model (``masks``)."""
     unknown = set(schemes) - set(SCHEMES)
     if unknown:
         raise ValueError(f"Unknown scheme(s) {sorted(unknown)}; choose from {list(SCHEMES)}.")
@@ -102,4 +112,10 @@ def build_configurations(
         for c in configurations
         for mode in (cpu_kernels if c.scheme != "stock" else ("auto",))
     ]
+    if untrained_masks:
+        configurations += [
+            dataclasses.replace(c, masks="untrained")
+            for c in configurations
+            if c.layout == "auto" and not c.lookup
+        ]
     return list(dict.fromkeys(configurations))

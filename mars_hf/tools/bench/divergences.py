@@ -32,6 +32,18 @@ def add_divergences(rows: list[dict], measurements, batches, reference) -> None:
         if not is_lossless(row):
             continue
         row["divergences"] = judge_against_stock(reference, prompts, stock_tokens, row_runs[0].new_tokens)
+        row["answers"] = answers_verdict(row["divergences"])
+
+
+def answers_verdict(d: dict) -> str:
+    """What a row that should equal stock greedy gave, in words: ``identical``, ``identical up to near-ties
+    (n flips)`` (bf16: a multi-row forward rounded a near tie the other way), or the differences beyond that
+    (a bug). Never "lossless" where the answers differ."""
+    if d["rows_identical"] == d["rows"]:
+        return "identical"
+    if not d["other_differences"]:
+        return f"identical up to near-ties ({d['near_tie_flips']} flips)"
+    return f"NOT identical: {d['other_differences']} differences beyond near ties ({d['near_tie_flips']} near-tie flips)"
 
 
 def format_divergences(result: dict, label) -> list[str]:
@@ -45,7 +57,10 @@ def format_divergences(result: dict, label) -> list[str]:
         return ["", f"divergences from stock greedy: none (all {len(judged)} lossless rows identical)"]
     lines = ["", "divergences from stock greedy at the first differing token (gap = reference logit of stock's "
              "token - of the run's; near tie = within 4 bf16 spacings):"]  # fmt: skip
-    lines += [f"{label(row)}: {divergence_line(row['divergences'])}" for row in differing]
+    lines += [
+        f"{label(row)}: {divergence_line(row['divergences'])} -> {answers_verdict(row['divergences'])}"
+        for row in differing
+    ]
     return lines
 
 

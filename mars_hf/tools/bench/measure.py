@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class RunMeasurement:
     plan_counts: dict[str, int] | None = None  # planner choices per row-step (MARS only)
     cost_curve: dict[int, float] | None = None  # the decoder's cost curve (when a step needed it)
     drafts_by_source: dict | None = None  # verify: {source: {"proposed", "accepted"}} over the run
+    batch_seconds: list[float] | None = None  # each batch's own seconds (per-category timings)
 
     @property
     def generated_per_row(self) -> list[int]:
@@ -98,7 +100,7 @@ def _stock_kernels(model, configuration):
 
 def run_once(model, batches, generation_config, configuration, acceptance, counter) -> RunMeasurement:
     """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``."""
-    seconds, new_tokens, forwards, widths, accepted = 0.0, [], [], [], []
+    seconds, new_tokens, forwards, widths, accepted, batch_seconds = 0.0, [], [], [], [], []
     counted = 0
     histogram, plans, curve, sources = {}, {}, None, {}
     for inputs in batches:
@@ -109,7 +111,8 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
             output = model.generate(
                 **inputs, generation_config=generation_config, **configuration.generate_kwargs(acceptance)
             )
-        seconds += time.perf_counter() - start
+        batch_seconds.append(time.perf_counter() - start)
+        seconds += batch_seconds[-1]
         new = output.sequences[:, prompt_length:]
         lengths = count_generated_tokens(new, _eos_ids(generation_config)).tolist()
         new_tokens.extend(row[:n] for row, n in zip(new.tolist(), lengths))
@@ -141,6 +144,7 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
         plan_counts=plans if configuration.scheme != "stock" else None,
         cost_curve=curve,
         drafts_by_source=sources or None,
+        batch_seconds=batch_seconds,
     )
 
 
@@ -156,20 +160,58 @@ def _add_planner_record(output, histogram: dict, plans: dict):
 
 
 def interleaved_runs(
-    model, batches, generation_config, configurations, args, counter, progress=True, desc="bench"
+    model,
+    batches,
+    generation_config,
+    configurations,
+    args,
+    counter,
+    progress=True,
+    desc="bench",
+    untrained=None,
 ) -> dict[BenchConfiguration, list[RunMeasurement]]:
     """``args.warmup`` untimed then ``args.repeats`` timed runs of every configuration, interleaved (so
-    that drift of a shared machine hits every configuration alike): the timed measurements."""
+    that drift of a shared machine hits every configuration alike): the timed measurements.
+
+    ``untrained``: an `UntrainedDecoder` that runs the configurations with ``masks="untrained"``."""
     measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in configurations}
     bar = tqdm(total=len(configurations) * (args.warmup + args.repeats), desc=desc, disable=not progress)
     for repeat in range(args.warmup + args.repeats):
         for configuration in configurations:
-            measurement = run_once(model, batches, generation_config, configuration, args.acceptance, counter)
+            if configuration.untrained:
+                if untrained is None:
+                    raise ValueError(f"{configuration.label} needs the untrained-mask model (`untrained=`).")
+                measurement = run_once(
+                    untrained.model,
+                    batches,
+                    generation_config,
+                    untrained.configuration(configuration),
+                    args.acceptance,
+                    untrained.counter,
+                )
+            else:
+                measurement = run_once(
+                    model, batches, generation_config, configuration, args.acceptance, counter
+                )
             if repeat >= args.warmup:
                 measurements[configuration].append(measurement)
             bar.update(1)
     bar.close()
     return measurements
+
+
+@dataclass
+class UntrainedDecoder:
+    """The untrained-mask model, its forward counter, and the kernels the trained model's rows ran on per
+    ``mars_cpu_kernels`` mode (``"packed"`` / ``"stock"``): an untrained-mask row runs on the same kernels
+    as its trained twin, not on what ``"auto"`` would decide for the second model."""
+
+    model: object
+    counter: ForwardCounter
+    kernels: dict[str, str]
+
+    def configuration(self, configuration: BenchConfiguration) -> BenchConfiguration:
+        return dataclasses.replace(configuration, cpu_kernels=self.kernels[configuration.cpu_kernels])
 
 
 def greedy_generation_config(model, max_new_tokens: int, *, tokenizer=None, output_logits: bool = False):

@@ -9,11 +9,16 @@ from mars_hf.tools.tables import Column, cost_curve_text, fixed_width_table, fmt
 def format_table(result: dict) -> str:
     """A plain-text table of the rows (one block per batch size) and the measured step costs."""
     lines = [f"model: {result['model']}  ({_describe_environment(result)})"]
+    lines += [f"note: {note}" for note in result.get("notes", [])]
     lines += fixed_width_table(TABLE_COLUMNS, result["rows"], group=lambda row: row["batch"])
     lines.append("")
     lines.append(
-        "tok/fwd = generated tokens / (batch x forwards); speedup = tokens/s vs stock generate (same run, "
-        "medians; (best): from each configuration's fastest repeat); "
+        "tok/fwd = generated tokens / (batch x forwards); speedup = tokens/s vs stock generate on stock kernels "
+        "(same run, medians; (best): from each configuration's fastest repeat); kernels = what the row's "
+        "forwards ran on (stock kernels, or packed oneDNN linears); vs off = tokens/s vs the fastest MARS-off row "
+        "on the same kernels (off ref: stock generate, stock+packed = stock generate on the packed kernels, or "
+        "tau=1 through the MARS decoder; MARS's own gain); masks = the trained masks, or untrained = the "
+        "checkpoint's base model with a mean-initialized mask row and no adapter (same window, planner, kernels); "
         "effic. = speedup / (tok/fwd relative to stock); step = tokens one forward feeds on its cache "
         "after the prompt, mean over the run (n + W for cursor; the open block + W for block; the whole "
         "sequence, uncached, for none); cost = that forward's measured time (one real token then masks, fastest of "
@@ -25,6 +30,8 @@ def format_table(result: dict) -> str:
         "prompt lookup (prompt_lookup_num_tokens=K, stock generate)."
     )
     lines += format_divergences(result, _label)
+    lines += format_masks_value(result["rows"])
+    lines += format_categories(result)
     lines += format_planner(result)
     for batch, costs in result["costs"].items():
         cached = ", ".join(f"{k}:{v:.2f}" for k, v in costs["cached_step_cost"].items())
@@ -66,9 +73,31 @@ def format_planner(result: dict) -> list[str]:
     return lines
 
 
+def format_masks_value(rows: list[dict]) -> list[str]:
+    """Per verify row with the trained masks and an untrained-mask twin: what the training adds."""
+    valued = [row for row in rows if row.get("masks_value") is not None]
+    if not valued:
+        return []
+    lines = ["", "masks' own value = verify with the trained masks / verify with an untrained mask row (tokens/s, "
+             "same window, planner and kernels; per token, since bf16 answers can differ at near ties):"]  # fmt: skip
+    lines += [f"{_label(row)}: {row['masks_value']:.2f}x" for row in valued]
+    return lines
+
+
+def format_categories(result: dict) -> list[str]:
+    """Per batch size, a block per category (`mars_hf.tools.bench.categories`): the rows' counts and ratios."""
+    lines = []
+    for batch, rows in (result.get("categories") or {}).items():
+        lines += ["", f"per category, batch {batch} (identical = k/n answers equal to stock greedy in this dtype, "
+                  "~f: f near-tie flips among the others; ratios of tokens/s from the same runs):"]  # fmt: skip
+        lines += fixed_width_table(CATEGORY_COLUMNS, rows, group=lambda row: row["category"])
+    return lines
+
+
 def _label(row) -> str:
-    """A row's name under the table: its batch, rule and scheme cells."""
-    return " ".join(column.cell(row) for column in TABLE_COLUMNS[:2] + TABLE_COLUMNS[3:4])
+    """A row's name under the table: its batch, rule and scheme cells (and its masks where untrained)."""
+    label = " ".join(column.cell(row) for column in TABLE_COLUMNS[:2] + TABLE_COLUMNS[3:4])
+    return label.rstrip() + (" untrained masks" if row.get("masks") == "untrained" else "")
 
 
 def _rule(row) -> str:
@@ -89,8 +118,19 @@ def _scheme(row) -> str:
 
 
 def _measured(key: str):
-    """A column of the cost model's numbers (NaN until `add_cost_model` has added them)."""
-    return lambda row: row.get(key, float("nan"))
+    """A column of the cost model's numbers (``-`` where `add_cost_model` gave the row none)."""
+    return lambda row: row.get(key)
+
+
+def _masks(row) -> str | None:
+    """``trained`` / ``untrained`` for a MARS row; None (``-``) for stock `generate`."""
+    return None if row["scheme"] == "stock" else row.get("masks", "trained")
+
+
+def _identical(row) -> str:
+    """``k/n`` answers equal to stock greedy's, with the near-tie flips among the others."""
+    flips = row.get("near_tie_flips")
+    return f"{row['rows_identical']}/{row['rows']}" + (f" ~{flips}" if flips else "")
 
 
 TABLE_COLUMNS = [
@@ -109,6 +149,26 @@ TABLE_COLUMNS = [
     Column("cost", 5, _measured("step_cost"), ".2f"),
     Column("pred.", 6, _measured("predicted_speedup"), ".2f", "x"),
     Column("=stock", 6, "same_as_stock", ".2f"),
+    Column("kernels", 7, "kernels", align="<"),
+    Column("masks", 9, _masks, align="<"),
+    Column("vs off", 6, "vs_off", ".2f", "x"),
+    Column("off ref", 16, "off_reference", align="<"),
+]
+
+CATEGORY_COLUMNS = [
+    Column("category", 12, "category", align="<"),
+    Column("tau", 9, _rule),
+    Column("W", 3, "window", "d"),
+    Column("scheme", 13, _scheme, align="<"),
+    Column("kernels", 7, "kernels", align="<"),
+    Column("masks", 9, _masks, align="<"),
+    Column("tok/fwd", 7, "tokens_per_forward", ".2f"),
+    Column("identical", 9, _identical),
+    Column("tok/s", 8, "tokens_per_s", ".1f"),
+    Column("vs stock", 8, "speedup", ".2f", "x"),
+    Column("vs off", 6, "vs_off", ".2f", "x"),
+    Column("off ref", 16, "off_reference", align="<"),
+    Column("masks' own", 10, "masks_value", ".2f", "x"),
 ]
 
 

@@ -12,10 +12,16 @@ from mars_hf.decoding.cost_model import batch_bucket, cost_table
 from mars_hf.decoding.cpu_kernels import packed_linears, use_packed
 from mars_hf.decoding.home import cpu_name, speed_cpu_flags
 from mars_hf.decoding.settings import resolve_mask_token
+from mars_hf.tools.bench.categories import categorised_batches, summarise_categories
 from mars_hf.tools.bench.configurations import SCHEMES, BenchConfiguration, build_configurations
+from mars_hf.tools.bench.denominators import add_denominators, label_rows
 from mars_hf.tools.bench.divergences import add_divergences
-from mars_hf.tools.bench.measure import ForwardCounter, greedy_generation_config, interleaved_runs
-from mars_hf.tools.bench.prompts import prepare_batches
+from mars_hf.tools.bench.measure import (
+    ForwardCounter,
+    UntrainedDecoder,
+    greedy_generation_config,
+    interleaved_runs,
+)
 from mars_hf.tools.bench.step_costs import add_cost_model
 from mars_hf.tools.bench.summary import summarise_measurements
 
@@ -54,6 +60,13 @@ class BenchArguments:
         default_factory=lambda: ["auto"],
         metadata={"help": "mars_cpu_kernels modes: every MARS row runs once per mode (auto, packed, stock)."},
     )
+    untrained_masks: bool = field(
+        default=False,
+        metadata={
+            "help": "Run every planner verify row (layout auto, no lookup) again on an untrained-mask model "
+            "(run_benchmark's untrained_model): the masks' own value."
+        },
+    )
 
 
 def run_benchmark(
@@ -65,12 +78,16 @@ def run_benchmark(
     model_name: str = "",
     progress=True,
     divergence_reference=None,
+    categories: list[str] | None = None,
+    untrained_model=None,
 ):
-    """Run the grid for every batch size; returns a JSON-able dict with ``rows`` and ``costs``.
+    """Run the grid for every batch size; returns a JSON-able dict with ``rows`` and ``costs`` (and
+    ``categories``: per category rows, where ``categories`` gives each prompt's).
 
     ``divergence_reference``: a function returning the model that measures the logit gap where a lossless
     row differs from stock greedy (`mars-hf bench` passes a float32 copy's loader for a bfloat16 model);
-    default: the benchmarked model itself.
+    default: the benchmarked model itself. ``untrained_model``: the base model with an untrained mask row
+    (`mars_hf.tools.bench.untrained`) that ``args.untrained_masks`` rows run on.
     """
     configurations = build_configurations(
         args.taus,
@@ -82,13 +99,24 @@ def run_benchmark(
         args.verify_layouts,
         args.lookup_tokens,
         args.cpu_kernels,
+        untrained_masks=args.untrained_masks,
     )
     if "stock" not in args.schemes:
         raise ValueError(
             "The benchmark reports ratios against stock `generate`; keep 'stock' in the schemes."
         )
-    if use_packed(model, "auto"):  # MARS rows run on packed kernels: show stock `generate` on them too
+    if args.untrained_masks and untrained_model is None:
+        raise ValueError(
+            "untrained_masks=True needs untrained_model= (the base model with an untrained mask row: "
+            "mars_hf.tools.bench.untrained.with_untrained_mask), or set untrained_masks=False."
+        )
+    # Where some MARS row runs on packed kernels, stock `generate` runs on them too: that row's MARS-off.
+    kernels = {mode: "packed" if use_packed(model, mode) else "stock" for mode in args.cpu_kernels}
+    if "packed" in kernels.values():
         configurations.insert(1, BenchConfiguration("stock", cpu_kernels="packed"))
+    untrained = None
+    if args.untrained_masks:
+        untrained = UntrainedDecoder(untrained_model, ForwardCounter(untrained_model), kernels)
     generation_config = greedy_generation_config(model, args.max_new_tokens, tokenizer=tokenizer)
     result = {
         "model": model_name,
@@ -98,15 +126,20 @@ def run_benchmark(
         "rows": [],
         "costs": {},
     }
+    if categories is not None:
+        result["categories"] = {}
     counter = ForwardCounter(model)
     try:
         for batch_size in args.batch_sizes:
-            batches = [
-                {k: v.to(model.device) for k, v in inputs.items()}
-                for inputs in prepare_batches(tokenizer, prompts, batch_size)
-            ]
+            batches, batch_categories = categorised_batches(tokenizer, prompts, categories, batch_size)
+            batches = [{k: v.to(model.device) for k, v in inputs.items()} for inputs in batches]
             if len(configurations) > 1:
                 _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens, args.cpu_kernels)
+                if untrained is not None:
+                    modes = sorted(set(kernels.values()))
+                    _measure_decoder_costs(
+                        untrained.model, batch_size, args.windows, args.max_new_tokens, modes
+                    )
             # transformers' own prompt lookup (assisted decoding) serves batch size 1 only
             active = [c for c in configurations if batch_size == 1 or not (c.scheme == "stock" and c.lookup)]
             measurements = interleaved_runs(
@@ -118,13 +151,23 @@ def run_benchmark(
                 counter,
                 progress,
                 f"bench batch={batch_size}",
+                untrained=untrained,
             )
             rows = summarise_measurements(batch_size, batches, measurements, model_name)
+            label_rows(model, rows, args.acceptance)
             add_divergences(rows, measurements, batches, divergence_reference or (lambda: model))
-            result["costs"][str(batch_size)] = add_cost_model(model, batches[0], rows, args)
+            trained = [row for row in rows if row["masks"] == "trained"]
+            result["costs"][str(batch_size)] = add_cost_model(model, batches[0], trained, args)
+            add_denominators(rows)
             result["rows"].extend(rows)
+            if categories is not None:
+                result["categories"][str(batch_size)] = summarise_categories(
+                    batch_size, batch_categories, measurements, rows
+                )
     finally:
         counter.remove()
+        if untrained is not None:
+            untrained.counter.remove()
     return result
 
 
@@ -146,7 +189,9 @@ def bench_environment(model) -> dict:
     }
 
 
-def _measure_decoder_costs(model, batch_size: int, windows, max_new_tokens: int, kernel_modes=("auto",)) -> None:
+def _measure_decoder_costs(
+    model, batch_size: int, windows, max_new_tokens: int, kernel_modes=("auto",)
+) -> None:
     """Let the decoder measure its cost curves before anything is timed or counted: once per process,
     for every batch bucket a batch passes through as its rows finish and every kernel mode (a one-time
     cost, not a step's)."""

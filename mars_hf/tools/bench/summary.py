@@ -31,6 +31,7 @@ def summarise_measurements(batch_size, batches, measurements, model_name) -> lis
             "prompt_lookup_num_tokens": configuration.lookup,
             "cache_block": configuration.cache_block,
             "cpu_kernels": configuration.cpu_kernels,
+            "masks": getattr(configuration, "masks", "trained"),
             "num_batches": len(batches),
             "prompt_tokens": prompt_tokens,
             "generated_tokens": generated,

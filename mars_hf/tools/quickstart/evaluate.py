@@ -493,7 +493,7 @@ def pareto_plot(
                 "*",
                 markersize=12,
                 color=verify_color,
-                label=f"verify, lossless ({name})",
+                label=f"verify, identical up to near-ties ({verify.get('near_tie_flips', 0)} flips; {name})",
             )
     stock = next((row for row in rows if row["threshold"] is None), None)
     if stock is not None:
