@@ -50,15 +50,50 @@ import sys
 
 
 def load_dataset_from_args(script_args):
-    """A Hub dataset name, or a local JSON/JSONL file (loaded with the `json` builder)."""
+    """A Hub dataset name, or a local JSON/JSONL file (loaded with the `json` builder).
+
+    An empty local file is refused by name (the `json` builder raises a bare StopIteration on one).
+    """
     from datasets import load_dataset
 
     name = script_args.dataset_name
     if name is None:
         raise ValueError("Pass `--dataset_name` (a Hub dataset or a local .json/.jsonl file).")
-    if name.endswith((".json", ".jsonl")) or os.path.isfile(name):
-        return load_dataset("json", data_files={script_args.dataset_train_split: name})
-    return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    local_file = name.endswith((".json", ".jsonl")) or os.path.isfile(name)
+    if local_file and os.path.isfile(name) and not _has_content(name):
+        raise ValueError(f"{name} is empty: it holds no training rows. {ROW_FORMATS_HINT}")
+    try:
+        if local_file:
+            return load_dataset("json", data_files={script_args.dataset_train_split: name})
+        return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    except StopIteration as error:  # the json builder on a file (or a folder's file) without rows
+        raise ValueError(f"{name} holds no training rows (an empty file?). {ROW_FORMATS_HINT}") from error
+
+
+ROW_FORMATS_HINT = (
+    "Each row needs one of: 'messages' (a chat), 'prompt' and 'completion', 'text' (`--dataset_text_field`), "
+    "'conversations' (from/value turns) or tokenized 'input_ids'; e.g. `mars-hf distill` writes such a file."
+)
+
+
+def _has_content(path: str) -> bool:
+    """Whether a file holds anything but whitespace (read until the first such byte)."""
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 16), b""):
+            if chunk.strip():
+                return True
+    return False
+
+
+def check_rows(dataset, script_args, training_args) -> None:
+    """Refuse a training row in no format TRL reads, naming the file and the row (before any work is done)."""
+    from mars_hf.training.screening import check_row_formats
+
+    check_row_formats(
+        dataset[script_args.dataset_train_split],
+        training_args.dataset_text_field,
+        source=script_args.dataset_name,
+    )
 
 
 def main(script_args, training_args, model_args):
@@ -78,6 +113,7 @@ def main(script_args, training_args, model_args):
         model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
     )
     dataset = load_dataset_from_args(script_args)
+    check_rows(dataset, script_args, training_args)
     calibration_rows = hold_out_for_calibration(dataset, script_args, training_args, logger)
     eval_dataset = None
     if training_args.eval_strategy != "no":
@@ -93,9 +129,11 @@ def main(script_args, training_args, model_args):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("Training completed.")
+    save_trained(trainer, training_args)  # first: nothing that can fail after training may lose it
     if calibration_rows is not None:
-        fit_calibration_after_training(trainer, calibration_rows, logger)
-    save_and_push(trainer, training_args, script_args.dataset_name)
+        fit_calibration_after_training(trainer, calibration_rows, training_args, logger)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
     # Only the main process writes files, so the others reach `end()` first; tearing down a gloo group while a
     # peer is still busy can hang (pytorch/pytorch#75097). Every process destroys it together instead.
     trainer.accelerator.wait_for_everyone()
@@ -127,14 +165,12 @@ def model_init_kwargs(model_args, training_args) -> dict:
     return kwargs
 
 
-def save_and_push(trainer, training_args, dataset_name) -> None:
-    """Save the model and the loss curve (also when no checkpoint was saved); push when asked."""
+def save_trained(trainer, training_args) -> None:
+    """Save the model and the loss curve (also when no checkpoint was saved), right after training."""
     trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():
         trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=dataset_name)
 
 
 def hold_out_for_calibration(dataset, script_args, training_args, logger):
@@ -162,17 +198,33 @@ def hold_out_for_calibration(dataset, script_args, training_args, logger):
     return parts["test"]
 
 
-def fit_calibration_after_training(trainer, rows, logger):
-    """Fit ``config.mars["calibration"]`` on the held-out rows; ``save_model`` then writes it."""
-    from mars_hf.training.calibration_fit import attach_calibration
+def fit_calibration_after_training(trainer, rows, training_args, logger):
+    """Fit ``config.mars["calibration"]`` on the held-out rows and write it into the saved model.
 
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    record = attach_calibration(model, trainer.processing_class, rows)
+    The model is saved before this runs, so a failure here costs only the calibration: it is logged with the
+    command that fits one later, then raised.
+    """
+    from mars_hf.training.calibration_fit import attach_calibration, write_calibration
+
+    output_dir = training_args.output_dir
+    try:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        record = attach_calibration(
+            model, trainer.processing_class, rows, text_field=training_args.dataset_text_field
+        )
+        if record is not None and trainer.is_world_process_zero():
+            write_calibration(output_dir, record)
+    except Exception:
+        logger.error(
+            f"The confidence calibration fit failed; the trained model is saved in {output_dir} without it. "
+            f"Fit it later with `mars-hf calibrate {output_dir} --data ANSWERS.jsonl`."
+        )
+        raise
     if record is not None:
         reliability = record.get("reliability", {})
         logger.info(
-            f"Confidence calibration fitted on {record['num_examples']} held-out rows: held-out calibration "
-            f"error {reliability.get('pooled_before')} -> {reliability.get('pooled_after')}."
+            f"Confidence calibration fitted on {record['num_examples']} held-out rows and written to {output_dir}: "
+            f"held-out calibration error {reliability.get('pooled_before')} -> {reliability.get('pooled_after')}."
         )
 
 

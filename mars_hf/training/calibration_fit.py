@@ -309,18 +309,25 @@ def calibrate(model, sequences, labels, *, conditional: bool = True, bins: int =
     return record
 
 
-def attach_calibration(model, tokenizer, rows: Sequence[dict]) -> dict | None:
+def attach_calibration(
+    model, tokenizer, rows: Sequence[dict], *, text_field: str | None = None
+) -> dict | None:
     """Fit on held-out training-format ``rows`` and store the record in ``model``'s ``config.mars``.
 
     Used right after training (``mars-hf train``, the quickstart), so every checkpoint they save carries
-    a τ that means the same thing. Returns the record, or ``None`` (with a warning) when the rows hold
-    no usable sample: the checkpoint then decodes with raw confidences, as before calibration existed.
+    a τ that means the same thing. Returns the record, or ``None`` (with a warning) when the rows cannot be
+    read or hold no usable sample: the checkpoint then decodes with raw confidences, as before calibration
+    existed. ``text_field``: plain-text rows (that column) are read too, every token supervised.
     """
-    sequences, labels = examples_from_records(tokenizer, list(rows))
     try:
+        sequences, labels = examples_from_records(tokenizer, list(rows), text_field=text_field)
         record = calibrate(model, sequences, labels)
     except ValueError as error:
-        logger.warning("No confidence calibration fitted: %s", error)
+        logger.warning(
+            "No confidence calibration fitted: %s The checkpoint decodes with raw confidences; fit one later "
+            "with `mars-hf calibrate CHECKPOINT --data ANSWERS.jsonl`.",
+            error,
+        )
         return None
     target = model.get_base_model() if hasattr(model, "get_base_model") else model
     target.config.mars = {**target.config.mars, CALIBRATION_KEY: record}
@@ -330,19 +337,26 @@ def attach_calibration(model, tokenizer, rows: Sequence[dict]) -> dict | None:
 # --------------------------------------------------------------------------------------------------
 # Data and checkpoints
 # --------------------------------------------------------------------------------------------------
-def examples_from_records(tokenizer, records: Sequence[dict]) -> tuple[list[list[int]], list[list[int]]]:
+def examples_from_records(
+    tokenizer, records: Sequence[dict], *, text_field: str | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
     """``(sequences, labels)`` from training-format rows: ``input_ids`` (+ ``labels``), ``messages``
-    (the last turn is the answer), or ``prompt`` / ``completion`` (strings or message lists)."""
+    (the last turn is the answer), ``prompt`` / ``completion`` (strings or message lists), or, with
+    ``text_field``, plain text (every token supervised). A column a row lacks may be present as None
+    (rows of a `datasets.Dataset` carry every column)."""
     sequences, labels = [], []
     for n, record in enumerate(records):
-        if "input_ids" in record:
+        if record.get("input_ids") is not None:
             ids = list(record["input_ids"])
             labs = list(record.get("labels") or ids)
+        elif text_field is not None and isinstance(record.get(text_field), str) and _no_chat(record):
+            ids = list(tokenizer(record[text_field])["input_ids"])
+            labs = list(ids)
         else:
-            if "messages" in record:
+            if record.get("messages") is not None:
                 messages = list(record["messages"])
                 prompt_messages, answer = messages[:-1], messages[-1:]
-            elif "prompt" in record and "completion" in record:
+            elif record.get("prompt") is not None and record.get("completion") is not None:
                 prompt, completion = record["prompt"], record["completion"]
                 if isinstance(prompt, str):
                     prompt = [{"role": "user", "content": prompt}]
@@ -350,9 +364,11 @@ def examples_from_records(tokenizer, records: Sequence[dict]) -> tuple[list[list
                     completion = [{"role": "assistant", "content": completion}]
                 prompt_messages, answer = list(prompt), list(completion)
             else:
+                text = f", '{text_field}'" if text_field is not None else ""
                 raise ValueError(
-                    f"Example {n} has none of 'input_ids', 'messages', 'prompt'/'completion' "
-                    f"(keys: {sorted(record)}); use the output of `mars-hf distill`."
+                    f"Example {n} has none of 'input_ids', 'messages', 'prompt'/'completion'{text} "
+                    f"(keys: {sorted(k for k, v in record.items() if v is not None)}); use the output of "
+                    "`mars-hf distill`."
                 )
             prompt_ids = _template(tokenizer, prompt_messages, add_generation_prompt=True)
             ids = _template(tokenizer, prompt_messages + answer, add_generation_prompt=False)
@@ -362,6 +378,11 @@ def examples_from_records(tokenizer, records: Sequence[dict]) -> tuple[list[list
         sequences.append(ids)
         labels.append(labs)
     return sequences, labels
+
+
+def _no_chat(record: dict) -> bool:
+    """A row whose chat columns are empty: its text column is what TRL trains on."""
+    return record.get("messages") is None and record.get("prompt") is None
 
 
 def _template(tokenizer, messages, *, add_generation_prompt):

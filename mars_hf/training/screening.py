@@ -101,6 +101,41 @@ def check_not_empty(split: str, dataset) -> None:
         )
 
 
+ROW_FORMATS = (
+    "'messages' (a chat), 'prompt' and 'completion', '{text}' (plain text, `dataset_text_field`), "
+    "'conversations' (from/value turns) or tokenized 'input_ids'"
+)
+
+
+def _has_format(row: dict, text_field: str) -> bool:
+    """Whether a row holds one of the formats TRL reads (a column a row lacks reads as None)."""
+    if row.get("input_ids") is not None or row.get("messages") is not None:
+        return True
+    if row.get("conversations") is not None or isinstance(row.get(text_field), str):
+        return True
+    return row.get("prompt") is not None and row.get("completion") is not None
+
+
+def check_row_formats(dataset, text_field: str, source: str) -> None:
+    """Refuse the first row of ``dataset`` in none of TRL's formats, naming ``source`` (a file, a split), the
+    row and the formats; TRL would fail on it with a bare ``KeyError: 'text'`` in the middle of tokenizing.
+
+    A `datasets.Dataset` is read column-wise, every row; other datasets are left to TRL.
+    """
+    if not isinstance(dataset, Dataset):
+        return
+    names = ("input_ids", "messages", "conversations", "prompt", "completion", text_field)
+    columns = [c for c in dict.fromkeys(names) if c in dataset.column_names]
+    rows = _column_rows(dataset, columns) if columns else ({} for _ in range(len(dataset)))
+    for index, row in enumerate(rows):
+        if not _has_format(row, text_field):
+            fields = sorted(k for k, v in dataset[index].items() if v is not None)
+            raise ValueError(
+                f"Row {index} of {source} has none of the training formats (its fields: {fields}). Each row "
+                f"needs one of: {ROW_FORMATS.format(text=text_field)}."
+            )
+
+
 def refuse_if_nothing_left(split: str, total: int, counts: dict[str, int], max_length: int | None) -> None:
     if total == 0 or sum(counts.values()) < total:
         return
@@ -125,6 +160,7 @@ def screen_raw(
     total = len(dataset) if hasattr(dataset, "__len__") else None
     if not isinstance(dataset, Dataset) or formatting_func is not None:
         return dataset, total, {}
+    check_row_formats(dataset, text_field, source=f"the {split} dataset")
     columns = [c for c in ("prompt", "completion", "messages", text_field) if c in dataset.column_names]
     if "input_ids" in dataset.column_names or not columns:
         return dataset, total, {}
