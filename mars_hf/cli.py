@@ -22,7 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         module = importlib.import_module(f"mars_hf.commands.{name.replace('-', '_')}")
         # argparse %-formats help strings (not descriptions): a literal % in HELP must be doubled there
-        sub = subparsers.add_parser(name, help=module.HELP.replace("%", "%%"), description=module.HELP)
+        sub = subparsers.add_parser(
+            name,
+            help=module.HELP.replace("%", "%%"),
+            description=module.HELP,
+            **getattr(module, "PARSER_OPTIONS", {}),  # e.g. `train`: its arguments are another parser's
+        )
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser

@@ -21,21 +21,23 @@ HELP = "Fine-tune a causal LM with MARS (TrlParser over MARSConfig/ModelConfig; 
 BUNDLED_CONFIGS = ("multi_cpu", "multi_gpu", "zero2", "fsdp")
 
 
+# Every argument after `train`, `--help` included, belongs to the training script's TrlParser or to
+# `accelerate launch` (`split_arguments`), so this command's parser takes them all as they are: no option
+# prefix (argparse would read `--block_size` as an unknown option of its own) and no `-h` of its own.
+PARSER_OPTIONS = {
+    "prefix_chars": "\0",
+    "add_help": False,
+    "usage": "mars-hf train [--help] [--config RECIPE.yaml] [--accelerate_config NAME|FILE] [TRAIN_MARS_ARGS ...]",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.usage = (
-        "mars-hf train [--help] [--config RECIPE.yaml] [--accelerate_config NAME|FILE] [TRAIN_MARS_ARGS ...]"
+    parser.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        metavar="TRAIN_MARS_ARGS",
+        help="The training script's options (`mars-hf train --help` lists them) and `accelerate launch`'s.",
     )
-
-    # argparse would reject the script's options (they are TrlParser's, not this parser's), so every
-    # argument after `train`, `--help` included, is handed to the script untouched.
-    def parse_known_args(args=None, namespace=None):
-        namespace = namespace if namespace is not None else argparse.Namespace()
-        for key, value in parser._defaults.items():  # set_defaults(_run=...) of the CLI
-            setattr(namespace, key, value)
-        namespace.script_args = list(args or [])
-        return namespace, []
-
-    parser.parse_known_args = parse_known_args
 
 
 def load_example_script():
