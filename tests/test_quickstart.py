@@ -209,6 +209,67 @@ def test_precision_is_chosen_by_measurement(monkeypatch, caplog):
         torch.set_num_threads(threads)
 
 
+def test_threads_are_chosen_again_before_training_and_printed(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """Issue 52 (16): a load beside the start-up probe made one thread look faster for the whole run. The
+    choice is measured again before each phase (here the load is gone by training) and shown to the user."""
+    import logging
+
+    from mars_hf.tools.quickstart import pipeline as quickstart
+
+    load = {"busy": True}  # busy until self-distillation is done: one thread measures faster meanwhile
+
+    def rate(dtype, seconds):
+        if dtype is torch.bfloat16:
+            return 10.0
+        busy = {2: 379.0, 1: 694.0}
+        free = {2: 700.0, 1: 380.0}
+        return (busy if load["busy"] else free)[torch.get_num_threads()]
+
+    used = {}
+
+    def distill(*args, **kwargs):
+        used["self-distillation"] = torch.get_num_threads()
+        answers = self_distill(*args, **kwargs)
+        load["busy"] = False
+        return answers
+
+    def train(*args, **kwargs):
+        used["training"] = torch.get_num_threads()
+        return train_mars(*args, **kwargs)
+
+    self_distill, train_mars = quickstart.budgeted_self_distill, quickstart.train_mars
+    monkeypatch.setattr(quickstart, "_matmul_rate", rate)
+    monkeypatch.setattr(quickstart, "budgeted_self_distill", distill)
+    monkeypatch.setattr(quickstart, "train_mars", train)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = _toy_config(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=1,
+        method="mask_row",
+        thresholds=(1.0,),
+        verify=False,
+        save_checkpoint=False,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with caplog.at_level(logging.INFO, logger="mars_hf.tools.quickstart.pipeline"):
+            results = run_quickstart(config)
+    finally:
+        torch.set_num_threads(threads)
+    assert used == {"self-distillation": 1, "training": 2}
+    choices = [(c["phase"], c["threads"]) for c in results["machine"]["thread_choices"]]
+    assert choices == [("start-up", 1), ("self-distillation", 1), ("training", 2), ("evaluation", 2)]
+    assert (
+        "Threads for training: 2 (was 1 for self-distillation) (float32 matmuls/s: 700 with 2 threads, 380 with 1)"
+        in caplog.text
+    )
+    printed = summary(results)
+    assert "1 for start-up (float32 matmuls/s: 379 with 2 threads, 694 with 1)" in printed
+    assert "2 for training (float32 matmuls/s: 700 with 2 threads, 380 with 1)" in printed
+
+
 def test_distillation_and_evaluation_stay_inside_their_budgets(tiny_model_dir, tmp_path):
     """A spent budget stops after the first batch / the first 4 prompts, and cuts the evaluated answers to
     the shortest length (references cut alike); a rerun reuses cached batches and answers."""

@@ -27,7 +27,9 @@ Plain ``lora`` is merged into the weights for evaluation and saving (a plain ``t
 
 Precision and threads are chosen at start-up by measuring what this machine does fast (about a
 second): bf16 autocast only where a bf16 matmul really is faster than float32; the shipped model is
-evaluated in that precision too (stock and MARS alike, so the speed ratio compares like with like).
+evaluated in that precision too (stock and MARS alike, so the speed ratio compares like with like). The
+thread count is measured again before self-distillation, training and evaluation (a passing load must not
+decide for the whole run); each choice is logged and printed in the summary.
 
 This module holds the precision probe and the pipeline. The settings live in
 :mod:`mars_hf.tools.quickstart.config`; the steps in :mod:`mars_hf.tools.quickstart.data` (self-distillation
@@ -90,7 +92,9 @@ def choose_precision_and_threads(config: QuickstartConfig, probe_seconds: float 
 
     bf16 autocast is used only if a bf16 matmul runs at least 1.3× faster than float32 here (CPUs
     without native bf16 emulate it, several times slower). Threads: all cores, unless one thread is
-    measurably faster (a machine whose cores are busy with other work). Explicit settings win.
+    measurably faster (a machine whose cores are busy with other work); re-checked before each later
+    phase (:func:`recheck_threads`), since a load that is there now may be gone in a minute. Explicit
+    settings win.
     """
     info: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
     if info["device"] == "cuda":
@@ -99,19 +103,15 @@ def choose_precision_and_threads(config: QuickstartConfig, probe_seconds: float 
         info["reason"] = "CUDA: bf16 where the GPU supports it"
         logger.info("Precision: %s (%s).", "bf16 autocast" if info["bf16"] else "float32", info["reason"])
         return info
-    cores = torch.get_num_threads()
+    info["cores"] = torch.get_num_threads()
+    info["threads_explicit"] = bool(config.num_threads)
     if config.num_threads:
         threads, thread_reason = config.num_threads, "--num-threads"
         torch.set_num_threads(threads)
     else:
-        torch.set_num_threads(cores)
-        many = _matmul_rate(torch.float32, probe_seconds)
-        torch.set_num_threads(1)
-        one = _matmul_rate(torch.float32, probe_seconds)
-        threads = cores if many >= one else 1
-        thread_reason = f"float32 matmuls/s: {many:.0f} with {cores} threads, {one:.0f} with 1"
-        torch.set_num_threads(threads)
+        threads, thread_reason = _measured_threads(info["cores"], probe_seconds)
     info["threads"], info["threads_reason"] = threads, thread_reason
+    info["thread_choices"] = [{"phase": "start-up", "threads": threads, "reason": thread_reason}]
     fp32 = _matmul_rate(torch.float32, probe_seconds)
     bf16 = _matmul_rate(torch.bfloat16, probe_seconds)
     info["float32_rate"], info["bf16_rate"] = fp32, bf16
@@ -128,6 +128,47 @@ def choose_precision_and_threads(config: QuickstartConfig, probe_seconds: float 
         thread_reason,
     )
     return info
+
+
+def _measured_threads(cores: int, probe_seconds: float) -> tuple[int, str]:
+    """All ``cores`` or 1, whichever runs float32 matmuls faster now; set it; ``(threads, what was measured)``."""
+    if cores <= 1:
+        torch.set_num_threads(1)
+        return 1, "one core"
+    torch.set_num_threads(cores)
+    many = _matmul_rate(torch.float32, probe_seconds)
+    torch.set_num_threads(1)
+    one = _matmul_rate(torch.float32, probe_seconds)
+    threads = cores if many >= one else 1
+    torch.set_num_threads(threads)
+    return threads, f"float32 matmuls/s: {many:.0f} with {cores} threads, {one:.0f} with 1"
+
+
+def recheck_threads(machine: dict, phase: str, probe_seconds: float = 0.2) -> int:
+    """Measure the thread choice again right before ``phase`` (under half a second) and log it.
+
+    Why: one probe at start-up decided for the whole run, and a load beside it (a ``pip install``) made one
+    thread look faster for all of training. An explicit ``--num-threads`` and CUDA are left as they are.
+    Each choice is kept in ``machine["thread_choices"]`` (the summary prints them). Returns the thread count.
+    """
+    if machine.get("device") != "cpu" or machine.get("threads_explicit") or machine["cores"] <= 1:
+        return torch.get_num_threads()
+    threads, reason = _measured_threads(machine["cores"], probe_seconds)
+    previous = machine["thread_choices"][-1]
+    machine["thread_choices"].append({"phase": phase, "threads": threads, "reason": reason})
+    changed = (
+        f" (was {previous['threads']} for {previous['phase']})" if threads != previous["threads"] else ""
+    )
+    logger.info("Threads for %s: %d%s (%s).", phase, threads, changed, reason)
+    return threads
+
+
+def threads_line(machine: dict) -> str:
+    """The summary's words for the thread choices: ``"2"``, or each phase's choice and what was measured."""
+    choices = machine.get("thread_choices")
+    if not choices:
+        return str(machine.get("threads", machine.get("torch_threads")))
+    return "; ".join(f"{c['threads']} for {c['phase']} ({c['reason']})" for c in choices)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,7 +322,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     timings: dict[str, float] = {}
     total_start = time.monotonic()
     machine = choose_precision_and_threads(config)
-    config = dataclasses.replace(config, bf16=machine["bf16"], num_threads=machine["threads"])
+    config = dataclasses.replace(config, bf16=machine["bf16"])  # threads: measured again per phase
     torch.manual_seed(config.seed)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -293,8 +334,11 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         (output_dir / "results.json").write_text(json.dumps({"shipped": shipped}, indent=2))
     with _timed(timings, "load"):
         base = _load_base(config)
+    recheck_threads(machine, "self-distillation")
     data = _base_answers(config, base, timings)
+    recheck_threads(machine, "training")
     trained, training = _train(config, base, data, timings)
+    recheck_threads(machine, "evaluation")
     with _timed(timings, "evaluate"):
         own = _evaluate_own(config, base, data, trained)
     timings["total"] = time.monotonic() - total_start
@@ -530,7 +574,7 @@ def summary(results: dict) -> str:
         + ")",
         f"precision: {'bf16 autocast' if results['machine'].get('bf16') else 'float32'}"
         + (f" ({results['machine']['reason']})" if results["machine"].get("reason") else "")
-        + f"; torch threads: {results['machine'].get('threads', results['machine']['torch_threads'])}",
+        + f"; torch threads: {threads_line(results['machine'])}",
         f"results: {Path(results['config']['output_dir']) / 'results.json'}, plot: "
         f"{Path(results['config']['output_dir']) / 'pareto.png'}"
         + (f", checkpoint: {results['checkpoint']}" if results.get("checkpoint") else ""),
