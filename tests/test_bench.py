@@ -733,6 +733,7 @@ def test_bench_cli_dataset_rows_by_category(tmp_path, capsys):
         (1, "cursor", None, "auto", 10, "trained"),
         (1, "cursor", None, "auto", None, "untrained"),
     ]
+    assert {r["window"] for r in result["rows"] if r["scheme"] != "stock"} == {2}  # the model's own window
     categories = result["categories"]["1"]
     assert [c["category"] for c in categories] == ["animals"] * len(result["rows"]) + ["numbers"] * len(
         result["rows"]

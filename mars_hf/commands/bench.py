@@ -26,7 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--taus", type=floats, default=None, help="MARS thresholds τ (default 1.0,0.9; with --dataset 1.0)."
     )
-    parser.add_argument("--windows", type=ints, default=[4], help="MARS windows W (default 4).")
+    parser.add_argument(
+        "--windows",
+        type=ints,
+        default=None,
+        help="MARS windows W (default: the window the model was trained with, config.mars block_size).",
+    )
     parser.add_argument(
         "--schemes",
         type=words,
@@ -162,6 +167,10 @@ def run(args) -> int:
     model, tokenizer, trained = load_model_and_tokenizer(
         args.model, block_size=args.block_size, dtype=args.dtype
     )
+    if args.windows is None:
+        from mars_hf.decoding.settings import model_defaults
+
+        args.windows = [int(model_defaults(model)["block_size"])]
     notes = []
     untrained_model = None
     verify_auto = "auto" in args.verify_layouts
