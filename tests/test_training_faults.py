@@ -120,3 +120,26 @@ def test_train_takes_its_arguments_without_patching_argparse():
     argv = ["--config", "r.yaml", "--block_size", "2", "-h", "--num_processes", "2", "--", "x"]
     assert parser.parse_args(["train", *argv]).script_args == argv
     assert parser.parse_args(["train"]).script_args == []
+
+
+def test_train_drops_rows_that_hold_an_evaluation_prompt(text_model, tmp_path, monkeypatch):
+    """`mars-hf train` keeps benchmark prompts out of training: a row quoting one is dropped before training
+    (the trainer sees 19 of 20 + 1 rows), and `--exclude_evaluation_prompts false` keeps it."""
+    from mars_hf.tools.bench.prompts import BUILTIN_PROMPTS
+
+    model_dir, data = text_model
+    leaked = json.dumps({"text": "Please answer: " + BUILTIN_PROMPTS[0]}) + "\n"
+    data.write_text(data.read_text() + leaked)
+    seen = {}
+    original = MARSTrainer.__init__
+
+    def record(self, *args, train_dataset=None, **kwargs):
+        seen["rows"] = [row["text"] for row in train_dataset]
+        original(self, *args, train_dataset=train_dataset, **kwargs)
+
+    monkeypatch.setattr(MARSTrainer, "__init__", record)
+    args = train_args(model_dir, data, tmp_path / "out") + ["--calibration_holdout", "0"]
+    load_example_script().cli(args)
+    assert len(seen["rows"]) == 20 and not any(BUILTIN_PROMPTS[0] in row for row in seen["rows"])
+    load_example_script().cli(args + ["--exclude_evaluation_prompts", "false"])
+    assert len(seen["rows"]) == 21

@@ -114,6 +114,7 @@ def main(script_args, training_args, model_args):
     )
     dataset = load_dataset_from_args(script_args)
     check_rows(dataset, script_args, training_args)
+    drop_evaluation_prompts(dataset, script_args, training_args, logger)
     calibration_rows = hold_out_for_calibration(dataset, script_args, training_args, logger)
     eval_dataset = None
     if training_args.eval_strategy != "no":
@@ -171,6 +172,23 @@ def save_trained(trainer, training_args) -> None:
     if trainer.is_world_process_zero():
         trainer.state.save_to_json(os.path.join(training_args.output_dir, "trainer_state.json"))
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+
+
+def drop_evaluation_prompts(dataset, script_args, training_args, logger) -> None:
+    """Remove the training rows that contain a benchmark's prompt (``exclude_evaluation_prompts``), saying how
+    many went and which benchmarks could not be checked (their package is not installed)."""
+    if not training_args.exclude_evaluation_prompts:
+        return
+    from mars_hf.tools.bench.eval_sets import available_evaluation_prompts, exclude_evaluation_rows
+
+    prompts, missing = available_evaluation_prompts()
+    for reason in missing:
+        logger.warning(f"Evaluation prompts not checked against the training data: {reason}")
+    split = script_args.dataset_train_split
+    before = len(dataset[split]) if hasattr(dataset[split], "__len__") else None
+    dataset[split] = exclude_evaluation_rows(dataset[split], prompts)
+    if before is not None:
+        logger.info(f"Dropped {before - len(dataset[split])} of {before} training rows holding an evaluation prompt.")
 
 
 def hold_out_for_calibration(dataset, script_args, training_args, logger):

