@@ -666,7 +666,7 @@ def test_loadtest_reports_every_run_and_plots(tok, tmp_path, counted_submissions
 
 def test_fault_run_answers_every_well_formed_request_once(tok):
     """The fault run on the scripted engine (no model faults); the real decoder's: test_serving_faults.py."""
-    from mars_hf.tools.fault_run import fault_run
+    from mars_hf.tools.fault_run import REFUSALS, fault_run
 
     report = fault_run(
         None,
@@ -684,4 +684,6 @@ def test_fault_run_answers_every_well_formed_request_once(tok):
     assert report["health"]["status"] == "ok" and report["health"]["running"] == 0
     assert report["rows_left_in_engine"] == 0
     assert report["by_kind"].get("disconnect", 0) >= 1
+    # a missing or wrong API key, a foreign Host or Origin, a text/plain body: each refused (issue 52, fault 10)
+    assert all(report["by_kind"].get(kind, 0) >= 1 for kind in REFUSALS), report["by_kind"]
     assert report["drain"]["bad"] == 0

@@ -31,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="Instead: a fault run of N requests mixing valid (τ = 1 / verify, checked against plain greedy "
         "decoding), streamed, disconnecting, malformed, over-long, mask-token and model-failing requests (a "
-        "marker token injected by a forward hook), then SIGTERM under load; checks every request is answered "
-        "once and correctly, the failing rows fail alone, RSS grows < 5%% after warm-up, the drain is clean "
+        "marker token injected by a forward hook), requests without the API key or with a foreign Host, Origin "
+        "or a text/plain body, with the mask token's logit boosted (it must stay suppressed), then SIGTERM under "
+        "load; checks every request is answered once and correctly, the failing rows fail alone, RSS grows < 5%% after warm-up, the drain is clean "
         "(fault.json). Use --dtype float64 for exact greedy equality.",
     )
     parser.add_argument(

@@ -1,5 +1,7 @@
 """The fault run of `mars-hf serve`: a scripted mix of valid, malformed, over-long, disconnecting and
 model-failing requests on loopback, each answer checked by a raw HTTP client, then a drain under load.
+The server has an API key; requests without it, with a foreign Host or Origin or a non-JSON content type must
+be refused, and the mask token (whose logit the run boosts above every other) must never come out.
 
 `fault_run` builds a `FaultPlan` (which request is which kind, what it sends, the answer it must get),
 serves it on a fresh server (RSS after a warm-up against the end), checks every answer and drains a
@@ -15,16 +17,19 @@ import gc
 import json
 import logging
 import random
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx2
 import torch
 
 from mars_hf.serving.protocol import chat_prompt_ids, completion_prompt_ids
+from mars_hf.serving.security import SecurityConfig
 from mars_hf.serving.server import BackgroundServer, build_server, model_position_limit
 from mars_hf.tools.loadtest import GENERIC_PROMPTS, LoadTestConfig, server_config
 
+logger = logging.getLogger(__name__)
 MALFORMED = [
     b"{not json",
     b'{"messages": "hello"}',
@@ -33,7 +38,10 @@ MALFORMED = [
     b'{"messages": [{"role": "user", "content": "x"}], "mars_acceptance": "guess"}',
 ]
 # kind -> weight in the mix. "raises*": the prompt holds a marker token that makes the model raise
-# (see `inject_faults`); "overlong": a prompt past the model's positions; "mask": the mask token.
+# (see `inject_faults`); "overlong": a prompt past the model's positions; "mask": the mask token in the prompt;
+# "suppressed": a valid request whose usage must count no mask token (the run boosts the mask logit, which the
+# model's suppress_tokens must hold back); then what a server must refuse before decoding: no or a wrong API key,
+# a foreign Host (DNS rebinding), a foreign Origin (a cross-site page), a text/plain body.
 FAULT_MIX = {
     "plain": 3,
     "stream": 3,
@@ -41,9 +49,23 @@ FAULT_MIX = {
     "malformed": 1,
     "overlong": 1,
     "mask": 1,
+    "suppressed": 1,
     "raises": 1,
     "raises-stream": 1,
+    "unauthorized": 1,
+    "foreign-host": 1,
+    "foreign-origin": 1,
+    "text-plain": 1,
 }
+MODEL_KINDS = ("raises", "raises-stream", "mask", "suppressed")  # need a real model, not a scripted engine
+# kind -> (status, error code) of the refusal it must get
+REFUSALS = {
+    "unauthorized": (401, "invalid_api_key"),
+    "foreign-host": (421, "invalid_host"),
+    "foreign-origin": (403, "forbidden_origin"),
+    "text-plain": (415, "unsupported_media_type"),
+}
+FOREIGN = "attacker.example"
 ROW_FAILED = "Decoding this request failed"
 
 
@@ -91,11 +113,14 @@ def boost_token(model, token_id: int):
 
 
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=()) -> list[int]:
-    """Plain greedy decoding by full forwards (no cache, no MARS): the answer a lossless row must give."""
+    """Plain greedy decoding by full forwards (no cache, no MARS): the answer a lossless row must give. The
+    model's ``generation_config.suppress_tokens`` (its mask token) are never chosen, as in ``generate``."""
     ids, out = list(prompt_ids), []
+    suppressed = list(getattr(model.generation_config, "suppress_tokens", None) or [])
     with torch.inference_mode():
         for _ in range(max_new_tokens):
             logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1]
+            logits[suppressed] = float("-inf")
             token = int(logits.argmax())
             out.append(token)
             ids.append(token)
@@ -105,9 +130,10 @@ def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_toke
 
 
 def parse_sse(lines: list[str]) -> dict:
-    """What a stream's lines say: text, finish chunks, error events, ``[DONE]`` count and position."""
+    """What a stream's lines say: text, finish chunks, error events, ``[DONE]`` count and position, and the
+    completion tokens of its usage chunk (None without one)."""
     events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
-    text, finishes, errors, done_at = "", 0, 0, []
+    text, finishes, errors, done_at, tokens = "", 0, 0, [], None
     for i, data in enumerate(events):
         if data == "[DONE]":
             done_at.append(i)
@@ -119,14 +145,24 @@ def parse_sse(lines: list[str]) -> dict:
         for choice in payload.get("choices", []):
             text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
             finishes += choice.get("finish_reason") is not None
+        if payload.get("usage"):
+            tokens = payload["usage"].get("completion_tokens")
     done_last = len(done_at) == 1 and done_at[0] == len(events) - 1
-    return {"text": text, "finishes": finishes, "errors": errors, "done_once_last": done_last}
+    return {
+        "text": text,
+        "finishes": finishes,
+        "errors": errors,
+        "done_once_last": done_last,
+        "completion_tokens": tokens,
+    }
 
 
-async def post_request(http, url: str, body, stream: bool) -> dict:
-    """One request; ``{"status", "json" (or None), "plain_text", "sse" (streams with status 200)}``."""
+async def post_request(http, url: str, body, stream: bool, headers: dict | None = None) -> dict:
+    """One request; ``{"status", "json" (or None), "plain_text", "sse" (streams with status 200)}``.
+
+    ``headers`` are sent besides (or instead of) ``Content-Type: application/json``."""
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json", **(headers or {})}
     if stream:
         async with http.stream("POST", url, headers=headers, **kwargs) as response:
             if response.status_code == 200:
@@ -170,13 +206,15 @@ def classify_drain_answer(answer: dict | None) -> str:
     return f"BAD JSON {answer['status']}"
 
 
-async def _drain_drive(base_url: str, jobs: list[tuple[str, dict, bool]], trigger, timeout_s: float):
+async def _drain_drive(
+    base_url: str, jobs: list[tuple[str, dict, bool]], trigger, timeout_s: float, headers: dict | None
+):
     """Send ``jobs`` (path, body, stream), wait until the server holds them all, ``trigger()``, collect."""
     async with httpx2.AsyncClient(timeout=timeout_s) as http:
 
         async def one(path, body, stream):
             try:
-                return await post_request(http, base_url + path, body, stream)
+                return await post_request(http, base_url + path, body, stream, headers)
             except Exception as error:
                 return {"exception": type(error).__name__}
 
@@ -195,9 +233,15 @@ async def _drain_drive(base_url: str, jobs: list[tuple[str, dict, bool]], trigge
         return [t.result() if t in done else None for t in tasks]
 
 
-def drain_under_load(base_url: str, jobs: list[tuple[str, dict, bool]], trigger, timeout_s: float = 120.0):
+def drain_under_load(
+    base_url: str,
+    jobs: list[tuple[str, dict, bool]],
+    trigger,
+    timeout_s: float = 120.0,
+    headers: dict | None = None,
+):
     """SIGTERM (``trigger``) with ``jobs`` running or queued; ``{class: count}`` of the answers."""
-    answers = asyncio.run(_drain_drive(base_url, jobs, trigger, timeout_s))
+    answers = asyncio.run(_drain_drive(base_url, jobs, trigger, timeout_s, headers))
     classes: dict[str, int] = {}
     for answer in answers:
         label = classify_drain_answer(answer)
@@ -228,13 +272,15 @@ def _pick_marker(tokenizer, prompt_id_lists: list[list[int]], reserved: set[int]
 
 @dataclass
 class FaultRequest:
-    """One request of a fault run: what it sends and, for a valid one, the text it must get back."""
+    """One request of a fault run: what it sends and, for a valid one, the text (and token count) it must get."""
 
     kind: str
     path: str
     body: dict | bytes
     stream: bool
     expected_text: str | None = None
+    headers: dict = field(default_factory=dict)
+    expected_tokens: int | None = None
 
 
 class FaultPlan:
@@ -242,7 +288,8 @@ class FaultPlan:
 
     Valid requests (τ = 1 or verify, lossless) must equal ``reference(prompt_ids, max_tokens)``, computed
     here before serving; ``marker``: the token whose pair makes the model raise (`inject_faults`);
-    ``positions``: the model's position limit, named in an over-long prompt's 400.
+    ``positions``: the model's position limit, named in an over-long prompt's 400; ``api_key``: the server's,
+    sent by every request but the ``unauthorized`` ones.
     """
 
     def __init__(
@@ -258,8 +305,10 @@ class FaultPlan:
         limits,
         marker: int | None,
         positions: int | None,
+        api_key: str | None = None,
     ):
         self.rng = random.Random(seed)
+        self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.names = list(mix)
         drawn = self.rng.choices(self.names, weights=[mix[k] for k in self.names], k=max(0, total - len(mix)))
         self.kinds = (self.names + drawn)[:total]
@@ -270,12 +319,18 @@ class FaultPlan:
             chat_prompt_ids({"messages": [{"role": "user", "content": p}]}, tokenizer) for p in prompts
         ]
         self.plain_ids = [completion_prompt_ids({"prompt": p}, tokenizer) for p in prompts]
-        self.expected = {
-            (route, i): tokenizer.decode(reference(ids[i], max_tokens), skip_special_tokens=True)
+        self.expected_ids = {
+            (route, i): reference(ids[i], max_tokens)
             for route, ids in (("chat", self.chat_ids), ("plain", self.plain_ids))
             for i in range(len(prompts))
         }
+        self.expected = {
+            key: tokenizer.decode(ids, skip_special_tokens=True) for key, ids in self.expected_ids.items()
+        }
         self.requests = [self._request(i) for i in range(len(self.kinds))]
+        for request in self.requests:
+            if request.kind != "unauthorized":
+                request.headers = {**self.auth, **request.headers}
 
     def count(self, kind: str) -> int:
         return self.kinds.count(kind)
@@ -283,13 +338,24 @@ class FaultPlan:
     def _request(self, i: int) -> FaultRequest:
         kind, p = self.kinds[i], i % len(self.prompts)
         lossless = {"mars_acceptance": "verify"} if i % 2 else {"mars_threshold": 1.0}
-        if kind == "plain":
+        if kind in ("plain", "suppressed"):
             body = {"prompt": self.prompts[p], "max_tokens": self.max_tokens, **lossless}
-            return FaultRequest(kind, "/v1/completions", body, False, self.expected[("plain", p)])
+            count = len(self.expected_ids[("plain", p)])
+            return FaultRequest(
+                kind, "/v1/completions", body, False, self.expected[("plain", p)], expected_tokens=count
+            )
+        if kind in REFUSALS:
+            return self._refused_request(kind, p)
         if kind in ("stream", "disconnect"):
             messages = [{"role": "user", "content": self.prompts[p]}]
             body = {"messages": messages, "max_tokens": self.max_tokens, **lossless, "stream": True}
-            return FaultRequest(kind, "/v1/chat/completions", body, True, self.expected[("chat", p)])
+            if kind == "disconnect":
+                return FaultRequest(kind, "/v1/chat/completions", body, True)
+            body["stream_options"] = {"include_usage": True}
+            count = len(self.expected_ids[("chat", p)])
+            return FaultRequest(
+                kind, "/v1/chat/completions", body, True, self.expected[("chat", p)], expected_tokens=count
+            )
         if kind == "malformed":
             return FaultRequest(kind, "/v1/chat/completions", self.rng.choice(MALFORMED), False)
         if kind == "overlong":
@@ -303,13 +369,30 @@ class FaultPlan:
         body = {"prompt": prompt, "max_tokens": self.max_tokens, **lossless, "stream": stream}
         return FaultRequest(kind, "/v1/completions", body, stream)
 
+    def _refused_request(self, kind: str, p: int) -> FaultRequest:
+        """A valid body sent as a web page or a stranger would: each must be refused before decoding."""
+        body = {"prompt": self.prompts[p], "max_tokens": self.max_tokens}
+        if kind == "unauthorized":  # no key, or a wrong one (the plan's key is sent only to the others)
+            headers = {"authorization": "Bearer wrong-key"} if p % 2 else {}
+            return FaultRequest(kind, "/v1/completions", body, False, headers=headers)
+        headers = {
+            "foreign-host": {"host": FOREIGN},
+            "foreign-origin": {"origin": f"http://{FOREIGN}"},
+            "text-plain": {"content-type": "text/plain"},
+        }[kind]
+        return FaultRequest(kind, "/v1/completions", json.dumps(body).encode(), False, headers=headers)
+
     def check(self, i: int, answer: dict) -> str | None:
         """None when request ``i``'s answer is right, else what is wrong."""
         request = self.requests[i]
         if "exception" in answer:
             return f"{request.kind}: {answer['exception']}"
-        if request.kind in ("plain", "stream"):
+        if request.kind in ("plain", "stream", "suppressed"):
             return self._check_text(request, answer)
+        if request.kind in REFUSALS:
+            status, code = REFUSALS[request.kind]
+            ok = is_json_error(answer, status) and answer["json"]["error"].get("code") == code
+            return None if ok else f"{request.kind}: status {answer['status']} (want a JSON {status} {code})"
         if request.kind in ("malformed", "overlong", "mask"):
             return self._check_refused(request.kind, answer)
         if request.kind == "raises":
@@ -330,12 +413,17 @@ class FaultPlan:
                 return f"stream: status {answer['status']}"
             if not (sse["done_once_last"] and sse["finishes"] == 1 and sse["errors"] == 0):
                 return "stream: not exactly one final chunk then [DONE]"
-            got = sse["text"]
+            got, count = sse["text"], sse["completion_tokens"]
         else:
             if answer["status"] != 200:
-                return f"plain: status {answer['status']}"
-            got = answer["json"]["choices"][0]["text"]
-        return None if got == request.expected_text else f"{request.kind}: wrong text"
+                return f"{request.kind}: status {answer['status']}"
+            got, count = answer["json"]["choices"][0]["text"], answer["json"]["usage"]["completion_tokens"]
+        if got != request.expected_text:
+            return f"{request.kind}: wrong text"
+        # the text hides special tokens (a mask token emitted, then skipped); the count does not
+        if request.expected_tokens is not None and count != request.expected_tokens:
+            return f"{request.kind}: wrong completion_tokens"
+        return None
 
     def _check_refused(self, kind: str, answer: dict) -> str | None:
         """A JSON 400 whose message names what is wrong."""
@@ -366,14 +454,14 @@ async def _send_fault_requests(
                 try:
                     if request.kind == "disconnect":
                         async with http.stream(
-                            "POST", base_url + request.path, json=request.body
+                            "POST", base_url + request.path, json=request.body, headers=request.headers
                         ) as response:
                             async for _ in response.aiter_lines():
                                 break  # first line, then hang up
                         answers[i] = {"status": response.status_code, "disconnected": True}
                     else:
                         answers[i] = await post_request(
-                            http, base_url + request.path, request.body, request.stream
+                            http, base_url + request.path, request.body, request.stream, request.headers
                         )
                 except Exception as error:
                     answers[i] = {"exception": type(error).__name__}
@@ -402,7 +490,7 @@ def _serve_fault_plan(
         gc.collect()
         rss_end = _rss_mb()
         health = httpx2.get(base + "/health").json()
-        metrics_text = httpx2.get(base + "/metrics").text
+        metrics_text = httpx2.get(base + "/metrics", headers=plan.auth).text
     outcomes = {
         line.split('"')[1]: float(line.rsplit(" ", 1)[1])
         for line in metrics_text.splitlines()
@@ -443,16 +531,22 @@ def fault_run(
     max_tokens)`` (default: `greedy_reference` on ``model``) and streams end with exactly one final
     chunk then ``[DONE]``; malformed / over-long / mask-token requests get a JSON 400; requests whose
     row raises inside the model get a JSON 500 (streams: one error event, then ``[DONE]``); nobody else
-    is affected. Memory: RSS after a warm-up (the first ``warmup_fraction`` of the requests, every kind
-    among them) against RSS at the end. ``engine_factory``: a scripted `Engine` instead of ``model``
-    (then no marker faults). Returns a report; ``report["ok"]`` says whether every check held.
+    is affected. The server has an API key (drawn here): requests without it get a 401, those with a foreign
+    Host, a foreign Origin or a text/plain body a 421, 403 or 415. The mask token's logit is boosted above
+    every other while the run lasts (when the model suppresses it, as MARS checkpoints do): valid answers must
+    still equal the reference, and ``suppressed`` ones count no mask token in ``usage``. Memory: RSS after a
+    warm-up (the first ``warmup_fraction`` of the requests, every kind among them) against RSS at the end.
+    ``engine_factory``: a scripted `Engine` instead of ``model`` (then no model faults). Returns a report;
+    ``report["ok"]`` says whether every check held.
     """
     mix = dict(kinds or FAULT_MIX)
     if engine_factory is not None:
-        mix = {k: w for k, w in mix.items() if k not in ("raises", "raises-stream", "mask")}
+        mix = {k: w for k, w in mix.items() if k not in MODEL_KINDS}
     config = LoadTestConfig(max_rows=max_rows, max_tokens=max_tokens, time_limit_s=time_limit_s)
     server_cfg = server_config("controller", config)
     server_cfg.max_prompt_tokens = 256
+    api_key = secrets.token_urlsafe(16)
+    server_cfg.security = SecurityConfig(api_key=api_key)
     app, scheduler = build_server(
         engine_factory() if engine_factory is not None else model, tokenizer, server_cfg
     )
@@ -472,6 +566,15 @@ def fault_run(
         reserved = {limits.mask_token_id} if limits.mask_token_id is not None else set()
         marker = _pick_marker(tokenizer, all_ids, reserved)
         handles = inject_faults(model, marker)
+        mask = limits.mask_token_id
+        if mask is not None and mask in (model.generation_config.suppress_tokens or []):
+            handles.append(boost_token(model, mask))
+        elif mix.pop("suppressed", None) is not None:
+            logger.warning(
+                "The model does not suppress its mask token (generation_config.suppress_tokens), as MARS "
+                "checkpoints do (mars_hf.models.mask_token.suppress_mask_token): the fault run leaves out the "
+                "mask-token suppression check."
+            )
     positions = model_position_limit(model.config) if model is not None else None
     try:
         plan = FaultPlan(  # the expected texts are computed with the fault hooks on
@@ -485,6 +588,7 @@ def fault_run(
             limits=limits,
             marker=marker,
             positions=positions[0] if positions else None,
+            api_key=api_key,
         )
         served = _serve_fault_plan(
             app,
@@ -571,7 +675,9 @@ def _drain_check(model_or_engine, tokenizer, server_cfg, prompts, grace_s: float
     for logger_ in watched:
         logger_.addHandler(log)
     try:
-        classes = drain_under_load(server.base_url, jobs, server.terminate)
+        key = server_cfg.security.api_key
+        auth = {"authorization": f"Bearer {key}"} if key else None
+        classes = drain_under_load(server.base_url, jobs, server.terminate, headers=auth)
         server.thread.join(60)
     finally:
         for logger_ in watched:
