@@ -513,3 +513,18 @@ def test_a_bf16_shipped_evaluation_measures_divergences_on_a_float32_copy(shippe
     load = _float32_copy(shipped_checkpoint)
     reference = load()
     assert load() is reference and next(reference.parameters()).dtype == torch.float32
+
+
+def test_the_trained_checkpoint_is_saved_before_evaluation(tiny_model_dir, tmp_path, monkeypatch):
+    """An evaluation that fails after training loses no training: the checkpoint is already on disk."""
+    from mars_hf.tools.quickstart import pipeline
+
+    def failing_evaluation(*args, **kwargs):
+        raise RuntimeError("evaluation interrupted")
+
+    monkeypatch.setattr(pipeline, "_evaluate_own", failing_evaluation)
+    config = _toy_config(tiny_model_dir, tmp_path, max_steps=1, method="gated_lora", lora_r=4, lora_alpha=8)
+    with pytest.raises(RuntimeError, match="evaluation interrupted"):
+        run_quickstart(config)
+    checkpoint = tmp_path / "out" / "checkpoint"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "mars_config.json").is_file()

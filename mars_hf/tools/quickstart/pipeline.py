@@ -338,6 +338,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     data = _base_answers(config, base, timings)
     recheck_threads(machine, "training")
     trained, training = _train(config, base, data, timings)
+    _save_before_evaluation(trained, base.tokenizer, config, training, timings)
     recheck_threads(machine, "evaluation")
     with _timed(timings, "evaluate"):
         own = _evaluate_own(config, base, data, trained)
@@ -511,6 +512,15 @@ def _samples(tokenizer, data: _BaseAnswers, runs, evaluated: int, count: int = 3
         }
         for i, prompt in enumerate(data.eval_prompts[: min(count, evaluated)])
     ]
+
+
+def _save_before_evaluation(trained, tokenizer, config: QuickstartConfig, training: dict, timings) -> None:
+    """The trained checkpoint, saved as soon as training ends (its card without results yet), so that an
+    evaluation that fails or is interrupted loses no training; the report saves it again with the results."""
+    if not config.save_checkpoint:
+        return
+    with _timed(timings, "save"):
+        save_checkpoint(trained, tokenizer, Path(config.output_dir) / "checkpoint", [], config, training)
 
 
 def _write_report(results: dict, trained, tokenizer, config: QuickstartConfig, timings, total_start) -> None:
