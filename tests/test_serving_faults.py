@@ -320,29 +320,55 @@ def test_the_server_suppresses_the_mask_token_as_generate_does():
         handle.remove()
 
 
-def test_the_server_applies_begin_suppress_tokens_and_bad_words_as_generate_does():
+def test_the_server_applies_begin_suppress_tokens_and_bad_words_as_generate_does(caplog):
     """The prefix-reading processors of the generation config (the first new token; multi-token bad words) on
-    every decode path, read from the row's own token buffer."""
+    every decode path, read from the row's own token buffer; also when a failing row in the batch makes the
+    engine rebuild every row (prompt + tokens so far, fresh buffers)."""
     tok = tiny_tokenizer()
     model = llama(tok)
-    ids = tok("the cat sat on")["input_ids"]
-    free = _generate_ids(model, ids, 12)
-    model.generation_config.begin_suppress_tokens = [free[0]]
-    model.generation_config.bad_words_ids = [[free[2]], [free[4], free[5]]]
-    constrained = _generate_ids(model, ids, 12)
-    assert constrained[0] != free[0] and constrained != free  # the settings change what generate gives
-    app, scheduler = _served(model, tok)
-    jobs = [
-        ("/v1/completions", {"prompt": ids, "max_tokens": 12, **extra}, False) for extra, _ in DECODE_PATHS
-    ]
-    with BackgroundServer(app) as server:
-        answers = asyncio.run(_gather_posts(server.base_url, jobs))
-    for (extra, kwargs), answer in zip(DECODE_PATHS, answers):
-        want = _generate_ids(model, ids, 12, **kwargs)
-        assert answer["status"] == 200, answer
-        assert answer["json"]["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True), extra
-        assert answer["json"]["usage"]["completion_tokens"] == len(want)
-    assert scheduler.engine.num_rows == 0
+    N = 40  # long enough that the rows are still decoding when the failing row joins
+    handles = inject_faults(model, MARKER)
+    try:
+        ids = tok("the cat sat on")["input_ids"]
+        free = _generate_ids(model, ids, N)
+        model.generation_config.begin_suppress_tokens = [free[0]]
+        model.generation_config.bad_words_ids = [[free[2]], [free[4], free[5]]]
+        constrained = _generate_ids(model, ids, N)
+        assert constrained[0] != free[0] and constrained != free  # the settings change what generate gives
+        app, scheduler = _served(model, tok)
+        jobs = [
+            ("/v1/completions", {"prompt": ids, "max_tokens": N, **extra}, False) for extra, _ in DECODE_PATHS
+        ]
+        poisoned = ("/v1/completions", {"prompt": ids + [MARKER, MARKER], "max_tokens": 4}, False)
+        with BackgroundServer(app) as server:
+            answers = asyncio.run(_gather_posts(server.base_url, jobs))
+
+            async def with_a_failing_row():
+                async with httpx.AsyncClient(timeout=HANG_GUARD_S) as http:
+                    first = [
+                        asyncio.create_task(post_request(http, server.base_url + p, b, s)) for p, b, s in jobs
+                    ]
+                    # the poisoned row joins a batch whose rows are decoding: its failed step rebuilds them all
+                    await asyncio.to_thread(
+                        wait_until, lambda: len(scheduler.running) >= 2, what="running rows"
+                    )
+                    failed = await post_request(http, server.base_url + poisoned[0], poisoned[1], False)
+                    return await asyncio.gather(*first), failed
+
+            with caplog.at_level(logging.WARNING, logger="mars_hf.serving.engine"):
+                rebuilt, failed = asyncio.run(with_a_failing_row())
+        assert "re-running each row alone" in caplog.text
+        assert failed["status"] == 500 and ROW_FAILED in failed["json"]["error"]["message"], failed
+        for (extra, kwargs), answer, again in zip(DECODE_PATHS, answers, rebuilt):
+            want = _generate_ids(model, ids, N, **kwargs)
+            for got in (answer, again):
+                assert got["status"] == 200, got
+                assert got["json"]["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True), extra
+                assert got["json"]["usage"]["completion_tokens"] == len(want)
+        assert scheduler.engine.num_rows == 0
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 # ------------------------------------------------------------------------------------------------ drain

@@ -24,6 +24,7 @@ from mars_hf.decoding.acceptance import POSITION_FREE_PROCESSORS, ScoreProcessin
 from mars_hf.decoding.cpu_kernels import packed_linears
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings, RowUpdate
 from mars_hf.decoding.rows import sampling_processors
+from mars_hf.decoding.sampling import draw_seed
 from mars_hf.decoding.settings import model_defaults
 from mars_hf.serving.processors import model_processors, token_buffer, unapplied_settings
 
@@ -112,8 +113,9 @@ class DecoderEngine:
     from what it has produced so far (prompt + generated tokens, as a new row in a fresh decoder over
     the same KV buffer); a row that still raises alone is failed (a `RowFailure`), the others
     keep the step's tokens and continue in a rebuilt batch. A MARS row's next tokens depend only on
-    its tokens so far, so greedy, τ and verify rows decode as they would have (a sampled row's random
-    stream is re-seeded from its seed, so it stays a valid sample but not the one it would have drawn).
+    its tokens so far, so greedy, τ and verify rows decode as they would have (a sampled row's draws are
+    keyed to its seed and positions, and a request without a seed gets one when it is added, so it draws
+    the same tokens too).
 
     The step planner's cost curves are measured for every batch bucket up to ``max_rows`` when the engine
     is built (``MARSBatchDecoder.measure_costs``), so that no request waits on a probe while serving.
@@ -137,6 +139,9 @@ class DecoderEngine:
         self.mask_token_id = int(mars["mask_token_id"])
         self.model = model
         self.window = int(mars["block_size"])
+        model_processors(
+            generation_config, 1, model.device
+        )  # a config transformers refuses fails here, not per row
         ignored = unapplied_settings(generation_config)
         if ignored:
             logger.warning(
@@ -173,6 +178,8 @@ class DecoderEngine:
         """Queue a row (prefilled in the next step); the decoder and the record each get their own copy
         of ``settings``, since τ is changed on both by `set_threshold`."""
         row_id = self._next_row_id  # ids are the engine's, so that a rebuilt decoder keeps them
+        if settings.do_sample and settings.seed is None:  # the request's draws: its seed, row key 0
+            settings = dataclasses.replace(settings, seed=draw_seed())
         record = _RowRecord(list(prompt_ids), dataclasses.replace(settings))
         with torch.inference_mode():
             self._place(self.decoder, row_id, record)
