@@ -17,6 +17,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 HELP = "Self-distil the project's training prompts with a model's own greedy answers into a JSONL dataset."
+PROMPT_SOURCES = ("templates", "stdlib", "mixed")
 COLUMNS = ("messages", "input_ids", "labels", "completion_mask", "ends_with_eos")
 
 
@@ -51,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Answers per prompt (sampled ones differ; written round by round, every prompt once per round).",
     )
     parser.add_argument(
+        "--prompt-source",
+        default="templates",
+        choices=PROMPT_SOURCES,
+        help="Where the prompts come from: 'templates' (the project's template prompts, training split), "
+        "'stdlib' (code and text requests built from the Python standard library's documented functions: "
+        "real-world text, mars_hf.training.source_prompts) or 'mixed' (the two in turn).",
+    )
+    parser.add_argument(
         "--exclude-prompts-from",
         nargs="*",
         default=[],
@@ -65,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
     from mars_hf.models.embedded_model import resolve_model_path
     from mars_hf.training.data import self_distill
-    from mars_hf.training.prompts import training_prompts
-
     if args.samples_per_prompt < 1:
         raise ValueError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}.")
     if args.samples_per_prompt > 1 and not args.temperature:
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
     torch.manual_seed(args.seed)
     excluded = excluded_prompts(args.exclude_prompts_from)
-    drawn = [prompt for prompt in training_prompts(args.num_prompts, seed=args.seed) if prompt not in excluded]
+    drawn = [prompt for prompt in draw_prompts(args.prompt_source, args.num_prompts, args.seed) if prompt not in excluded]
     if len(drawn) < args.num_prompts:
         logger.warning("distill: %d drawn prompts skipped (--exclude-prompts-from).", args.num_prompts - len(drawn))
     prompts = drawn * args.samples_per_prompt
@@ -109,6 +116,28 @@ def run(args: argparse.Namespace) -> int:
     partial.replace(out)
     print(f"Wrote {len(prompts)} self-distilled answers to {out}.")
     return 0
+
+
+def draw_prompts(source: str, num_prompts: int, seed: int) -> list[str]:
+    """``num_prompts`` prompts of ``source`` (``PROMPT_SOURCES``), none holding a benchmark's prompt."""
+    from mars_hf.tools.bench.eval_sets import available_evaluation_prompts, exclude_evaluation_rows
+    from mars_hf.training.prompts import training_prompts
+    from mars_hf.training.source_prompts import source_prompts
+
+    if source == "templates":
+        prompts = training_prompts(num_prompts, seed=seed)
+    elif source == "stdlib":
+        prompts = source_prompts(num_prompts, seed=seed)
+    else:
+        halves = zip(training_prompts(num_prompts - num_prompts // 2, seed=seed), source_prompts(num_prompts, seed=seed))
+        prompts = [prompt for pair in halves for prompt in pair][:num_prompts]
+    evaluation, missing = available_evaluation_prompts()
+    for reason in missing:
+        logger.warning("distill: evaluation prompts not checked: %s", reason)
+    kept = exclude_evaluation_rows(list(prompts), evaluation)
+    if len(kept) < len(prompts):
+        logger.warning("distill: %d prompts holding an evaluation prompt left out.", len(prompts) - len(kept))
+    return kept
 
 
 def excluded_prompts(files) -> set[str]:
