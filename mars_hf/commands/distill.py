@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Distillation dtype (float32 answers are the base model's exact greedy output).",
     )
     parser.add_argument("--chunk", type=int, default=256, help="Prompts answered between two file flushes.")
-    parser.add_argument("--device", default=None, help="Device to generate on (default: cuda if available, else cpu).")
+    parser.add_argument(
+        "--device", default=None, help="Device to generate on (default: cuda if available, else cpu)."
+    )
     parser.add_argument(
         "--temperature",
         type=float,
@@ -74,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mars_hf.models.embedded_model import resolve_model_path
     from mars_hf.training.data import self_distill
+
     if args.samples_per_prompt < 1:
         raise ValueError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}.")
     if args.samples_per_prompt > 1 and not args.temperature:
@@ -84,9 +87,15 @@ def run(args: argparse.Namespace) -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device)
     torch.manual_seed(args.seed)
     excluded = excluded_prompts(args.exclude_prompts_from)
-    drawn = [prompt for prompt in draw_prompts(args.prompt_source, args.num_prompts, args.seed) if prompt not in excluded]
+    drawn = [
+        prompt
+        for prompt in draw_prompts(args.prompt_source, args.num_prompts, args.seed)
+        if prompt not in excluded
+    ]
     if len(drawn) < args.num_prompts:
-        logger.warning("distill: %d drawn prompts skipped (--exclude-prompts-from).", args.num_prompts - len(drawn))
+        logger.warning(
+            "distill: %d drawn prompts skipped (--exclude-prompts-from).", args.num_prompts - len(drawn)
+        )
     prompts = drawn * args.samples_per_prompt
     out = Path(args.out)
     partial = out.with_name(out.name + ".partial")
@@ -129,7 +138,10 @@ def draw_prompts(source: str, num_prompts: int, seed: int) -> list[str]:
     elif source == "stdlib":
         prompts = source_prompts(num_prompts, seed=seed)
     else:
-        halves = zip(training_prompts(num_prompts - num_prompts // 2, seed=seed), source_prompts(num_prompts, seed=seed))
+        halves = zip(
+            training_prompts(num_prompts - num_prompts // 2, seed=seed),
+            source_prompts(num_prompts, seed=seed),
+        )
         prompts = [prompt for pair in halves for prompt in pair][:num_prompts]
     evaluation, missing = available_evaluation_prompts()
     for reason in missing:
