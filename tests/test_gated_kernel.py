@@ -333,10 +333,24 @@ def test_a_kernel_that_cannot_build_is_an_error_in_c_mode_and_a_warning_in_auto(
 
 @pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, True), (torch.float32, True), (torch.float64, False)])
 def test_auto_runs_the_kernel_for_bfloat16_and_float32_models(dtype, kernel, tokenizer, tmp_path, monkeypatch):
-    """``auto``: the kernel for the dtypes it was measured faster in (bf16, float32); BLAS's form for float64."""
+    """``auto`` (opt-in): the kernel for the dtypes it was measured faster in (bf16, float32); BLAS's form for
+    float64."""
     monkeypatch.delenv(gated_kernel.KERNEL_ENV, raising=False)
-    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, dtype=dtype, kernel=None)
+    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, dtype=dtype, kernel="auto")
     assert runs_kernel(shipped.model.layers[0].self_attn.q_proj) == kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_default_is_the_torch_form_and_builds_nothing(dtype, tokenizer, tmp_path, monkeypatch):
+    """No mode given: the torch form, without a compiler run or a library loaded (the kernel is opt-in)."""
+    monkeypatch.delenv(gated_kernel.KERNEL_ENV, raising=False)
+    unload_kernel(monkeypatch)
+    monkeypatch.setattr(gated_kernel, "_build", lambda: pytest.fail("the default path built the C kernel"))
+    assert gated_kernel.kernel_mode() == "torch"
+    _, shipped, _, _ = shipped_gated(tmp_path, "llama", tokenizer, dtype=dtype, kernel=None)
+    assert not runs_kernel(shipped.model.layers[0].self_attn.q_proj)
+    decode_steps(shipped, tokenizer)
+    assert gated_kernel._LIBRARY is None
 
 
 def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):
@@ -437,3 +451,76 @@ def test_a_compiler_without_openmp_builds_it_single_threaded(monkeypatch, tmp_pa
     slow = x[index].double() @ a.double().T @ bt.double()
     torch.testing.assert_close(y[index].double(), slow, rtol=1e-5, atol=1e-5)
     assert torch.equal(y[1], torch.zeros(33))
+
+
+def _cached_libraries(home):
+    return sorted((home / "kernels").glob("mars_gated_*.so"))
+
+
+def _replace_bytes(path, data: bytes) -> None:
+    """Put ``data`` at ``path`` as a new file: this process has the old one mapped (damaging that inode in place
+    would fault here, the very fault the tests are about), the next process finds the new one."""
+    spare = path.with_name(path.name + ".damaged")
+    spare.write_bytes(data)
+    spare.replace(path)
+
+
+@pytest.mark.parametrize("compiler", ["gcc -std=gnu99", "env gcc", "'gcc'"])
+def test_a_compiler_setting_of_several_words_is_run_as_a_command_line(compiler, monkeypatch, tmp_path):
+    """``CC="gcc -std=gnu99"`` or ``CC="ccache gcc"`` (here ``env gcc``, a wrapper found on any system) name a
+    compiler with arguments or behind a launcher, as make and setuptools read them; they were "no C compiler"."""
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", compiler)
+    unload_kernel(monkeypatch)
+    assert gated_kernel.library() is not None, gated_kernel.failure()
+    monkeypatch.setenv("CC", "gcc 'unbalanced")
+    unload_kernel(monkeypatch)
+    assert gated_kernel.library() is None and "not a command line" in gated_kernel.failure()
+
+
+@pytest.mark.parametrize("damage", [b"", b"not a library at all"])
+def test_an_empty_or_garbage_cached_build_is_rebuilt(damage, monkeypatch, tmp_path):
+    """A cached library that is not what was built is replaced by a fresh build (it used to be loaded, fail, and
+    leave the torch form with a warning to install a compiler, in every process, for good)."""
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    unload_kernel(monkeypatch)
+    assert gated_kernel.library() is not None, gated_kernel.failure()
+    (built,) = _cached_libraries(tmp_path)
+    _replace_bytes(built, damage)
+    unload_kernel(monkeypatch)
+    assert gated_kernel.library() is not None, gated_kernel.failure()
+    assert gated_kernel.vector_bytes() in (32, 64)
+    assert all(path.stat().st_size > 1000 for path in _cached_libraries(tmp_path))
+
+
+def test_a_truncated_cached_build_is_rebuilt_not_loaded(monkeypatch, tmp_path):
+    """A library cut short in place (a full disk, an interrupted copy of the cache) made the loader's mapping fault:
+    every later process died of SIGBUS (exit 135) with no message. Checked against its record first, it is rebuilt.
+    A fresh process loads it here, so a fault fails this test instead of killing the test run."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    unload_kernel(monkeypatch)
+    assert gated_kernel.library() is not None, gated_kernel.failure()
+    for built in _cached_libraries(tmp_path):
+        _replace_bytes(built, built.read_bytes()[: built.stat().st_size * 2 // 3])
+    script = "from mars_hf.decoding import gated_kernel as k; print(k.vector_bytes(), k.failure())"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.split()[0] in ("32", "64"), result.stdout
+    assert "building it again" in result.stderr
+
+
+def test_a_failed_build_in_auto_mode_warns_with_its_reason_not_a_compiler_hint(monkeypatch, tmp_path, caplog):
+    """The warning names what failed (here: the compiler rejects a flag), not "install a C compiler"."""
+    monkeypatch.setenv("MARS_HF_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "gcc -fno-such-flag-at-all")
+    unload_kernel(monkeypatch)
+    monkeypatch.setattr(gated_kernel, "_WARNED", False)
+    with caplog.at_level(logging.WARNING, logger=gated_kernel.__name__):
+        assert not gated_kernel.use_kernel("auto", torch.device("cpu"), torch.float32)
+    assert "failed to build" in caplog.text and "no-such-flag" in caplog.text
+    assert "install" not in caplog.text.lower()
+    with pytest.raises(RuntimeError, match="failed to build"):
+        gated_kernel.use_kernel("c", torch.device("cpu"), torch.float32)

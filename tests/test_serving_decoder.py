@@ -197,7 +197,7 @@ def test_the_scheduler_routes_the_decoders_kernels_once_for_its_whole_loop(monke
     tok = tiny_tokenizer()
     model = enable_mars(tiny_model("llama", tokenizer=tok, dtype=torch.float32))
     installs, install = [], cpu_kernels._install
-    monkeypatch.setattr(cpu_kernels, "_install", lambda linear: (installs.append(linear), install(linear))[1])
+    monkeypatch.setattr(cpu_kernels, "_install", lambda linear, *rest: (installs.append(linear), install(linear, *rest))[1])
     monkeypatch.setattr(cpu_kernels, "use_packed", lambda model, mode="auto": True)
     prompt = tok(PROMPTS[0])["input_ids"]
     ids = torch.tensor([prompt])

@@ -74,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_dtype_argument(parser)
     parser.add_argument(
+        "--cpu-kernels",
+        choices=["auto", "packed", "stock"],
+        default="auto",
+        help="Linear layers on CPU (mars_cpu_kernels; docs/accelerators.md). auto (default here): packed oneDNN "
+        "weights where a short measurement finds them faster and the copy fits in memory; packed: always; stock: "
+        "torch's default kernels (generate's own default). Which ran is printed to stderr.",
+    )
+    parser.add_argument(
         "--show-chunks",
         action="store_true",
         help="Colour the text by forward pass (tokens accepted together share a colour) and end with the "
@@ -132,6 +140,8 @@ def run(args) -> int:
     import torch
     from transformers import set_seed
 
+    from mars_hf.decoding.cpu_kernels import last_kernels
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("mars_hf.models.precision").setLevel(logging.INFO)  # say which dtype --dtype auto chose
     if args.window is not None and args.window < 1:
@@ -157,6 +167,7 @@ def run(args) -> int:
         "return_dict_in_generate": True,
         "pad_token_id": tokenizer.pad_token_id,
         "mars_acceptance": args.acceptance,
+        "mars_cpu_kernels": args.cpu_kernels,
     }
     if tau is not None:
         generate_kwargs["mars_threshold"] = tau
@@ -173,6 +184,7 @@ def run(args) -> int:
             generate_kwargs[name] = value
     with torch.no_grad():
         output = model.generate(**inputs, **generate_kwargs)
+    print(f"[linear layers: {last_kernels(model)} (--cpu-kernels {args.cpu_kernels})]", file=sys.stderr)
     prompt_length = inputs["input_ids"].shape[1]
     eos_ids = eos_token_ids(model, tokenizer)
     rows = [trim_at_eos(output.sequences[i, prompt_length:].tolist(), eos_ids) for i in range(len(args.prompt))]

@@ -89,7 +89,7 @@ class MARSBatchDecoder:
         planner: bool = False,
         cost_table: dict | None = None,
         cost_probe: bool = True,
-        cpu_kernels: str = "auto",
+        cpu_kernels: str = "stock",
         kv_cache: MARSBlockCache | None = None,
         stopping_criteria=None,
         assistant_model=None,

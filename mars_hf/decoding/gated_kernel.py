@@ -20,22 +20,29 @@ inputs and results as zero): twice the multiply-adds per instruction, no widenin
 Summation order differs from torch's GEMM, so mask rows agree with the torch form to round-off, not bit for bit; it
 does not depend on the thread count, nor on how many mask rows a call has.
 
-The source is compiled once per machine with the system C compiler (``$CC``, else ``cc``), for this CPU
-(``-march=native``), into ``$MARS_HF_HOME/kernels`` (default ``~/.cache/mars_hf/kernels``); the file
-name hashes the source, the flags, the compiler and the CPU's flags, so a cache shared between machines
-never loads a build for another CPU. ``MARS_HF_GATED_KERNEL``: ``auto`` (default: the kernel for float32 and
-bfloat16 models on CPU where it builds, else the torch form, with one warning naming the reason), ``c``
-(float32, bfloat16 and float64 models on CPU; an error where it cannot build) or ``torch`` (never).
+Opt-in: ``generate``'s default path runs the torch form and never compiles or loads native code (the kernel's
+gain is small: a gated forward at 1.09-1.11x the base against the torch form's 1.14-1.21x on one 2-core CPU).
+``MARS_HF_GATED_KERNEL`` (or ``kernel=`` where the adapter is attached): ``torch`` (default: never), ``auto``
+(the kernel for float32 and bfloat16 models on CPU where it builds, else the torch form, with one warning
+naming the reason) or ``c`` (float32, bfloat16 and float64 models on CPU; an error where it cannot build).
 
-This file ships verbatim in checkpoints (``custom_generate/gated_kernel.py``): standard library and torch only.
+Build: the system C compiler (``$CC``, split like a shell does, so ``CC="ccache gcc"`` works; else ``cc``),
+for this CPU (``-march=native``), into ``$MARS_HF_HOME/kernels`` (default ``~/.cache/mars_hf/kernels``). The
+file name hashes the source, the flags, the compiler and the CPU's flags, so a cache shared between machines
+never loads a build for another CPU. A build is written under a temporary name and renamed into place, with
+a record of its size and SHA-256 beside it; a cached file is read whole and checked against its record
+before it is loaded, and built again when they disagree (a truncated library mapped by the loader kills
+the process with SIGBUS; a damaged one would otherwise never be replaced).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -50,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "c", "torch")
 KERNEL_ENV = "MARS_HF_GATED_KERNEL"
+DEFAULT_KERNEL_MODE = "torch"  # the default path needs no compiler (docs/accelerators.md)
 # Forces the kernel's vector width in bytes (32 or 64; unset: the CPU's registers, 64 with AVX-512). Like torch's
 # ATEN_CPU_CAPABILITY it exists so that both code paths can be tested on one machine: GCC runs 64-byte vectors on
 # an AVX2 CPU too, correctly but slowly.
@@ -383,8 +391,9 @@ _WARNED = False
 
 
 def kernel_mode(requested: str | None = None) -> str:
-    """``requested``, else ``$MARS_HF_GATED_KERNEL``, else ``auto``; checked against :data:`KERNEL_MODES`."""
-    mode = (requested or os.environ.get(KERNEL_ENV) or "auto").strip().lower()
+    """``requested``, else ``$MARS_HF_GATED_KERNEL``, else ``torch`` (the kernel is opt-in); checked against
+    :data:`KERNEL_MODES`."""
+    mode = (requested or os.environ.get(KERNEL_ENV) or DEFAULT_KERNEL_MODE).strip().lower()
     if mode not in KERNEL_MODES:
         raise ValueError(f"gated kernel mode {mode!r} is not one of {KERNEL_MODES} (set {KERNEL_ENV} or pass it).")
     return mode
@@ -427,30 +436,73 @@ def _compile_flags() -> list[str]:
     return flags
 
 
+def _compiler() -> list[str]:
+    """``$CC`` split into words as a shell would (``"ccache gcc"``, ``"gcc -std=gnu99"``), else ``cc``."""
+    setting = os.environ.get("CC") or "cc"
+    try:
+        words = shlex.split(setting)
+    except ValueError as error:
+        raise OSError(f"CC={setting!r} is not a command line ({error}); set CC to a C compiler") from None
+    if not words or shutil.which(words[0]) is None:
+        raise OSError(f"no C compiler {setting!r} on PATH (install gcc, or set CC)")
+    return words
+
+
+def _digest(data: bytes) -> dict:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _intact_build(record: Path) -> Path | None:
+    """The library ``record`` names, if it is whole: read in full (a read of a short file returns less, where
+    the loader's mapping of it would fault) and equal in size and SHA-256 to what the record says."""
+    try:
+        expected = json.loads(record.read_text())
+        library = record.with_name(expected["file"])
+        found = {"file": library.name, **_digest(library.read_bytes())}
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return library if found == expected and library.parent == record.parent else None
+
+
+def _compile(compiler: list[str], flags: list[str], record: Path) -> Path:
+    """Build in a scratch folder beside ``record``; rename the library into place under a name that carries
+    its checksum, then the record naming it (each rename is atomic, and a library's name changes with its
+    bytes, so a record read at any moment names a whole file with the bytes it lists)."""
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=record.parent) as scratch:
+        source = Path(scratch) / "mars_gated.c"
+        source.write_text(_SOURCE)
+        built = Path(scratch) / "mars_gated.so"
+        for extra in ([OPENMP_FLAG], []):
+            command = [*compiler, *flags, *extra, "-o", str(built), str(source)]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode == 0:
+                break
+        else:
+            failed = result.stderr.strip()[-400:]
+            raise OSError(f"{shlex.join(compiler)} failed to build the gated kernel: {failed}")
+        digest = _digest(built.read_bytes())
+        target = record.with_name(f"{record.stem}_{digest['sha256'][:16]}.so")
+        fresh_record = Path(scratch) / record.name
+        fresh_record.write_text(json.dumps({"file": target.name, **digest}))
+        os.replace(built, target)
+        os.replace(fresh_record, record)
+    return target
+
+
 def _build() -> ctypes.CDLL:
-    """Compile (once per source, flags, compiler and CPU) and load the kernel library."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler {compiler!r} on PATH (install gcc, or set CC)")
+    """Compile (once per source, flags, compiler and CPU), check and load the kernel library."""
+    compiler = _compiler()
     flags = _compile_flags()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    fields = [_SOURCE, *flags, OPENMP_FLAG, version, _cpu_flags()]
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    fields = [_SOURCE, *flags, OPENMP_FLAG, shlex.join(compiler), version, _cpu_flags()]
     key = hashlib.sha256("\0".join(fields).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"mars_gated_{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            source = Path(scratch) / "mars_gated.c"
-            source.write_text(_SOURCE)
-            built = Path(scratch) / target.name
-            for extra in ([OPENMP_FLAG], []):
-                command = [compiler, *flags, *extra, "-o", str(built), str(source)]
-                result = subprocess.run(command, capture_output=True, text=True)
-                if result.returncode == 0:
-                    break
-            else:
-                raise OSError(f"{compiler} failed to build the gated kernel: {result.stderr.strip()[-400:]}")
-            os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
+    record = _cache_dir() / f"mars_gated_{key}.json"
+    target = _intact_build(record)
+    if target is None:
+        if record.exists():
+            logger.warning("The cached gated kernel %s does not match its record: building it again.", record.stem)
+        target = _compile(compiler, flags, record)
     library = ctypes.CDLL(str(target))
     library.mars_vector_bytes.restype = ctypes.c_int
     library.mars_bf16_dot.restype = ctypes.c_int
@@ -524,8 +576,8 @@ def use_kernel(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     if not _WARNED:
         _WARNED = True
         logger.warning(
-            "The mask-gated adapter runs its torch form (slower on CPU): the C kernel did not build (%s). Install a C "
-            "compiler to get it, or set %s=torch to silence this.",
+            "The mask-gated adapter runs its torch form: the C kernel that mode 'auto' asked for is unavailable "
+            "(%s). Drop the mode (the torch form is the default) or set %s=torch to silence this.",
             _FAILURE,
             KERNEL_ENV,
         )

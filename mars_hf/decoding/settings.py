@@ -20,7 +20,7 @@ import torch
 from .acceptance import ACCEPTANCE_RULES, one_token_per_step
 from .cache import CACHE_SCHEMES
 from .cost_model import CostTable
-from .cpu_kernels import CPU_KERNEL_MODES
+from .cpu_kernels import CPU_KERNEL_MODES, DEFAULT_CPU_KERNELS
 from .draft_sources import DEFAULT_MAX_NGRAM
 from .layouts import LAYOUT_CHOICES, position_limit
 
@@ -61,7 +61,8 @@ class MARSDecodingSettings:
         cache / cache_block: ``mars_cache`` (``"cursor"``, ``"block"``, ``"none"``) and its C.
         layout: ``mars_layout`` (None: the step planner, ``"auto"``).
         planner / cost_table / cost_probe: ``mars_planner``, ``mars_cost_table``, ``mars_cost_probe``.
-        cpu_kernels: ``mars_cpu_kernels`` (``"auto"``, ``"packed"``, ``"stock"``; ``cpu_kernels.py``).
+        cpu_kernels: ``mars_cpu_kernels``: ``"stock"`` (default: no private torch op on the default path),
+            or the opt-in packed oneDNN linears, ``"auto"`` / ``"packed"`` (``cpu_kernels.py``).
         prompt_lookup_num_tokens / max_matching_ngram_size: transformers' prompt-lookup settings (verify only).
         assistant_tokens: ``num_assistant_tokens`` of a draft model (``assistant_model=``).
     """
@@ -76,7 +77,7 @@ class MARSDecodingSettings:
     planner: bool = False
     cost_table: dict | None = None
     cost_probe: bool = True
-    cpu_kernels: str = "auto"
+    cpu_kernels: str = DEFAULT_CPU_KERNELS
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int = DEFAULT_MAX_NGRAM
     assistant_tokens: int = DEFAULT_ASSISTANT_TOKENS
@@ -106,7 +107,7 @@ class MARSDecodingSettings:
         layout = values["mars_layout"] or defaults.get("layout")
         check_layout(layout)
         check_cost_table(values["mars_cost_table"])
-        cpu_kernels = values["mars_cpu_kernels"] or "auto"
+        cpu_kernels = values["mars_cpu_kernels"] or DEFAULT_CPU_KERNELS
         check_choice("mars_cpu_kernels", cpu_kernels)
         return cls(
             thresholds=tuple(thresholds),
