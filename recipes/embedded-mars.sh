@@ -13,20 +13,21 @@ BATCH=${BATCH:-1024}
 CALIBRATION_ROWS=${CALIBRATION_ROWS:-128}
 RANK=${RANK:-16}
 SAMPLE_SEED=${SAMPLE_SEED:-1}     # another seed samples other answers (new data for a continued run)
+PROMPT_SOURCE=${PROMPT_SOURCE:-templates}  # templates (v6) | stdlib | mixed: real-world code and text requests too
 INIT_ADAPTER=${INIT_ADAPTER:-}    # a saved MARS adapter to start from (MARSConfig.init_adapter); empty: from scratch
 CURVE=data/embedded-mars/curve.jsonl  # the learning curve's answers: never trained on
 mkdir -p "$WORK"
 stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
 stamp "1. greedy answers (float32) to the training prompts, the learning curve's prompts left out"
-mars-hf distill --out "$WORK/greedy.jsonl" --num-prompts "$NUM_PROMPTS" --seed 0 --batch-size "$BATCH" \
+mars-hf distill --out "$WORK/greedy.jsonl" --prompt-source "$PROMPT_SOURCE" --num-prompts "$NUM_PROMPTS" --seed 0 --batch-size "$BATCH" \
     --chunk 4096 --exclude-prompts-from "$CURVE"
 stamp "2. the last $CALIBRATION_ROWS greedy answers kept apart to fit the calibration"
 head -n "-$CALIBRATION_ROWS" "$WORK/greedy.jsonl" > "$WORK/greedy_train.jsonl"
 tail -n "$CALIBRATION_ROWS" "$WORK/greedy.jsonl" > "$WORK/calibration.jsonl"
 
 stamp "3. sampled answers (T = 0.8, top-p 0.95), $SAMPLES per prompt, for at most $SAMPLE_SECONDS s"
-timeout "$SAMPLE_SECONDS" mars-hf distill --out "$WORK/sampled.jsonl" --num-prompts "$NUM_PROMPTS" --seed "$SAMPLE_SEED" \
+timeout "$SAMPLE_SECONDS" mars-hf distill --out "$WORK/sampled.jsonl" --prompt-source "$PROMPT_SOURCE" --num-prompts "$NUM_PROMPTS" --seed "$SAMPLE_SEED" \
     --temperature 0.8 --top-p 0.95 --samples-per-prompt "$SAMPLES" --batch-size "$BATCH" --chunk "$BATCH" \
     --exclude-prompts-from "$CURVE" "$WORK/calibration.jsonl" || true
 if [ ! -f "$WORK/sampled.jsonl" ]; then  # stopped by the budget: keep its whole chunks
