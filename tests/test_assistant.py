@@ -105,9 +105,9 @@ class _Spy:
         self.offers, self.kept_after_masks = [], 0
         offer, outcome = DraftChooser.offer_assistant_drafts, DraftChooser.source_outcome
 
-        def spy_offer(feed, row, head, drafts, scores, b, table):
+        def spy_offer(feed, row, head, drafts, table):
             context = row.tokens + row.drafts[:head]
-            offer(feed, row, head, drafts, scores, b, table)
+            offer(feed, row, head, drafts, table)
             self.offers.append((context, head, list(drafts), row.draft_source, list(row.drafts)))
 
         def spy_outcome(source, checked, kept, fed_confidence):

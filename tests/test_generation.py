@@ -436,14 +436,11 @@ def test_sampling_is_reproducible_with_a_seed(tok):
 
 
 def test_sampling_at_tau_one_matches_stock_sampling(tok):
-    """Same seed: the same draws as stock sampling; different seeds: the same distribution."""
+    """τ = 1 sampling is distributed as stock sampling (its draws are keyed to the seed, row and position,
+    mars_hf/decoding/sampling.py, so they are not stock's draws for the same seed)."""
     model = peaked_model("qwen3")
     prompt = tok(["the"], return_tensors="pt")
     kwargs = dict(max_new_tokens=3, do_sample=True, temperature=2.0, top_k=0)
-    torch.manual_seed(7)
-    stock = model.generate(**prompt, **kwargs)
-    torch.manual_seed(7)
-    assert torch.equal(model.generate(**prompt, mars_threshold=1.0, **kwargs), stock)
 
     # statistical test on the first two generated tokens of many independent samples
     copies = {k: v.repeat(600, 1) for k, v in prompt.items()}

@@ -189,3 +189,25 @@ def test_settings_are_resolved_once_keywords_first_then_generation_config_then_t
         MARSDecodingSettings.resolve(
             model, {**unset, "mars_threshold": 0.5, "mars_acceptance": "bogus"}, None, batch_size=1, max_new_tokens=4
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_token_ids_that_are_not_integers_are_refused(model, inputs, dtype):
+    """Fault 14 of issue 52: float ``input_ids`` were truncated silently (7.9 -> 7); stock ``generate``
+    raises in the embedding. MARS refuses them before decoding, naming the fix; so does a row's prompt."""
+    ids = inputs["input_ids"].to(dtype)
+    bad = {**inputs, "input_ids": ids if dtype == torch.bool else ids + 0.9}
+    for kwargs in ({"mars_threshold": 0.5}, {"mars_acceptance": "verify"}):
+        with pytest.raises(TypeError, match=r"`input_ids` must hold integer token ids.*\.long\(\)"):
+            _generate(model, bad, **kwargs)
+    mask = model.config.mars["mask_token_id"]
+    decoder = generation.MARSBatchDecoder(
+        model, max_rows=1, max_length=16, window=4, mask_token_id=mask, pad_token_id=2
+    )
+    settings = generation.RowSettings(threshold=0.5)
+    with pytest.raises(TypeError, match="integer token ids"):
+        decoder.add_row(torch.tensor([5.9, 7.9]), settings)
+    for prompt in ([5, 7.9], [5, True], np.array([5.0, 7.0])):
+        with pytest.raises(TypeError, match="must be integers"):
+            decoder.add_row(prompt, settings)
+    decoder.add_row(np.array([5, 7]), settings)  # integer ids of any integer type are fine

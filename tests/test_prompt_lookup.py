@@ -16,13 +16,14 @@ import pytest
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from mars_hf.decoding.acceptance import verify_sampled
+from mars_hf.decoding.acceptance import verify_drafts
 from mars_hf.decoding.cost_model import CostTable
 from mars_hf.decoding.draft_choice import DraftChooser
 from mars_hf.decoding.draft_sources import lookup_drafts
 from mars_hf.decoding.generation import enable_mars
 from mars_hf.decoding.planner import AcceptanceStats
 from mars_hf.decoding.rows import SourceStats
+from mars_hf.decoding.sampling import gumbel_noise
 from tests.test_generation import peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
@@ -205,14 +206,17 @@ def test_max_matching_ngram_size_and_lookup_length_are_honoured(single):
 
 
 def test_one_hot_rule_reproduces_the_target_distribution():
-    """A deterministic draft d: kept with probability p(d), else a draw from p without d; P(t) = p(t)."""
-    generator = torch.Generator().manual_seed(0)
+    """A deterministic draft d is kept iff it is the row's keyed draw (sampling.py): with probability p(d);
+    the token there is the draw, P(t) = p(t)."""
     p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.2, 0.3, 0.2, 0.2]], dtype=torch.float64)
     for draft in (0, 3):
         counts = torch.zeros(5, dtype=torch.float64)
         kept_total, trials = 0, 6000
-        for _ in range(trials):
-            kept, token = verify_sampled([draft], None, p, generator)
+        for k in range(trials):
+            noises = [gumbel_noise(draft, 0, 2 * k + j, 5) for j in (0, 1)]
+            own = [int((torch.log(p[j]).float() + noises[j]).argmax()) for j in (0, 1)]
+            kept = verify_drafts([draft], own)
+            token = own[kept]
             counts[draft if kept else token] += 1
             kept_total += kept
             assert kept or token != draft  # a rejected draft is never the replacement

@@ -19,7 +19,6 @@ from transformers.generation.logits_process import (
     SuppressTokensLogitsProcessor,
 )
 
-from mars_hf.decoding.acceptance import verify_sampled
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings
 from mars_hf.decoding.generation import enable_mars
 from tests.bare_venv import run_in_bare_venv
@@ -275,29 +274,32 @@ def test_per_row_floors_and_a_batch_equal_to_rows_alone(tok):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_speculative_rule_reproduces_the_target_distribution():
-    """The rule itself, exactly: P(first output token = t) = p(t) for any proposal q (chi-square)."""
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    try:
-        vocab = 5
-        p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.2, 0.3, 0.2, 0.2]], dtype=torch.float64)
-        q = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1]], dtype=torch.float64)
-        counts = torch.zeros(vocab, dtype=torch.float64)
-        kept_total, trials = 0, 6000
-        for _ in range(trials):
-            draft = int(torch.multinomial(q[0], 1))
-            kept, token = verify_sampled([draft], q, p)
-            first = draft if kept else token
-            counts[first] += 1
-            kept_total += kept
-        expected = p[0] * trials
-        chi2 = float(((counts - expected) ** 2 / expected).sum())
-        assert chi2 < 25.0, (counts, expected)  # 4 degrees of freedom: p < 1e-4
-        # acceptance rate = sum min(p, q)
-        assert abs(kept_total / trials - float(torch.minimum(p[0], q[0]).sum())) < 0.03
-    finally:
-        torch.random.set_rng_state(generator_state)
+def test_a_sampled_draft_is_kept_exactly_where_it_is_the_keyed_draw():
+    """The verify rule for sampled rows (mars_hf/decoding/sampling.py): check ``j`` keeps a draft iff it equals
+    the model's keyed draw at its position, so the token there is the draw whatever the draft (P = p), and a
+    draft coupled to the same noise (the masks', a draft model's) is kept far more often than one drawn apart."""
+    from mars_hf.decoding.acceptance import verify_drafts
+    from mars_hf.decoding.sampling import gumbel_noise
+
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5, dtype=torch.float64)
+    kept_coupled = kept_apart = 0
+    trials = 6000
+    for k in range(trials):
+        noise = gumbel_noise(1, 0, k, 5)
+        own = int((torch.log(p).float() + noise).argmax())
+        coupled = int((torch.log(q).float() + noise).argmax())
+        apart = int(torch.multinomial(q, 1, generator=generator))
+        kept = verify_drafts([coupled], [own, -1])
+        counts[coupled if kept else own] += 1
+        kept_coupled += kept
+        kept_apart += verify_drafts([apart], [own, -1])
+    expected = p * trials
+    assert float(((counts - expected) ** 2 / expected).sum()) < 25.0, (counts, expected)  # 4 dof: p < 1e-4
+    assert abs(kept_apart / trials - float((p * q).sum())) < 0.03  # an independent draft: Σ p·q
+    assert kept_coupled / trials > kept_apart / trials + 0.1, (kept_coupled, kept_apart)
 
 
 def test_sampled_verify_matches_stock_sampling_statistically(tok):

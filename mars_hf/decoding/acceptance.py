@@ -6,9 +6,10 @@ Two acceptance families:
   prediction) is always kept; mask predictions are kept left to right while their confidence passes τ.
   Lossy below τ = 1.
 - **verify**: mask predictions are *drafts*; the next step feeds them as real tokens, and a draft is
-  kept only if it is what the model itself chooses there given the kept prefix (greedy: the same
-  argmax; sampling: the speculative-sampling rule with the mask's own distribution as the proposal).
-  Lossless: the output is the model's own greedy output, or distributed as its own samples.
+  kept only if it is what the model itself chooses there given the kept prefix: the same argmax, or
+  for sampled rows the same keyed draw (``sampling.py``: the draw at each position is fixed by the
+  row's seed, so checking a sampled draft is an exact match too). Lossless: the output is the model's
+  own greedy output, or its own sample for the seed.
 
 ``ScoreProcessing`` applies the logits processors to predictions whose provisional prefixes differ;
 ``ThresholdRule``, ``Verification`` and ``DraftProposal`` apply the rules to the rows of one step
@@ -30,6 +31,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+
+from .sampling import keyed_choice, noise_for
 
 THRESHOLD_METRICS = ("probability", "entropy", "margin")
 ACCEPTANCE_RULES = THRESHOLD_METRICS + ("verify",)
@@ -79,8 +82,8 @@ class ScoreProcessing:
         return self._apply_free(self.processors, scores)
 
     def for_drafts(self, scores: torch.Tensor) -> torch.Tensor:
-        """The position-free processors only: drafts are proposals, so any distribution is exact
-        as long as it is the one they were drawn from."""
+        """The position-free processors only: drafts are proposals, checked by an exact match, so any
+        draft leaves the output exact."""
         return self._apply_free(self.free_part, scores)
 
     def at_prefixes(self, scores: torch.Tensor, rows: list[int], lengths: list[int]) -> torch.Tensor:
@@ -134,11 +137,11 @@ def _runs(processors: LogitsProcessorList) -> list[tuple[bool, LogitsProcessorLi
     return runs
 
 
-def choose(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``scores``: sampled from the softmax, or the argmax."""
-    if do_sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator).squeeze(1)
-    return scores.argmax(dim=-1)
+def choose(scores: torch.Tensor, places=None) -> torch.Tensor:
+    """One token per row of ``scores``: the argmax (``places=None``, greedy), or the keyed draw at each
+    ``(RowNoise, position)`` of ``places`` (``sampling.py``)."""
+    noise = None if places is None else noise_for(places, scores.shape[-1], scores.device)
+    return keyed_choice(scores, noise)
 
 
 def confidence(scores: torch.Tensor, tokens: torch.Tensor, metric: str) -> torch.Tensor:
@@ -171,42 +174,12 @@ def threshold_count(passed: list[bool], limit: int) -> int:
     return count
 
 
-def verify_greedy(drafts: list[int], model_tokens: list[int]) -> int:
-    """Drafts kept: the longest prefix equal to the model's own choices."""
+def verify_drafts(drafts: list[int], model_tokens: list[int]) -> int:
+    """Drafts kept: the longest prefix equal to the model's own choices (its argmax, or its keyed draw)."""
     kept = 0
     while kept < len(drafts) and drafts[kept] == model_tokens[kept]:
         kept += 1
     return kept
-
-
-def verify_sampled(
-    drafts: list[int], proposal: torch.Tensor | None, target: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[int, int]:
-    """Speculative sampling (docs/method.md §6): ``(drafts kept, the token that follows them)``.
-
-    ``proposal[j]`` is the distribution draft ``j`` was drawn from, ``target[j]`` the model's processed
-    distribution at that position (``len(drafts) + 1`` rows: the last one follows every draft). Draft
-    ``d`` is kept with probability ``min(1, p(d) / q(d))``; at the first rejection the next token is
-    drawn from ``normalise(max(0, p - q))``, so each output token is distributed exactly as ``p``.
-    ``proposal=None``: deterministic drafts (prompt lookup), q is one-hot: keep ``d`` with probability
-    ``p(d)``, on rejection draw from ``p`` without ``d``.
-    """
-    if proposal is not None and proposal.shape[-1] < target.shape[-1]:  # a draft model without the mask row
-        proposal = torch.nn.functional.pad(proposal, (0, target.shape[-1] - proposal.shape[-1]))
-    for j, draft in enumerate(drafts):
-        p = target[j, draft]
-        q = proposal[j, draft] if proposal is not None else 1.0
-        if float(torch.rand((), device=target.device, generator=generator)) * float(q) < float(p):
-            continue
-        if proposal is None:
-            residual = target[j].clone()
-            residual[draft] = 0
-        else:
-            residual = (target[j] - proposal[j]).clamp_(min=0)
-        if float(residual.sum()) <= 0:  # p == q: the rejection has probability 0; guard rounding
-            residual = target[j].clone()
-        return j, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(drafts), int(torch.multinomial(target[len(drafts)], 1, generator=generator))
 
 
 def cut_at_floor(tokens: list[int], confidences: list[float], floor: float) -> list[int]:
@@ -221,9 +194,11 @@ def cut_at_floor(tokens: list[int], confidences: list[float], floor: float) -> l
 # Applying the rules to the rows of one step
 # ------------------------------------------------------------------------------------------------
 #
-# A row is the decoder's row state: it exposes ``tokens``, ``committed``, ``drafts`` / ``proposal``,
-# its settings and ``processing``; plans come from ``layouts``. Rows that share processors, sampling
-# and metric decide together (one gather, one softmax, one host transfer). Each rule returns
+# A row is the decoder's row state: it exposes ``tokens``, ``committed``, ``drafts``, its settings,
+# ``processing`` and ``noise`` (its keyed noise when it samples, ``sampling.RowNoise``; a prediction for
+# the token at position ``len(tokens) + k`` uses the noise of that position); plans come from
+# ``layouts``. Rows that share processors, sampling and metric decide together (one gather, one
+# softmax, one host transfer). Each rule returns
 # ``{row index: (tokens kept, fed tokens now verified, drafts kept, stop reason or None)}``.
 
 
@@ -306,7 +281,7 @@ class ThresholdRule:
 
     def decide(self, rows, plans, members):
         outcome = {}
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, r.metric, id(r.generator))):
+        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, r.metric)):
             self._decide_group(rows, plans, group, outcome)
         return outcome
 
@@ -332,7 +307,7 @@ class ThresholdRule:
         forced to verification's token), with their confidences (calibrated where the model has a
         calibration): ``(logits, scores, spans, tokens, confidences)``, the last two as host lists."""
         first = rows[group[0]]
-        processing, do_sample, metric, generator = first.processing, first.do_sample, first.metric, first.generator
+        processing, metric = first.processing, first.metric
 
         def columns(i):
             plan, kept = plans[i], kept_of[i]
@@ -342,11 +317,12 @@ class ThresholdRule:
         forced = {start: self.anchors[i][1] for i, (start, _) in zip(group, spans) if i in self.anchors}
         if processing.position_free:
             scores = processing.free(raw)
-            tokens = choose(scores, do_sample, generator)
+            places = [p for i, (_, count) in zip(group, spans) for p in _places(rows[i], kept_of[i], count)]
+            tokens = choose(scores, places if first.noise is not None else None)
             for start, token in forced.items():
                 tokens[start] = token
         else:
-            scores, tokens = self._choose_in_order(rows, group, spans, raw, processing, do_sample, generator, kept_of, forced)
+            scores, tokens = self._choose_in_order(rows, group, spans, raw, processing, kept_of, forced)
         # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
         chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
         if self.step.calibration is not None and metric == "probability":
@@ -354,7 +330,7 @@ class ThresholdRule:
                 self.step.calibration.apply_span(values, start + 1, count - 1, first_offset=1)
         return raw, scores, spans, chosen_all, values
 
-    def _choose_in_order(self, rows, group, spans, raw, processing, do_sample, generator, kept_of, forced):
+    def _choose_in_order(self, rows, group, spans, raw, processing, kept_of, forced):
         """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1`` (after the
         row's kept drafts)."""
         scores = torch.empty_like(raw)
@@ -367,7 +343,9 @@ class ThresholdRule:
                 [rows[i].batch_index for i, _ in active],
                 [rows[i].column + kept_of[i] + j for i, _ in active],
             )
-            chosen = choose(picked, do_sample, generator)
+            sampled = rows[group[0]].noise is not None
+            places = [_places(rows[i], kept_of[i] + j, 1)[0] for i, _ in active] if sampled else None
+            chosen = choose(picked, places)
             for position, k in enumerate(flat):
                 if k in forced:
                     chosen[position] = forced[k]
@@ -387,13 +365,12 @@ class Verification:
 
     def decide(self, rows, plans, members):
         outcome = {}
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, id(r.generator))):
+        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample)):
             self._decide_group(rows, plans, group, outcome)
         return outcome
 
     def _decide_group(self, rows, plans, group, outcome):
-        first = rows[group[0]]
-        processing, do_sample, generator = first.processing, first.do_sample, first.generator
+        processing = rows[group[0]].processing
         followers = []
         for i, (kept, token, scores, raw) in self.check(rows, plans, group).items():
             row = rows[i]
@@ -405,29 +382,24 @@ class Verification:
             if reason is None and len(final) == len(new) and kept in plans[i].group_columns:
                 followers.append((i, kept))
             else:
-                row.drafts, row.proposal, row.draft_confidence = [], None, []
+                row.drafts, row.draft_confidence = [], []
         if followers:
-            self.proposal.propose(rows, plans, followers, processing, do_sample, generator, outcome)
+            self.proposal.propose(rows, plans, followers, processing, outcome)
 
     def check(self, rows, plans, group) -> dict:
         """``{row: (drafts kept, the model's token after them, checks' scores, checks' logits)}`` for rows
-        that share processors and sampling: greedy, the longest prefix equal to the model's own choices;
-        sampling, the speculative rule (``verify_sampled``)."""
+        that share processors and sampling: the longest prefix of drafts equal to the model's own choices
+        (check ``j`` decides the token at ``len(tokens) + j``: its argmax, or its keyed draw)."""
         first = rows[group[0]]
-        processing, do_sample, generator = first.processing, first.do_sample, first.generator
         raw, spans = self.step.gather_spans(group, lambda i: plans[i].check_columns)
-        scores = self._processed(rows, group, spans, raw, processing)
-        own = None if do_sample else scores.argmax(-1).tolist()
-        target = torch.softmax(scores, -1) if do_sample else None
+        scores = self._processed(rows, group, spans, raw, first.processing)
+        places = [p for i, (_, count) in zip(group, spans) for p in _places(rows[i], 0, count)]
+        own = choose(scores, places if first.noise is not None else None).tolist()
         checked = {}
         for i, (start, count) in zip(group, spans):
             row = rows[i]
-            if do_sample:
-                kept, token = verify_sampled(row.drafts, row.proposal, target[start : start + count], generator)
-            else:
-                kept = verify_greedy(row.drafts, own[start : start + count])
-                token = own[start + kept]
-            checked[i] = (kept, token, scores[start : start + count], raw[start : start + count])
+            kept = verify_drafts(row.drafts, own[start : start + count])
+            checked[i] = (kept, own[start + kept], scores[start : start + count], raw[start : start + count])
         return checked
 
     def _processed(self, rows, group, spans, raw, processing):
@@ -446,8 +418,8 @@ class Verification:
 
 class DraftsThenThreshold:
     """docs/method.md §5 with τ: a threshold row that fed a draft model's drafts keeps the drafts the model
-    itself would choose there and the model's token after them (``Verification.check``: exact, greedy or
-    sampled), then the predictions of the mask group that follows exactly that prefix while they pass τ
+    itself would choose there and the model's token after them (``Verification.check``: an exact match of
+    its argmax or keyed draw), then the predictions of the mask group that follows exactly that prefix while they pass τ
     (``ThresholdRule``) — one forward checks the drafts and extends whatever prefix survives."""
 
     def __init__(self, step: StepLogits):
@@ -456,11 +428,11 @@ class DraftsThenThreshold:
     def decide(self, rows, plans, members):
         anchors = {}
         verification = Verification(self.step)
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, id(r.generator))):
+        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample)):
             anchors.update(verification.check(rows, plans, group))
         outcome = ThresholdRule(self.step, anchors).decide(rows, plans, members)
         for i in members:
-            rows[i].drafts, rows[i].proposal, rows[i].draft_confidence = [], None, []
+            rows[i].drafts, rows[i].draft_confidence = [], []
         return outcome
 
 
@@ -472,16 +444,21 @@ class DraftProposal:
     def __init__(self, step: StepLogits):
         self.step = step
 
-    def propose(self, rows, plans, followers, processing, do_sample, generator, outcome):
+    def propose(self, rows, plans, followers, processing, outcome):
+        """A sampled row's draft for the token at position ``t`` is its mask's keyed draw at ``t`` (the
+        noise the check at ``t`` will use): the closer the mask's distribution is to the model's, the
+        likelier the two draws agree."""
         kept_of = dict(followers)
         raw, spans = self.step.gather_spans([i for i, _ in followers], lambda i: plans[i].group_columns[kept_of[i]])
         scores = processing.for_drafts(raw)
-        if do_sample:
-            proposal = torch.softmax(scores, -1)
-            tokens = torch.multinomial(proposal, 1, generator=generator).squeeze(1)
-            confidences = proposal.gather(-1, tokens[:, None]).squeeze(1)
+        if rows[followers[0][0]].noise is not None:
+            # mask j of the group after kept prefix k predicts the token at len(tokens) + k + 1 + j
+            places = [
+                p for (i, kept), (_, width) in zip(followers, spans) for p in _places(rows[i], kept + 1, width)
+            ]
+            tokens = choose(scores, places)
+            confidences = torch.softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(1)
         else:
-            proposal = None
             confidences, tokens = torch.softmax(scores, -1).max(-1)
         tokens, confidences = tokens.tolist(), confidences.tolist()
         if self.step.calibration is not None:  # draft j of a group is mask j + 1
@@ -493,7 +470,13 @@ class DraftProposal:
             drafts = cut_at_floor(tokens[start : start + width], confidences[start : start + width], row.floor)
             row.drafts = drafts[: max(room, 0)]
             row.draft_confidence = confidences[start : start + len(row.drafts)]
-            row.proposal = proposal[start : start + len(row.drafts)] if proposal is not None else None
+
+
+def _places(row, first: int, count: int) -> list:
+    """``(RowNoise, position)`` of a row's predictions for the tokens at ``len(tokens) + first + k``,
+    ``k < count`` (a greedy row's noise is None; its places are never read)."""
+    base = len(row.tokens) + first
+    return [(row.noise, base + k) for k in range(count)]
 
 
 def _groups(rows, members, key):

@@ -183,7 +183,7 @@ class MARSBatchDecoder:
         """
         if self.free_slots <= 0:
             raise RuntimeError(f"all {self.max_rows} rows are in use; drop a row or wait for one to finish")
-        prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
+        prompt = token_list(prompt_ids)
         if not prompt:
             raise ValueError("a row needs at least one prompt token")
         check_choice("mars_acceptance", settings.acceptance)
@@ -196,9 +196,7 @@ class MARSBatchDecoder:
         self._next_id = max(self._next_id, row_id + 1)
         floor = float(settings.threshold) if (verify and settings.threshold is not None) else 0.0
         fed_lead = lead if self.scheme.uses_cache else 0  # without a cache, padding is simply not fed
-        row = RowState(
-            row_id, prompt, settings, self.window, processing, batch_index, fed_lead, lead, floor, self.device
-        )
+        row = RowState(row_id, prompt, settings, self.window, processing, batch_index, fed_lead, lead, floor)
         if settings.max_new_tokens <= 0:
             row.finished = True
         if self.feed.drafts.assistant is not None:
@@ -310,11 +308,13 @@ class MARSBatchDecoder:
         row.committed += self.scheme.keep(row.prefilled, verified_fed)
         row.prefilled = True
         row.tokens += tokens
+        if row.noise is not None:
+            row.noise.forget_before(len(row.tokens))
         if reason is None and row.generated >= row.settings.max_new_tokens:
             reason = "length"
         row.finished = reason is not None
         if row.finished:
-            row.drafts, row.proposal, row.draft_confidence = [], None, []
+            row.drafts, row.draft_confidence = [], []
         return RowUpdate(row.row_id, tokens, row.finished, reason, checked, kept_drafts, source)
 
     # ------------------------------------------------------------------------------- the forward
@@ -352,6 +352,28 @@ class MARSBatchDecoder:
             return_dict=True,
         )
         return outputs.logits, where
+
+
+def check_token_ids(ids: torch.Tensor, name: str = "input_ids") -> None:
+    """Token ids must be integers: a float id would be truncated silently (7.9 -> 7), where stock ``generate``
+    raises in the embedding."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(
+            f"`{name}` must hold integer token ids (torch.long), not {ids.dtype}; convert it with `.long()`."
+        )
+
+
+def token_list(ids) -> list[int]:
+    """A prompt's token ids (a tensor or a sequence of ints) as a list of ints; anything else is refused."""
+    if torch.is_tensor(ids):
+        check_token_ids(ids, "prompt_ids")
+        return [int(t) for t in ids.tolist()]
+    tokens = []
+    for t in ids:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise TypeError(f"prompt token ids must be integers, got {t!r} ({type(t).__name__}).")
+        tokens.append(t.__index__())
+    return tokens
 
 
 def _logit_columns(plans, deciding, width: int) -> list[int]:

@@ -4,9 +4,9 @@ A row holds the masks' predictions from its last step as drafts. ``DraftChooser`
 before the step is planned, with a chain worth more net of what checking it costs on the measured
 curve: prompt lookup's continuation (``pick_lookup``), a draft model's continuation of the row
 (``from_assistant``: plain, or *chained* after the first mask drafts). Values come from each source's
-observed acceptance and the masks' calibrated confidences, never from a sampled draft's own
-probability, so speculative sampling stays exact. ``StepFeed`` then plans the masks around the chosen
-drafts.
+observed acceptance and the masks' calibrated confidences. Whatever is chosen, the output is the same:
+a draft is kept only where it is the model's own choice (its argmax, or a sampled row's keyed draw,
+``sampling.py``). ``StepFeed`` then plans the masks around the chosen drafts.
 
 This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
@@ -14,8 +14,10 @@ This file depends on torch and transformers only (it ships in a checkpoint's ``c
 from __future__ import annotations
 
 import torch
+from transformers.generation.logits_process import LogitsProcessorList
 
 from .draft_sources import ASSISTANT, CHAINED, LOOKUP, MASKS, lookup_drafts
+from .sampling import KeyedNoiseProcessor
 
 
 class DraftChooser:
@@ -42,8 +44,8 @@ class DraftChooser:
     @staticmethod
     def draft_probs(row) -> list[float]:
         """Chance that each draft in hand is kept given the ones before it. Prompt lookup's: its
-        observed acceptance per offset. Sampled mask drafts: the masks' observed acceptance, not the
-        drafts' own probabilities (feeding a sampled draft because of its value would bias the output)."""
+        observed acceptance per offset. Sampled mask drafts: the masks' observed acceptance (a keyed
+        draw's own probability says little of whether the model's draw at its position agrees)."""
         if row.draft_source == CHAINED:  # mask drafts (calibrated), then the draft model's (observed)
             follow = row.assistant_stats.future()[: len(row.drafts) - len(row.draft_confidence)]
             return row.stats.calibrated(row.draft_confidence) + follow
@@ -56,8 +58,7 @@ class DraftChooser:
     def pick_lookup(self, row, batch: int) -> None:
         """Prompt lookup's drafts replace the masks' when their chain is worth more: expected drafts
         kept (from the row's observed acceptance per source) less what checking them costs, at the
-        best length (``draft_value``); a re-probe of the masks keeps theirs. The choice never reads a
-        sampled draft's value, so sampling stays exact."""
+        best length (``draft_value``); a re-probe of the masks keeps theirs."""
         if not row.prefilled or (row.stats.probing and row.drafts):
             # the prompt's last n-gram is its end (a chat template's assistant header), whose earlier
             # occurrences continue into another turn: a first lookup there fails and would cost the
@@ -74,7 +75,7 @@ class DraftChooser:
         table = self.cost_table(batch)
         mine = self.draft_value(row, row.lookup_stats.future()[: len(found)], table)
         if mine > self.held_value(row, table):
-            row.drafts, row.draft_confidence, row.proposal, row.draft_source = found, [], None, LOOKUP
+            row.drafts, row.draft_confidence, row.draft_source = found, [], LOOKUP
         else:
             row.lookup_stats.forget()
 
@@ -94,8 +95,9 @@ class DraftChooser:
 
         The draft model runs only for rows where its proposal is worth more than the masks' drafts
         alone. Greedy rows compare again once the tokens are known (an EOS shortens a chain);
-        sampled rows take what was chosen (only plain drafts, with their distributions as q): the
-        choice never reads a sampled draft, so speculative sampling stays exact. The planner then
+        sampled rows take what was chosen (only plain drafts: the draft model's greedy choice after the
+        row's keyed noise is added to its scores, ``sampling.KeyedNoiseProcessor``, the draw coupled to
+        the one the target makes at the same position). The planner then
         feeds a prefix of the chosen drafts with mask groups after them (quadratic: fresh mask
         drafts after whatever prefix is kept)."""
         if self.assistant is None:
@@ -119,11 +121,10 @@ class DraftChooser:
             if not picked:
                 continue
             contexts = [row.tokens + row.drafts[:head] for row, (head, _) in picked]
-            out, longest = self._assistant_generate(contexts, do_sample)
-            new = out.sequences[:, longest:].tolist()
+            noises = [row.noise for row, _ in picked] if do_sample else None
+            new = self._assistant_generate(contexts, noises)
             for b, (row, (head, count)) in enumerate(picked):
-                scores = out.scores if do_sample else None
-                self.offer_assistant_drafts(row, head, new[b][:count], scores, b, table)
+                self.offer_assistant_drafts(row, head, new[b][:count], table)
 
     def _assistant_option(self, row, table) -> tuple[int, int] | None:
         """``(head, count)``: the draft model's ``count`` tokens after the row's first ``head`` mask drafts
@@ -163,31 +164,33 @@ class DraftChooser:
                 break
         return max(0, min(usable, room - 1))
 
-    def _assistant_generate(self, contexts, do_sample: bool):
-        """The draft model's stock ``generate`` after each context (a token list), left-padded; and the
-        padded length."""
+    def _assistant_generate(self, contexts, noises=None) -> list[list[int]]:
+        """The draft model's new tokens after each context (a token list): its greedy stock ``generate``,
+        left-padded; for sampled rows (``noises``: each row's ``RowNoise``) with the row's keyed noise at
+        each position added to its scores."""
         longest = max(len(c) for c in contexts)
         pad = self.pad_token_id
         ids = torch.tensor([[pad] * (longest - len(c)) + c for c in contexts], device=self.device)
         mask = torch.tensor([[0] * (longest - len(c)) + [1] * len(c) for c in contexts], device=self.device)
-        sampling = {"top_k": 0, "top_p": 1.0, "temperature": 1.0} if do_sample else {}
+        processors = LogitsProcessorList()
+        if noises is not None:
+            processors.append(KeyedNoiseProcessor(noises, [len(c) for c in contexts], longest))
         out = self.assistant.generate(
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=self.assistant_tokens,
             min_new_tokens=0,
-            do_sample=do_sample,
+            do_sample=False,
+            logits_processor=processors,
             pad_token_id=pad,
             eos_token_id=None,  # every row proposes its tokens; verify stops at an EOS it keeps
-            return_dict_in_generate=True,
-            output_scores=do_sample,
-            **sampling,
         )
-        return out, longest
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        return sequences[:, longest:].tolist()
 
-    def offer_assistant_drafts(self, row, head: int, drafts, scores, b: int, table) -> None:
-        """Row ``b`` of the draft model's output (cut after an EOS), after the row's first ``head`` mask
-        drafts, becomes the row's drafts (a greedy row checks first that the chain, shortened by an EOS,
+    def offer_assistant_drafts(self, row, head: int, drafts, table) -> None:
+        """The draft model's tokens for a row (cut after an EOS), after the row's first ``head`` mask
+        drafts, become the row's drafts (a greedy row checks first that the chain, shortened by an EOS,
         is still worth more than the masks' drafts alone)."""
         for j, token in enumerate(drafts):
             if token in row.eos:
@@ -201,17 +204,11 @@ class DraftChooser:
             value = self.draft_value(row, masks[:head] + follow, table)
             if value <= self.held_value(row, table, masks):
                 return
-        proposal = None
-        if scores is not None:
-            proposal = torch.stack([torch.softmax(scores[j][b].float(), -1) for j in range(len(drafts))]).to(
-                self.device
-            )
         if head:  # the mask drafts keep their confidences: they say where the draft model's part starts
             row.drafts, row.draft_confidence = row.drafts[:head] + drafts, row.draft_confidence[:head]
-            row.proposal, row.draft_source = None, CHAINED
+            row.draft_source = CHAINED
         else:
-            row.drafts, row.draft_confidence, row.proposal = drafts, [], proposal
-            row.draft_source = ASSISTANT
+            row.drafts, row.draft_confidence, row.draft_source = drafts, [], ASSISTANT
 
     @staticmethod
     def source_outcome(source: str, checked: int, kept: int, fed_confidence) -> tuple[int, int]:
@@ -254,4 +251,3 @@ class DraftChooser:
                 row.draft_source = MASKS  # only mask drafts of a chained proposal are fed
             row.drafts = row.drafts[:count]
             row.draft_confidence = row.draft_confidence[:count]
-            row.proposal = row.proposal[:count] if row.proposal is not None else None

@@ -4,8 +4,8 @@ Verified decoding keeps a draft only if it is the model's own choice, so any pro
 source only changes how many tokens a forward yields. ``lookup_drafts`` is prompt lookup with
 transformers' meaning (``prompt_lookup_num_tokens`` / ``max_matching_ngram_size``, its
 ``PromptLookupCandidateGenerator``): the continuation of the first earlier occurrence of the row's
-last n-gram (n from the largest down to 1), cut before an EOS. It is deterministic: in the
-speculative-sampling rule its proposal is one-hot (``acceptance.verify_sampled`` with no proposal).
+last n-gram (n from the largest down to 1), cut before an EOS. It is deterministic; a sampled row keeps
+a lookup draft where it equals the row's keyed draw there (``sampling.py``).
 
 This file depends on the standard library only (it ships in a checkpoint's ``custom_generate/``).
 """

@@ -154,10 +154,10 @@ class StepFeed:
                 self.plan_counts[kind] = self.plan_counts.get(kind, 0) + 1
 
     def _kind(self, row) -> str:
-        """A row with its own seed keeps a fixed feed: the planner fills a row up to the batch's width,
-        so its draws would depend on its companions (their distribution would not)."""
+        """Verify rows, sampled ones too, may take any feed: what they keep never depends on it (a sampled
+        row's draws are keyed to its seed and positions, ``sampling.py``)."""
         if row.verify:
-            return AUTO if (self.layout == "auto" and row.generator is None) else FIXED
+            return AUTO if self.layout == "auto" else FIXED
         return THRESHOLD if (self.threshold_planner and row.window and not row.drafts) else FIXED
 
     def _room(self, row) -> tuple[int, int]:
@@ -232,7 +232,7 @@ class StepFeed:
                     stats.observe(min(choice.drafts, head), min(kept_drafts, head), fed_confidence[i])
                 if choice.masks and row.draft_confidence and not row.do_sample:
                     # what this step's masks proposed values fresh drafts, checked or not (greedy only:
-                    # a sampled draft's own probability must not steer whether it is fed)
+                    # sampled drafts are valued by their observed acceptance, ``DraftChooser.draft_probs``)
                     stats.propose(row.draft_confidence)
             else:  # τ rows: how many mask predictions passed τ
                 stats.observe(choice.masks, max(len(tokens) - 1, 0))

@@ -43,9 +43,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import ACCEPTANCE_RULES, ScoreProcessing
 from .cache import CACHE_SCHEMES, MARSBlockCache
 from .cpu_kernels import packed_linears
-from .decoder import MARSBatchDecoder, RowSettings, RowUpdate  # noqa: F401  (public re-exports)
+from .decoder import MARSBatchDecoder, RowSettings, RowUpdate, check_token_ids  # noqa: F401  (public re-exports)
 from .draft_sources import SOURCES
 from .layouts import LAYOUT_CHOICES
+from .sampling import draw_seed
 from .settings import (
     MARS_KEYWORDS,
     MARS_ONLY_KEYWORDS,
@@ -154,7 +155,8 @@ def mars_generate(
             ``"quadratic"`` (a group of W masks after every draft prefix) fix the feed.
         mars_planner: let the planner size τ rows' mask groups too (default False: τ keeps the
             paper's fixed window W). Changes which tokens τ can accept (never more predictions past
-            the first than masks fed), so τ's output may differ from the fixed window's.
+            the first than masks fed), so τ's output may differ from the fixed window's, and with a measured
+            cost curve it follows the machine's timing (pass ``mars_cost_table`` to make it reproducible).
         mars_cost_table: ``{columns per row: relative cost}`` (e.g. ``{1: 1.0, 2: 1.05, 5: 1.3}``) used
             instead of measuring the forward's cost curve; missing sizes are interpolated.
         mars_cost_probe: False skips the measurement and assumes a flat curve (every width costs one
@@ -176,6 +178,7 @@ def mars_generate(
             ``num_assistant_tokens`` drafts exactly and extends the kept prefix with the masks after it
             that pass τ (the paper's composition).
     """
+    check_token_ids(input_ids)
     generation_config = generation_config if generation_config is not None else model.generation_config
     streamer = streamer if streamer is not None else mars_streamer
     max_length, eos_ids, other_criteria = _split_stopping_criteria(stopping_criteria, generation_config)
@@ -202,6 +205,8 @@ def mars_generate(
         max_new_tokens=max_new,
     )
     _check_supported(model, generation_config, model_kwargs, logits_processor)
+    # one seed per call, from torch's global generator; each row's draws are keyed to (seed, row, position)
+    seed = draw_seed() if generation_config.do_sample else None
     leads = _prompt_leads(model_kwargs.pop("attention_mask", None), input_ids)
     user_cache = _take_model_inputs(model_kwargs, settings.cache, generation_config)
     pad_token_id = _pad_token(generation_config, eos_ids)
@@ -212,7 +217,7 @@ def mars_generate(
     if _wants_scores(generation_config):
         decoder.score_records = []
     for b in range(batch_size):
-        row = _row_settings(settings, b, max_new, eos_ids, generation_config)
+        row = _row_settings(settings, b, max_new, eos_ids, generation_config, seed)
         decoder.add_row(input_ids[b, leads[b] :], row, processing=processing, batch_index=b, lead=leads[b], row_id=b)
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -375,14 +380,19 @@ def _make_decoder(
     )
 
 
-def _row_settings(settings: MARSDecodingSettings, b: int, max_new: int, eos_ids, generation_config) -> RowSettings:
-    """Batch row ``b``'s settings (its own τ; the rest is the call's)."""
+def _row_settings(
+    settings: MARSDecodingSettings, b: int, max_new: int, eos_ids, generation_config, seed: int | None
+) -> RowSettings:
+    """Batch row ``b``'s settings (its own τ; the rest is the call's; its sampling keyed to the call's seed
+    and its index in the batch)."""
     return RowSettings(
         threshold=settings.thresholds[b],
         acceptance=settings.acceptance,
         max_new_tokens=max_new,
         eos_token_ids=tuple(eos_ids),
         do_sample=bool(generation_config.do_sample),
+        seed=seed,
+        row_key=b,
         prompt_lookup_num_tokens=settings.prompt_lookup_num_tokens,
         max_matching_ngram_size=settings.max_matching_ngram_size,
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -19,6 +18,7 @@ from transformers.generation.logits_process import (
 from .acceptance import one_token_per_step
 from .draft_sources import LOOKUP, MASKS
 from .planner import AcceptanceStats
+from .sampling import RowNoise, draw_seed
 
 
 @dataclass
@@ -34,8 +34,12 @@ class RowSettings:
         do_sample / temperature / top_k / top_p: sampling, as in ``GenerationConfig``; ignored when
             ``logits_processor`` is given.
         logits_processor: processors for this row alone (position-free ones only; a server's rows).
-        seed: a seed for this row's own random generator (sampling is then reproducible per row,
-            whatever else the batch holds); None uses torch's global generator, like ``generate``.
+        seed / row_key: a sampled row's randomness: the token at position ``t`` of the row (prompt
+            included) is the keyed draw of ``(seed, row_key, t)`` (``sampling.py``), so the same seed gives
+            the same tokens whatever the plan, the timing, the kernels or the rest of the batch. ``seed=None``
+            draws a seed from torch's global generator when the row is added (``torch.manual_seed`` fixes it).
+            ``generate`` gives every row of a call one seed and its batch index as ``row_key``; a server
+            request's ``seed`` with ``row_key`` 0.
         prompt_lookup_num_tokens / max_matching_ngram_size: verify only: also propose drafts by prompt
             lookup (transformers' meaning, ``draft_sources.lookup_drafts``); each step the row feeds the
             lookup's or the masks' drafts, whichever chain it expects to keep more of.
@@ -51,6 +55,7 @@ class RowSettings:
     top_p: float = 1.0
     logits_processor: LogitsProcessorList | None = None
     seed: int | None = None
+    row_key: int = 0
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int = 2
 
@@ -101,9 +106,7 @@ class SourceStats(AcceptanceStats):
 class RowState:
     """One row's decoding state."""
 
-    def __init__(
-        self, row_id, prompt, settings, window, processing, batch_index, lead, buffer_lead, floor, device
-    ):
+    def __init__(self, row_id, prompt, settings, window, processing, batch_index, lead, buffer_lead, floor):
         self.row_id = row_id
         self.tokens = list(prompt)  # real tokens: the prompt, then everything accepted
         self.prompt_length = len(prompt)
@@ -116,10 +119,10 @@ class RowState:
         self.floor = floor
         self.eos = frozenset(settings.eos_token_ids)
         self.do_sample = settings.do_sample
-        self.generator = None
-        if settings.seed is not None and settings.do_sample:
-            self.generator = torch.Generator(device=device)  # where its logits are
-            self.generator.manual_seed(int(settings.seed))
+        self.noise = None  # keyed sampling noise (``sampling.RowNoise``); None: greedy
+        if settings.do_sample:
+            seed = settings.seed if settings.seed is not None else draw_seed()
+            self.noise = RowNoise(seed, settings.row_key)
         self.processing = processing
         self.batch_index = batch_index  # row of ``processing.sequences`` (the stock ``input_ids`` layout)
         self.lead = lead  # left-padding columns of the prompt fed to the model (and kept in the cache)
@@ -128,7 +131,6 @@ class RowState:
         self.committed = 0  # real tokens whose keys/values are in the cache
         self.drafts: list[int] = []
         self.draft_confidence: list[float] = []  # the drafts' own (calibrated) probabilities
-        self.proposal: torch.Tensor | None = None  # [len(drafts), vocab] draft distributions (sampling)
         self.finished = False
         self.stats = AcceptanceStats(min(window, max(settings.max_new_tokens, 1)))  # the planner's view
         self.draft_source = MASKS  # where ``drafts`` came from
