@@ -25,6 +25,7 @@ _LAZY = {
     "set_mars_config": "mars_hf.models.mask_token",
     "self_distill": "mars_hf.training.data",
     "embedded_mars_checkpoint": "mars_hf.models.embedded_model",
+    "packed_linears": "mars_hf.decoding.cpu_kernels",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+import mars_hf
 from mars_hf.decoding import cost_model, cpu_kernels
 from mars_hf.decoding.cpu_kernels import PackedLinear, active, last_kernels, packed_linears, use_packed
 from mars_hf.decoding.generation import enable_mars
@@ -422,7 +423,7 @@ def test_plain_decoding_runs_packed_inside_the_block(tok, packed_rows):
     encoded = _batch(tok)
     common = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
     stock = model.generate(**encoded, **common)
-    with packed_linears(model):
+    with mars_hf.packed_linears(model):  # the public name
         packed = model.generate(**encoded, **common)
     assert torch.equal(packed.sequences, stock.sequences) and min(packed_rows) > 1
     single = {key: value[:1] for key, value in encoded.items()}
