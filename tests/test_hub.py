@@ -145,7 +145,6 @@ def test_saved_folder_has_weights_tokenizer_mars_config_and_custom_generate(save
         "tokenizer.json",
         "tokenizer_config.json",
         "custom_generate/generate.py",
-        "custom_generate/cache.py",
         "custom_generate/requirements.txt",
     ):
         assert expected in files
@@ -153,11 +152,12 @@ def test_saved_folder_has_weights_tokenizer_mars_config_and_custom_generate(save
     assert config["mars"]["block_size"] == 4
     assert config["mars"]["mask_token_id"] == tokenizer.mask_token_id
     assert "format_version" in config["mars"]
-    # custom_generate/ is the package's decoding module, byte for byte.
-    assert (folder / "custom_generate/generate.py").read_bytes() == (
-        REPO_ROOT / "mars_hf/decoding/generation.py"
-    ).read_bytes()
-    assert (folder / "custom_generate/cache.py").read_bytes() == (REPO_ROOT / "mars_hf/decoding/cache.py").read_bytes()
+    # custom_generate/ is the package's custom_generate_src/, byte for byte, and nothing else.
+    shipped = sorted(f.removeprefix("custom_generate/") for f in files if f.startswith("custom_generate/"))
+    assert shipped == sorted([*hub.CUSTOM_GENERATE_FILES, "requirements.txt"])
+    for name in hub.CUSTOM_GENERATE_FILES:
+        source = REPO_ROOT / "mars_hf/hub/custom_generate_src" / name
+        assert (folder / "custom_generate" / name).read_bytes() == source.read_bytes()
     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name
@@ -261,7 +261,7 @@ def test_custom_generate_requirements_are_the_ranges_pyproject_declares(tmp_path
 def test_custom_generate_must_be_self_contained(tmp_path):
     good = tmp_path / "good.py"
     good.write_text(
-        "import os\nimport torch\nfrom transformers import GenerationMixin\nfrom .cache import X\n"
+        "import os\nimport torch\nfrom transformers import GenerationMixin\nfrom .decoder import X\n"
     )
     hub.check_self_contained(good)
     for bad in (
@@ -587,7 +587,8 @@ def test_lora_adapter_loads_onto_base_and_decodes_like_merged(tmp_path, mode):
     merged = peft_model.merge_and_unload()
     expected = mars_tokens(merged, tokenizer)
     for merge in (False, True):
-        loaded = AutoMARSModelForCausalLM.from_pretrained(adapter_dir, merge_adapter=merge)
+        gating = {"adapter_gating": "none"} if mode == "peft-only" else {}  # no record: say it is ungated
+        loaded = AutoMARSModelForCausalLM.from_pretrained(adapter_dir, merge_adapter=merge, **gating)
         assert loaded.config.mars["block_size"] == 4
         assert type(loaded).__name__ == ("LlamaForCausalLM" if merge else "PeftModelForCausalLM")
         assert tuple(loaded.get_input_embeddings().weight.shape) == (len(tokenizer), 32)

@@ -1,10 +1,12 @@
-"""``custom_generate/``: the decoding subpackage copied verbatim into a checkpoint, for users without mars_hf.
+"""``custom_generate/``: a small, self-contained MARS decoder copied into every checkpoint, for users without mars_hf.
 
 ``model.generate(custom_generate=<repo>, trust_remote_code=True, mars_threshold=...)`` runs
-``custom_generate/generate.py``, a copy of ``mars_hf/decoding/generation.py``, with its sibling modules
-beside it (transformers resolves the relative import of a sibling file both for local folders and Hub
-repos). The copy runs where mars_hf is not installed, so every shipped file is checked to import only
-torch, transformers, safetensors, the standard library and the other shipped files.
+``custom_generate/generate.py`` with its sibling modules beside it (transformers resolves the relative import of
+a sibling file both for local folders and Hub repos). The files are ``mars_hf/hub/custom_generate_src/``: τ and
+verified decoding (greedy and sampled, same seed contract as mars_hf), a cropped ``DynamicCache``, the gated
+adapter in torch; no planner, kernels or probes, so that a reader can audit what ``trust_remote_code`` runs.
+Every shipped file is checked to import only torch, transformers, safetensors, the standard library and the
+other shipped files.
 """
 
 from __future__ import annotations
@@ -16,32 +18,16 @@ import shutil
 import sys
 from pathlib import Path
 
-# The files copied into ``custom_generate/`` (module in mars_hf/decoding -> name in the checkpoint).
-CUSTOM_GENERATE_FILES = {
-    "generation.py": "generate.py",
-    "cache.py": "cache.py",
-    "decoder.py": "decoder.py",
-    "layouts.py": "layouts.py",
-    "acceptance.py": "acceptance.py",
-    "gated_lora.py": "gated_lora.py",
-    "gated_kernel.py": "gated_kernel.py",
-    "home.py": "home.py",
-    "calibration.py": "calibration.py",
-    "cost_model.py": "cost_model.py",
-    "cpu_kernels.py": "cpu_kernels.py",
-    "planner.py": "planner.py",
-    "draft_sources.py": "draft_sources.py",
-    "draft_choice.py": "draft_choice.py",
-    "settings.py": "settings.py",
-    "rows.py": "rows.py",
-    "feeding.py": "feeding.py",
-}
+SOURCE_DIR = Path(__file__).resolve().parent / "custom_generate_src"
+# The files copied into ``custom_generate/`` (same names there).
+CUSTOM_GENERATE_FILES = ("generate.py", "decoder.py", "acceptance.py", "sampling.py", "gated_lora.py")
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
 ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}
 # The packages of requirements.txt whose ranges are mars-hf's own (pyproject.toml). safetensors has no
 # range of ours: transformers requires it, with the range it needs.
 PINNED_REQUIREMENTS = ("torch", "transformers")
-DECODING_DIR = Path(__file__).resolve().parents[1] / "decoding"
+# custom_generate/ stays small enough to audit (docs/hub.md); tests/test_custom_generate.py holds it to this.
+MAX_LINES = 1500
 
 
 def custom_generate_requirements() -> str:
@@ -71,26 +57,28 @@ def custom_generate_requirements() -> str:
 
 
 def write_custom_generate(target: str | os.PathLike) -> list[str]:
-    """Copy the decoding subpackage into ``target`` verbatim, after checking it needs only torch/transformers."""
+    """Copy the ``custom_generate_src`` files into ``target`` after checking they need only torch/transformers."""
     target = Path(target)
-    sources = {DECODING_DIR / name: target / copy_name for name, copy_name in CUSTOM_GENERATE_FILES.items()}
+    sources = [SOURCE_DIR / name for name in CUSTOM_GENERATE_FILES]
     for source in sources:
         if not source.is_file():
-            raise FileNotFoundError(
-                f"{source} is missing; the package's decoding module is needed for custom_generate/."
-            )
+            raise FileNotFoundError(f"{source} is missing; the package's custom_generate_src/ is incomplete.")
         check_self_contained(source)
     requirements = custom_generate_requirements()
+    if target.name == "custom_generate" and target.is_dir():  # an older mars-hf's files must not linger
+        for stale in target.glob("*.py"):
+            if stale.name not in CUSTOM_GENERATE_FILES:
+                stale.unlink()
     target.mkdir(parents=True, exist_ok=True)
-    for source, destination in sources.items():
-        shutil.copyfile(source, destination)
+    for source in sources:
+        shutil.copyfile(source, target / source.name)
     (target / "requirements.txt").write_text(requirements)
     return sorted(p.name for p in target.iterdir())
 
 
 def check_self_contained(source: Path) -> None:
     """Raise unless ``source`` imports only torch, transformers, safetensors, stdlib and shipped siblings."""
-    allowed_relative = {Path(copy).stem for copy in CUSTOM_GENERATE_FILES.values()}
+    allowed_relative = {Path(name).stem for name in CUSTOM_GENERATE_FILES}
     tree = ast.parse(Path(source).read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -100,7 +88,7 @@ def check_self_contained(source: Path) -> None:
                 if node.module is None or node.module.split(".")[0] not in allowed_relative:
                     raise ImportError(
                         f"{source.name} line {node.lineno} imports from .{node.module or ''}: custom_generate/ only "
-                        f"ships {sorted(allowed_relative)}, so the decoding module may import only from those."
+                        f"ships {sorted(allowed_relative)}, so a shipped file may import only from those."
                     )
                 continue
             modules = [node.module or ""]

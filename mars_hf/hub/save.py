@@ -46,7 +46,7 @@ def save_pretrained(
 
     The folder holds the weights in safetensors (for a ``PeftModel``: the adapter, ``mars_config.json``
     and the trained mask-token row), the tokenizer with its mask token, ``config.mars``,
-    ``custom_generate/`` (the package's own decoding module) and a ``README.md`` model card.
+    ``custom_generate/`` (a small self-contained MARS decoder) and a ``README.md`` model card.
 
     Args:
         repo_id: the Hub id the folder is meant for (used in the card's usage snippets).

@@ -1,0 +1,240 @@
+"""Which predictions a row keeps (MARS_SPEC §2 steps 3-4, §6, §8): τ acceptance, verification, draft proposal.
+
+Every rule works on one step's predictions of several rows at once: ``raw`` is the float32 logits of every
+prediction, one row's after the other, and ``spans[i] = (start, count)`` says which are row ``i``'s. A
+row (``decoder.Row``) exposes ``b`` (its batch index), ``length`` (its tokens so far, prompt included,
+padding not: the position of its next token), ``column`` (where that token goes in the token buffer),
+``generated``, ``drafts``, ``tau`` / ``floor`` and ``noise`` (its keyed sampling noise, None when greedy).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from .sampling import choose
+
+logger = logging.getLogger(__name__)
+
+THRESHOLD_METRICS = ("probability", "entropy", "margin")
+ACCEPTANCE_RULES = THRESHOLD_METRICS + ("verify",)
+# Processors that treat each row of scores alone and never read ``input_ids``: applied to every prediction of
+# a step in one call. The others (repetition penalty, min length...) see each prediction's own prefix.
+POSITION_FREE = (
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
+
+
+class Processing:
+    """The call's logits processors, applied to predictions whose prefixes differ.
+
+    ``sequences``: the batch's tokens in stock ``generate``'s layout (what processors and stopping criteria
+    call ``input_ids``); the decoder writes accepted and provisional tokens into it.
+    """
+
+    def __init__(self, processors, sequences: torch.Tensor):
+        self.processors = list(processors or [])
+        self.position_free = all(isinstance(p, POSITION_FREE) for p in self.processors)
+        self.sequences = sequences
+
+    def __call__(self, scores, rows=(), lengths=(), free_only=False):
+        """``scores[i]`` as the prediction after ``sequences[rows[i], :lengths[i]]`` (``free_only``: only the
+        position-free processors, for drafts, which an exact check makes harmless)."""
+        placeholder = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
+        for processor in self.processors:
+            if isinstance(processor, POSITION_FREE):
+                scores = processor(placeholder, scores)
+            elif not free_only:
+                scores = self._by_prefix(processor, scores, rows, lengths)
+        return scores
+
+    def _by_prefix(self, processor, scores, rows, lengths):
+        """One call per prefix length on the whole buffer (a processor may keep state per batch row)."""
+        out = torch.empty_like(scores)
+        for length in sorted(set(lengths)):
+            members = [i for i, n in enumerate(lengths) if n == length]
+            index = torch.tensor([rows[i] for i in members], device=scores.device)
+            picked = torch.tensor(members, device=scores.device)
+            full = scores.new_zeros((self.sequences.shape[0], scores.shape[-1]))
+            full[index] = scores[picked]
+            out[picked] = processor(self.sequences[:, :length], full)[index]
+        return out
+
+    def write(self, places, tokens) -> None:
+        """Tokens at ``(batch row, column)`` places of the buffer."""
+        if places:
+            rows = torch.tensor([b for b, _ in places], device=self.sequences.device)
+            columns = torch.tensor([c for _, c in places], device=self.sequences.device)
+            self.sequences[rows, columns] = torch.tensor(
+                tokens, dtype=torch.long, device=self.sequences.device
+            )
+
+
+class Calibration:
+    """``config.mars["calibration"]``: a monotone map per mask offset ``k`` from the raw probability to the
+    chance that mask ``k``'s token is the model's own (knots, piecewise linear, constant outside). Offsets
+    beyond the fitted ones map to 0. τ and verify's proposal floor compare the mapped value."""
+
+    def __init__(self, record: dict, window: int):
+        if record.get("method") != "isotonic":
+            raise ValueError(
+                f"config.mars['calibration'] has method {record.get('method')!r}; this custom_generate/ applies "
+                "'isotonic' only. Refit it with `mars-hf calibrate`, or delete the entry."
+            )
+        self.maps = [
+            ([float(x) for x in m["x"]], [float(y) for y in m["y"]]) for m in record.get("offsets") or []
+        ]
+        if any(
+            not xs or len(xs) != len(ys) or any(b <= a for a, b in zip(xs, xs[1:])) for xs, ys in self.maps
+        ):
+            raise ValueError(
+                "config.mars['calibration']: knots must be non-empty, paired and increasing in x."
+            )
+        if window > len(self.maps):
+            logger.warning(
+                "The confidence calibration covers mask offsets 1..%d but decoding uses W = %d: the masks beyond "
+                "get confidence 0 (never accepted by τ).",
+                len(self.maps),
+                window,
+            )
+
+    def apply(self, offset: int, value: float) -> float:
+        if offset > len(self.maps):
+            return 0.0
+        xs, ys = self.maps[offset - 1]
+        if value <= xs[0]:
+            return ys[0]
+        if value >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, value)
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (value - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+    def apply_span(self, values: list, start: int, count: int) -> None:
+        """In place: ``values[start + i]`` is the confidence of mask offset ``i + 1``."""
+        for i in range(count):
+            values[start + i] = self.apply(i + 1, values[start + i])
+
+
+def confidence(scores: torch.Tensor, tokens: torch.Tensor, metric: str) -> torch.Tensor:
+    """p(chosen), the entropy, or p1 - p2 of each prediction, as float64."""
+    probs = torch.softmax(scores, dim=-1)
+    if metric == "probability":
+        return probs.gather(-1, tokens[:, None]).squeeze(-1).double()
+    if metric == "entropy":
+        return torch.special.entr(probs).sum(-1).double()
+    top2 = probs.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).double()
+
+
+def places(row, first: int, count: int):
+    """``(noise, position)`` of a row's predictions of the tokens at ``length + first + k``; None when greedy."""
+    return None if row.noise is None else [(row.noise, row.length + first + k) for k in range(count)]
+
+
+def _joined(rows, spans, first_of):
+    """Every row's places one after the other (None for greedy rows, which share the call's sampling)."""
+    if rows[0].noise is None:
+        return None
+    return [p for row, (_, count) in zip(rows, spans) for p in places(row, first_of(row), count)]
+
+
+def threshold_rule(rows, raw, spans, processing: Processing, metric: str, calibration, max_new: int):
+    """τ: prediction 0 always, then mask predictions left to right while they pass τ (MARS_SPEC §2).
+
+    Returns ``(scores, [(tokens kept, in order) per row])``; the caller cuts at EOS / stop criteria.
+    """
+    if processing.position_free:
+        scores = processing(raw)
+        tokens = choose(scores, _joined(rows, spans, lambda row: 0))
+    else:  # prediction j sees the tokens chosen at 0 … j-1
+        scores, tokens = torch.empty_like(raw), torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
+        for j in range(max(count for _, count in spans)):
+            active = [(row, start + j) for row, (start, count) in zip(rows, spans) if j < count]
+            flat = [k for _, k in active]
+            picked = processing(
+                raw[flat], [row.b for row, _ in active], [row.column + j for row, _ in active]
+            )
+            noise = None if rows[0].noise is None else [places(row, j, 1)[0] for row, _ in active]
+            chosen = choose(picked, noise)
+            scores[flat], tokens[flat] = picked, chosen
+            processing.write([(row.b, row.column + j) for row, _ in active], chosen.tolist())
+    chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
+    if calibration is not None and metric == "probability":
+        for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
+            calibration.apply_span(values, start + 1, count - 1)
+    kept = []
+    for row, (start, count) in zip(rows, spans):
+        limit = min(count, max_new - len(row.generated))
+        n = min(1, limit)
+        while n < limit and (
+            values[start + n] <= row.tau if metric == "entropy" else values[start + n] >= row.tau
+        ):
+            n += 1
+        kept.append([int(t) for t in chosen_all[start : start + n]])
+    return scores, kept
+
+
+def verify_rule(rows, raw, spans, processing: Processing):
+    """Check each row's drafts against the model's own choices (MARS_SPEC §6): its argmax, or its keyed draw
+    (an exact match either way). Check ``j`` decides the token at ``length + j``.
+
+    Returns ``(scores, [(drafts kept, the model's token after them) per row])``.
+    """
+    if processing.position_free:
+        scores = processing(raw)
+    else:
+        for row in rows:
+            processing.write([(row.b, row.column + j) for j in range(len(row.drafts))], row.drafts)
+        batch_rows = [row.b for row, (_, count) in zip(rows, spans) for _ in range(count)]
+        lengths = [row.column + j for row, (_, count) in zip(rows, spans) for j in range(count)]
+        scores = processing(raw, batch_rows, lengths)
+    own = choose(scores, _joined(rows, spans, lambda row: 0)).tolist()
+    outcome = []
+    for row, (start, _) in zip(rows, spans):
+        kept = 0
+        while kept < len(row.drafts) and row.drafts[kept] == own[start + kept]:
+            kept += 1
+        outcome.append((kept, own[start + kept]))
+    return scores, outcome
+
+
+def propose_drafts(followers, raw, spans, processing: Processing, calibration, max_new: int) -> None:
+    """New drafts from the masks after each follower's kept prefix (``followers``: ``(row, drafts kept, tokens
+    kept this step)``); a sampled row's draft at ``t`` is its mask's keyed draw at ``t``. Drafts stop at the first
+    whose (calibrated) probability is below the row's proposal floor."""
+    rows = [row for row, _, _ in followers]
+    scores = processing(raw, free_only=True)
+    if rows[0].noise is not None:
+        kept_of = {id(row): kept for row, kept, _ in followers}
+        tokens = choose(scores, _joined(rows, spans, lambda row: kept_of[id(row)] + 1))
+        probs = torch.softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(1)
+    else:
+        probs, tokens = torch.softmax(scores, -1).max(-1)
+    tokens, probs = tokens.tolist(), probs.tolist()
+    for (row, _, taken), (start, width) in zip(followers, spans):
+        if calibration is not None:
+            calibration.apply_span(probs, start, width)
+        n = 0
+        while n < width and probs[start + n] >= row.floor:
+            n += 1
+        room = max_new - len(row.generated) - taken - 1
+        row.drafts = tokens[start : start + min(n, max(room, 0))]
