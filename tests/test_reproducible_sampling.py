@@ -7,6 +7,8 @@ float64 tiny models (float32 where kernels differ), so token equality is meaning
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -128,7 +130,7 @@ def test_batch_companions_never_change_a_rows_sample(model, tok):
 def test_kernel_modes_draw_the_same_sample(model, tok):
     """float32, where packed kernels round multi-column forwards differently from stock: the keyed draw
     stays the same (the noise is float32 on the CPU, drawn apart from any forward)."""
-    model32 = peaked_model("llama").float()
+    model32 = copy.deepcopy(model).float()  # peaked_model is shared by every test: never convert it in place
     encoded = _batch(tok)
     runs = [
         _sample(
