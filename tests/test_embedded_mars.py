@@ -21,6 +21,7 @@ from mars_hf.cli import main
 from mars_hf.decoding import gated_lora
 from mars_hf.models import embedded_model, precision
 from mars_hf.models.embedded_model import EMBEDDED_MARS_DIR, EMBEDDED_MODEL_NAME, resolve_model_path
+from mars_hf.models.gated_peft import gate_peft_model
 from mars_hf.models.mask_token import add_mask_token, set_mars_config
 from mars_hf.models.modeling import AutoMARSModelForCausalLM, load_mars_model
 from tests.tiny import tiny_model, tiny_tokenizer
@@ -48,7 +49,7 @@ def tiny_shipped(tmp_path_factory):
         r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False
     )
     peft_model = get_peft_model(model, config)
-    gated_lora.gate_peft_model(peft_model, mask_id)
+    gate_peft_model(peft_model, mask_id)
     folder = root / "embedded_mars"
     hub.save_pretrained(
         peft_model.eval(), tokenizer, folder, base_model="HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -316,7 +316,7 @@ def test_gated_adapter_is_refused_or_merged_everywhere_for_a_drafter(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from mars_hf import hub
-    from mars_hf.decoding import gated_lora
+    from mars_hf.models.gated_peft import gate_peft_model
 
     tokenizer = tiny_tokenizer(with_mask=False)
     base = tiny_model("qwen2", block_size=None)
@@ -330,7 +330,7 @@ def test_gated_adapter_is_refused_or_merged_everywhere_for_a_drafter(tmp_path):
     gated = get_peft_model(copy.deepcopy(base), LoraConfig(**settings))
     torch.manual_seed(1)
     everywhere = get_peft_model(copy.deepcopy(base), LoraConfig(**settings)).eval()  # same LoRA, ungated
-    gated_lora.gate_peft_model(gated, mask_id)
+    gate_peft_model(gated, mask_id)
     checkpoint = tmp_path / "ckpt"
     hub.save_pretrained(gated.eval(), tokenizer, checkpoint, base_model=str(base_dir))
 

@@ -20,10 +20,12 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
 
 from mars_hf import hub
 from mars_hf.decoding import gated_lora
 from mars_hf.decoding.generation import enable_mars
+from mars_hf.models import gated_peft
 from mars_hf.models.modeling import load_mars_model
 from mars_hf.training.attention_mask import build_mars_inputs, mars_attention_mask
 from mars_hf.training.config import MARSConfig
@@ -44,7 +46,7 @@ def gated_copy(base, mask_token_id, seed=1):
     """A PEFT LoRA (random, non-zero B) on a copy of ``base``, gated to mask positions."""
     torch.manual_seed(seed)
     peft_model = get_peft_model(copy.deepcopy(base), lora_config())
-    gated_lora.gate_peft_model(peft_model, mask_token_id)
+    gated_peft.gate_peft_model(peft_model, mask_token_id)
     return peft_model.eval()
 
 
@@ -127,7 +129,8 @@ def test_merging_is_refused_everywhere(tmp_path, tokenizer):
     for merge in (gated.merge_and_unload, gated.merge_adapter, gated.base_model.merge_and_unload):
         with pytest.raises(gated_lora.MergeRefusedError, match="cannot be merged"):
             merge()
-    layer = next(m for m in gated.modules() if getattr(m, "_mars_gated", False))
+    layer = next(m for m in gated.modules() if isinstance(m, LoraLayer))
+    assert isinstance(layer.lora_variant["default"], gated_peft.MaskGatedLoraVariant)
     with pytest.raises(gated_lora.MergeRefusedError):
         layer.merge()
     assert gated.get_base_model().config.mars["adapter_gating"] == "mask"
@@ -140,12 +143,12 @@ def test_only_plain_linear_lora_can_be_gated(tokenizer):
     base = tiny_model("llama")
     dora = get_peft_model(copy.deepcopy(base), lora_config(use_dora=True))
     with pytest.raises(ValueError, match="only plain LoRA"):
-        gated_lora.gate_peft_model(dora, tokenizer.mask_token_id)
+        gated_peft.gate_peft_model(dora, tokenizer.mask_token_id)
     saved = get_peft_model(
         copy.deepcopy(base), lora_config(target_modules=["q_proj"], modules_to_save=["v_proj"])
     )
     with pytest.raises(ValueError, match="modules_to_save"):
-        gated_lora.gate_peft_model(saved, tokenizer.mask_token_id)
+        gated_peft.gate_peft_model(saved, tokenizer.mask_token_id)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -472,7 +475,9 @@ def test_custom_generate_applies_the_gated_adapter(trained_gated):
     common = dict(max_new_tokens=12, do_sample=False, mars_threshold=0.5)
     expected = peft_model.generate(**inputs, **common)
     plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64)
-    out = plain.generate(**inputs, custom_generate=str(folder), trust_remote_code=True, **common)
+    out = plain.generate(
+        **inputs, custom_generate=str(folder), trust_remote_code=True, mars_checkpoint=str(folder), **common
+    )
     assert torch.equal(out, expected)
 
 
@@ -501,10 +506,9 @@ BARE_VENV_GATED = textwrap.dedent(
     common = dict(max_new_tokens=12, do_sample=False)
     greedy = model.generate(**inputs, **common).tolist()
     out = {"missing": missing, "greedy": greedy}
-    out["tau"] = model.generate(**inputs, custom_generate=folder, trust_remote_code=True, mars_threshold=0.5, **common).tolist()
-    out["verify"] = model.generate(
-        **inputs, custom_generate=folder, trust_remote_code=True, mars_acceptance="verify", **common
-    ).tolist()
+    remote = dict(custom_generate=folder, trust_remote_code=True, mars_checkpoint=folder)
+    out["tau"] = model.generate(**inputs, **remote, mars_threshold=0.5, **common).tolist()
+    out["verify"] = model.generate(**inputs, **remote, mars_acceptance="verify", **common).tolist()
     print(json.dumps(out))
     """
 )
@@ -633,12 +637,7 @@ def test_shipped_adapter_shares_one_projection_per_input_and_skips_plain_steps(
         assert products == []  # no mask in the forward: no adapter arithmetic at all
         shipped(input_ids=torch.tensor([[5, 6, tokenizer.mask_token_id]]))
     assert products == [(12, 32), (4, 32), (8, 32), (4, 64)] * 2  # q/k/v, o, gate/up, down in 2 blocks
-    groups = {
-        id(m._mars_adapter.group): m._mars_adapter.group
-        for m in shipped.modules()
-        if hasattr(m, "_mars_adapter")
-    }
-    assert all(group.x is None and group.parts is None for group in groups.values())  # nothing kept alive
+    assert gated_lora.is_gated(shipped) and shipped._mars_mask_gate.current().kept == {}  # nothing kept alive
 
 
 @pytest.mark.parametrize("kernel", ["c", "torch"])
@@ -739,12 +738,22 @@ def test_shipped_loader_applies_an_ungated_adapter_everywhere(tmp_path):
 # ---------------------------------------------------------------------------------------------- loading refusals
 
 
+def drop_gate_marker(folder):
+    """The folder as a checkpoint saved before adapter_config.json carried gate_token_id."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    del config[gated_lora.GATE_TOKEN_KEY]
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
 def test_gated_checkpoint_without_its_gating_record_is_refused_not_loaded_ungated(tokenizer, tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     _, _, _, folder = shipped_gated(tmp_path, "llama", tokenizer)
     base_dir = tmp_path / "base-llama"
+    drop_gate_marker(
+        folder
+    )  # an older checkpoint: only mars_config.json and the mask-row file record the gate
     (folder / "mars_config.json").unlink()
     refused = r"(gated to mask positions|has the MARS mask-row file).*no mars_config.json.*Restore"
     for load in (
@@ -768,8 +777,15 @@ def test_gating_record_that_contradicts_the_mask_rows_is_refused(tokenizer, tmp_
     mars = json.loads((folder / "mars_config.json").read_text())
     del mars["adapter_gating"]
     (folder / "mars_config.json").write_text(json.dumps(mars))
+    base = str(tmp_path / "base-llama")
+    with pytest.raises(
+        ValueError,
+        match=r"adapter_config.json says the adapter is gated to token \d+ .* says adapter_gating=None",
+    ):
+        load_mars_model(folder, base_model_name_or_path=base)
+    drop_gate_marker(folder)
     with pytest.raises(ValueError, match=r"says adapter_gating='mask' but mars_config.json says None"):
-        load_mars_model(folder, base_model_name_or_path=str(tmp_path / "base-llama"))
+        load_mars_model(folder, base_model_name_or_path=base)
 
 
 def test_load_refuses_a_gate_that_does_not_hold_real_positions(tokenizer, tmp_path, monkeypatch):
@@ -781,7 +797,8 @@ def test_load_refuses_a_gate_that_does_not_hold_real_positions(tokenizer, tmp_pa
 
     def open_everywhere(self, module, args, kwargs):
         record(self, module, args, kwargs)
-        self.gate = torch.ones(self.rows, 1, dtype=module.weight.dtype)
+        forward = self.current()
+        forward.gate = torch.ones(forward.rows, 1, dtype=module.weight.dtype)
 
     monkeypatch.setattr(gated_lora.MaskGate, "record", open_everywhere)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base-qwen3", dtype=torch.float64)

@@ -338,8 +338,8 @@ def shipped_checkpoint(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from mars_hf import hub
-    from mars_hf.decoding import gated_lora
     from mars_hf.models import embedded_model
+    from mars_hf.models.gated_peft import gate_peft_model
 
     tokenizer = tiny_tokenizer()
     base = tiny_model("llama", seed=2, tokenizer=tokenizer, block_size=2)
@@ -351,7 +351,7 @@ def shipped_checkpoint(tmp_path, monkeypatch):
         r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False
     )
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64), lora)
-    gated_lora.gate_peft_model(peft_model, tokenizer.mask_token_id)
+    gate_peft_model(peft_model, tokenizer.mask_token_id)
     folder = tmp_path / "embedded_mars"
     hub.save_pretrained(peft_model.eval(), tokenizer, folder)
     assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(

@@ -5,36 +5,32 @@ adapted layer returns the base layer's output bits (the added delta row is exact
 logits and keys/values at real positions are the base model's, bit for bit, and one-token decoding,
 τ = 1 and verified decoding are the base model's output. The masks get the adapter's capacity.
 
-Two ways in, one gate:
+What lives here (torch, transformers, safetensors and the standard library only):
 
-* training: :func:`gate_peft_model` gates the LoRA layers of a PEFT model in place (the delta is
-  computed for the mask rows only: index_select / index_add);
-* loading (mars_hf's loaders and a checkpoint's ``custom_generate/``, torch + transformers only):
-  :func:`attach_shipped_adapter` reads the checkpoint's ``adapter_model.safetensors``,
-  ``adapter_config.json``, trained mask row and ``mars_config.json`` and wraps each adapted linear
-  layer of a plain transformers model, without PEFT. The wrapped forward is lean: ``y = base(x)``,
-  and only when the forward holds a mask token ``y += (g · x Aᵀ)(s B)ᵀ`` with the (rows, 1) 0/1 gate
-  ``g`` built once per forward; layers that read one input (q/k/v, gate/up) share one ``x Aᵀ``. A
-  forward without masks costs the base model's.
+* the gate, :class:`MaskGate`: a forward pre-hook on the input embedding (it sees the ``input_ids`` of
+  every forward) records which positions hold the mask token, per forward *and per thread*; the adapted
+  layers read the record of the thread that runs them, so concurrent ``generate`` calls on one model
+  each see their own forward's masks;
+* :func:`gated_lora_forward`, the gated delta that PEFT runs through the LoRA variant of
+  ``mars_hf.models.gated_peft`` (``MaskGatedLoraConfig``, ``MaskGatedLoraVariant``: training, and loading
+  with ``PeftModel.from_pretrained``);
+* the lean loader of a saved adapter on a plain transformers model, :func:`attach_shipped_adapter` (what
+  ``mars_hf``'s own loaders use): each adapted ``nn.Linear`` is replaced by an :class:`AdaptedLinear` that
+  holds the same parameters and adds the delta only when the forward holds a mask token;
+* the checkpoint's gating record (which gating, which mask token) and the checks that an adapter fits
+  the model it is attached to.
 
-Which positions are masks is recorded by a forward pre-hook on the input embedding (it sees the
-``input_ids`` of every forward). A gated adapter cannot be merged into the weights (the delta depends
-on the input token); every merge entry point raises.
-
-On CPU, inference forwards compute the gated delta with the small C kernel of ``gated_kernel.py`` (mask
-rows only; ``kernel=`` / ``$MARS_HF_GATED_KERNEL`` choose), else with the torch ops above.
-
-This file ships verbatim in checkpoints (``custom_generate/gated_lora.py``, beside ``gated_kernel.py``): it
-imports only torch, transformers, safetensors, the standard library and that sibling.
+A gated adapter cannot be merged into the weights (the delta depends on the input token): every merge
+entry point raises :class:`MergeRefusedError`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 GATING_KEY = "adapter_gating"
 MASK_GATING = "mask"
+NO_GATING = "none"  # what a caller passes to say that an adapter without a record was trained ungated
+# adapter_config.json field of a mask-gated adapter (MaskGatedLoraConfig): the record inside the adapter itself.
+GATE_TOKEN_KEY = "gate_token_id"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 MARS_ADAPTER_CONFIG_FILE = "mars_config.json"
@@ -65,50 +64,24 @@ class MergeRefusedError(ValueError):
     """Raised by every merge entry point of a gated adapter."""
 
 
-def _refuse_merge(*args, **kwargs):
-    raise MergeRefusedError(MERGE_REFUSED)
+# --------------------------------------------------------------------------------------------------
+# The gate: which positions of this thread's forward hold the mask token
+# --------------------------------------------------------------------------------------------------
+class ForwardGate:
+    """What one forward's ``input_ids`` say about mask positions (one thread's, one forward's).
 
-
-class MaskGate:
-    """What the current forward's ``input_ids`` say about mask positions, computed once per forward.
-
-    Set by a forward pre-hook on the input embedding (it sees the ``input_ids`` of every forward):
-    ``rows`` (flattened positions; ``None`` until the input embedding has run in this forward, when
-    ``reset_per_forward``), ``gate`` (``None`` when no position holds the mask token, else a
-    ``(rows, 1)`` 0/1 tensor in the embedding's dtype), and, on request, the mask positions' ``index``.
+    ``rows``: flattened positions; ``gate``: ``None`` when no position holds the mask token, else a
+    ``(rows, 1)`` 0/1 tensor in the embedding's dtype. ``kept``: products that sibling layers of this forward
+    share (see :class:`_SharedInput`); they die with the record, at the thread's next forward.
     """
 
-    def __init__(self, mask_token_id: int):
-        self.mask_token_id = int(mask_token_id)
-        self.rows: int | None = None
-        self.gate: torch.Tensor | None = None
-        self.serial = 0  # counts forwards: cached per-forward products are keyed by it
+    __slots__ = ("rows", "gate", "kept", "_index", "_converted")
+
+    def __init__(self, rows: int, gate: torch.Tensor | None):
+        self.rows, self.gate = rows, gate
+        self.kept: dict = {}
         self._index: torch.Tensor | None = None
         self._converted: dict = {}
-
-    def record(self, module, args, kwargs):
-        """Forward pre-hook of the input embedding: its first input is ``input_ids``."""
-        input_ids = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
-        flat = input_ids.reshape(-1)
-        is_mask = flat == self.mask_token_id
-        self.rows = flat.numel()
-        self.serial += 1
-        self._index = None
-        self._converted = {}
-        # One host sync per forward; without masks every adapted layer is its base layer.
-        if bool(is_mask.any()):
-            weight = getattr(module, "weight", None)
-            self.gate = is_mask.unsqueeze(1).to(
-                weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
-            )
-        else:
-            self.gate = None
-
-    def reset(self, *args):
-        """Forward pre-hook of the model: a forward without ``input_ids`` finds no stale gate."""
-        self.rows = None
-        self.gate = None
-        self._index = None
 
     def gate_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The gate in ``dtype`` (converted once per forward)."""
@@ -120,45 +93,86 @@ class MaskGate:
             converted = self._converted[dtype] = gate.to(dtype)
         return converted
 
-    def check_rows(self, rows: int) -> None:
-        if self.rows is None or rows != self.rows:
-            raise RuntimeError(
-                f"A mask-gated adapter layer got {rows} positions but the last input_ids had {self.rows}: the "
-                "gate reads input_ids through the input embedding, so call the model with `input_ids` (not "
-                "`inputs_embeds`)."
-            )
-
-    def positions_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Flattened mask positions for an input ``x`` of this forward (``None``: none). The rows are checked
-        once per forward, by the first layer that asks (every layer of a forward sees as many rows)."""
-        index = self._index
-        if index is not None:
-            return index
-        self.check_rows(x.numel() // x.shape[-1])
+    def positions(self) -> torch.Tensor | None:
+        """Flattened mask positions (``None``: none)."""
         if self.gate is None:
             return None
-        index = self._index = self.gate.reshape(-1).nonzero().flatten()
-        return index
+        if self._index is None:
+            self._index = self.gate.reshape(-1).nonzero().flatten()
+        return self._index
 
 
-def gated_add(gate: MaskGate, x: torch.Tensor, result: torch.Tensor, delta_fn) -> torch.Tensor:
-    """``result`` plus ``delta_fn(x)`` at mask positions only; other rows are ``result``'s own values."""
-    index = gate.positions_for(x)
-    if index is None:
-        return result
-    flat_x = x.reshape(-1, x.shape[-1]).index_select(0, index)
-    delta = delta_fn(flat_x).to(result.dtype)
-    flat = result.reshape(-1, result.shape[-1])
-    return flat.index_add(0, index, delta).view_as(result)
+_UNSET = object()
+
+
+class MaskGate:
+    """Which positions of the current forward hold the mask token, recorded per thread.
+
+    :meth:`record` is a forward pre-hook on the input embedding; adapted layers call :meth:`current` in the
+    thread that runs them. The record lives in a ``threading.local``, so two threads running forwards of one
+    model (two ``generate`` calls) never read each other's. Autograd may recompute checkpointed layers in a
+    thread of its own (CUDA's backward threads): a thread that never ran a forward of this model reads the
+    record of the latest forward run with autograd on (one training loop per model).
+    """
+
+    def __init__(self, mask_token_id: int):
+        self.mask_token_id = int(mask_token_id)
+        self._local = threading.local()
+        self._grad_record: ForwardGate | None = None
+
+    def __getstate__(self) -> dict:
+        return {"mask_token_id": self.mask_token_id}  # records are per process and thread
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["mask_token_id"])
+
+    def record(self, module, args, kwargs):
+        """Forward pre-hook of the input embedding: its first input is ``input_ids``."""
+        input_ids = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
+        flat = input_ids.reshape(-1)
+        is_mask = flat == self.mask_token_id
+        gate = None
+        # One host sync per forward; without masks every adapted layer is its base layer.
+        if bool(is_mask.any()):
+            weight = getattr(module, "weight", None)
+            gate = is_mask.unsqueeze(1).to(
+                weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+            )
+        record = ForwardGate(flat.numel(), gate)
+        self._local.record = record
+        if torch.is_grad_enabled():
+            self._grad_record = record
+
+    def reset(self, *args):
+        """Forward pre-hook of the model: a forward without ``input_ids`` finds no stale record."""
+        self._local.record = None
+
+    def current(self) -> ForwardGate | None:
+        """This thread's record of its current forward (``None``: no ``input_ids`` seen)."""
+        record = getattr(self._local, "record", _UNSET)
+        if record is _UNSET:
+            return self._grad_record if torch.is_grad_enabled() else None
+        return record
+
+    def require(self, rows: int | None = None) -> ForwardGate:
+        """This thread's record, checked to describe ``rows`` positions when given; raises otherwise."""
+        record = self.current()
+        if record is None or (rows is not None and rows != record.rows):
+            raise RuntimeError(
+                f"A mask-gated adapter layer got {rows} positions but this thread's last input_ids had "
+                f"{None if record is None else record.rows}: the gate reads input_ids through the input "
+                "embedding, so call the model with `input_ids` (not `inputs_embeds`)."
+            )
+        return record
 
 
 def install_mask_gate(model, mask_token_id: int, reset_per_forward: bool = False) -> MaskGate:
     """Attach (once) the pre-hook that records mask positions; returns the model's gate.
 
-    ``reset_per_forward`` also forgets the gate when ``model``'s forward starts, so a forward with
+    ``reset_per_forward`` also forgets the thread's record when ``model``'s forward starts, so a forward with
     ``inputs_embeds`` fails loudly even right after an ``input_ids`` forward (or an embedding call) of the
-    same size. Training leaves it off: gradient checkpointing re-runs layers during backward, outside
-    any forward, with that forward's gate.
+    same size. Training leaves it off: a forward of the same model between a forward and its backward would
+    otherwise leave checkpointed layers without a record to recompute with.
     """
     gate = getattr(model, "_mars_mask_gate", None)
     if gate is not None:
@@ -168,91 +182,32 @@ def install_mask_gate(model, mask_token_id: int, reset_per_forward: bool = False
             )
         return gate
     gate = MaskGate(mask_token_id)
-    embedding = model.get_input_embeddings()
-    embedding.register_forward_pre_hook(gate.record, with_kwargs=True)
+    model.get_input_embeddings().register_forward_pre_hook(gate.record, with_kwargs=True)
     if reset_per_forward:
         model.register_forward_pre_hook(gate.reset)
     object.__setattr__(model, "_mars_mask_gate", gate)  # not a submodule, not in the state dict
     return gate
 
 
-# --------------------------------------------------------------------------------------------------
-# PEFT models (training, mars_hf loading): gate the LoRA layers in place
-# --------------------------------------------------------------------------------------------------
-def _is_lora_layer(module) -> bool:
-    return hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "base_layer")
+def gated_lora_forward(gate: MaskGate, x, result, lora_A, lora_B, dropout, scaling: float) -> torch.Tensor:
+    """``result`` plus ``scaling · lora_B(lora_A(dropout(x)))`` at the mask positions of this thread's forward.
 
-
-def _gated_peft_forward(layer, gate: MaskGate):
-    """A replacement ``forward`` for a PEFT ``lora.Linear``: the vanilla LoRA delta, at mask positions only."""
-
-    def forward(x, *args, **kwargs):
-        kwargs.pop("adapter_names", None)
-        result = layer.base_layer(x, *args, **kwargs)
-        if layer.disable_adapters:
-            return result
-        adapters = [name for name in layer.active_adapters if name in layer.lora_A.keys()]
-        if not adapters:
-            return result
-
-        def delta(rows):
-            total = None
-            for name in adapters:
-                lora_A = layer.lora_A[name]
-                term = layer.lora_B[name](lora_A(layer.lora_dropout[name](rows.to(lora_A.weight.dtype))))
-                term = term * layer.scaling[name]
-                total = term if total is None else total + term
-            return total
-
-        return gated_add(gate, x, result, delta)
-
-    return forward
-
-
-def gate_peft_model(peft_model, mask_token_id: int) -> int:
-    """Gate every LoRA layer of ``peft_model`` to mask positions (idempotent); returns how many are gated.
-
-    Only plain LoRA on linear layers can be gated (no DoRA or other variants, no LoRA on embeddings,
-    no ``modules_to_save``: those would change real tokens' outputs). Merging is refused afterwards.
+    The delta is computed for the mask rows only and added there (``index_add``); every other row keeps
+    ``result``'s bits. PEFT's layer calls this through ``MaskGatedLoraVariant.forward``.
     """
-    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
-    gate = install_mask_gate(base, mask_token_id)
-    count = 0
-    for name, module in peft_model.named_modules():
-        if type(module).__name__ == "ModulesToSaveWrapper":
-            raise ValueError(
-                f"{name} is a modules_to_save copy: a fully trained module changes real tokens too, so it cannot "
-                "be gated to mask positions. Drop it from `modules_to_save` (the mask row trains through "
-                "`trainable_token_indices`)."
-            )
-        if not _is_lora_layer(module):
-            continue
-        if type(module).__name__ != "Linear" or getattr(module, "lora_variant", None):
-            raise ValueError(
-                f"{name} is a {type(module).__name__} LoRA layer{' with a variant (DoRA...)' if getattr(module, 'lora_variant', None) else ''}: "
-                "only plain LoRA on linear layers can be gated to mask positions. Use `LoraConfig(use_dora=False)` "
-                "and linear `target_modules` (e.g. 'all-linear')."
-            )
-        if getattr(module, "_mars_gated", False):
-            count += 1
-            continue
-        if module.merged:
-            raise MergeRefusedError("The LoRA layers are already merged; gate the adapter before merging.")
-        module.forward = _gated_peft_forward(module, gate)
-        module.merge = _refuse_merge
-        module._mars_gated = True
-        count += 1
-    if not count:
-        raise ValueError("The model has no LoRA layer to gate; pass a LoraConfig as `peft_config`.")
-    for obj in (peft_model, getattr(peft_model, "base_model", None)):
-        if obj is not None and obj is not base:
-            for method in ("merge_and_unload", "merge_adapter"):
-                object.__setattr__(obj, method, _refuse_merge)
-    _record_gating(base)
-    return count
+    index = gate.require(x.numel() // x.shape[-1]).positions()
+    if index is None:
+        return result
+    rows = x.reshape(-1, x.shape[-1]).index_select(0, index)
+    delta = (lora_B(lora_A(dropout(rows))) * scaling).to(result.dtype)
+    if torch.is_grad_enabled() or not result.is_contiguous():
+        return result.reshape(-1, result.shape[-1]).index_add(0, index, delta).view(result.shape)
+    result.view(-1, result.shape[-1]).index_add_(0, index, delta)
+    return result
 
 
-def _record_gating(model) -> None:
+def record_gating(model) -> None:
+    """``config.mars.adapter_gating = "mask"`` on ``model`` (what the saved mars_config.json carries)."""
     mars = dict(getattr(model.config, "mars", None) or {})
     mars[GATING_KEY] = MASK_GATING
     model.config.mars = mars
@@ -265,7 +220,7 @@ def is_gated(model) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# Torch + transformers only: apply a shipped (gated) LoRA adapter to a plain model
+# Files of a saved adapter
 # --------------------------------------------------------------------------------------------------
 def _resolve(checkpoint, filename: str, hub_kwargs: dict) -> str | None:
     """A file of a local folder or a (cached) Hub repo; None when it has no such file."""
@@ -415,6 +370,235 @@ def apply_mask_rows(model, rows: dict, min_rows: int = 0) -> None:
         )
 
 
+# --------------------------------------------------------------------------------------------------
+# The checkpoint's gating record, and whether an adapter fits the model it is attached to
+# --------------------------------------------------------------------------------------------------
+def _no_record_error(checkpoint) -> ValueError:
+    return ValueError(
+        f"{checkpoint} is a LoRA adapter with no record of how it was trained: no {GATE_TOKEN_KEY} in "
+        f"{ADAPTER_CONFIG_FILE}, no {MARS_ADAPTER_CONFIG_FILE}, no {MARS_MASK_ROWS_FILE}. A mask-gated adapter "
+        "loaded as a plain LoRA would change every real token's output (and the reverse breaks the masks), so it "
+        "is not guessed, whatever the folder name or block_size says. Say which it is: adapter_gating='none' if "
+        "it was trained ungated (a plain LoRA on every position), adapter_gating='mask' if it is gated to mask "
+        f"positions (the tokenizer's mask token gates it), or restore {MARS_ADAPTER_CONFIG_FILE} from where the "
+        "checkpoint came from (mars_hf.hub.save_pretrained and MARSTrainer write it)."
+    )
+
+
+def read_gating_record(
+    checkpoint, hub_kwargs: dict | None = None, *, gating: str | None = None, mask_token_id: int | None = None
+) -> dict:
+    """The MARS record of an adapter checkpoint (``mars_config.json`` plus what the adapter itself says), checked.
+
+    A mask-gated adapter is recorded in three places: ``gate_token_id`` in ``adapter_config.json`` (written by
+    PEFT from ``MaskGatedLoraConfig``), ``adapter_gating``/``mask_token_id`` in ``mars_config.json``, and the
+    metadata of the mask-row file. Without a record a gated adapter would load *ungated* and change every real
+    token, so files that disagree, a mask-row file without ``mars_config.json`` and (for an adapter, i.e. a
+    folder with ``adapter_config.json``) no record at all are refused with the fix. ``gating``: what the caller
+    knows, ``"mask"`` or ``"none"`` (``NO_GATING``); it stands in for a missing record (``"mask"`` gates on
+    ``mask_token_id``) and must agree with one that exists. Returns the ``mars_config.json`` dict (``{}`` for an
+    ungated adapter without one).
+    """
+    if gating not in (None, MASK_GATING, NO_GATING):
+        raise ValueError(f"adapter_gating must be {MASK_GATING!r}, {NO_GATING!r} or None, not {gating!r}.")
+    hub_kwargs = hub_kwargs or {}
+    mars_path = _resolve(checkpoint, MARS_ADAPTER_CONFIG_FILE, hub_kwargs)
+    mars = _read_json(mars_path) if mars_path else {}
+    config_path = _resolve(checkpoint, ADAPTER_CONFIG_FILE, hub_kwargs)
+    marker = _read_json(config_path).get(GATE_TOKEN_KEY) if config_path else None
+    rows_path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
+    claimed = None
+    if rows_path is not None:
+        from safetensors import safe_open
+
+        with safe_open(rows_path, framework="pt") as handle:
+            claimed = (handle.metadata() or {}).get(GATING_METADATA_KEY)
+    recorded = mars.get(GATING_KEY)
+    if marker is not None:
+        if mars_path is None:
+            mars = {GATING_KEY: MASK_GATING, "mask_token_id": int(marker)}
+        elif recorded != MASK_GATING or int(mars.get("mask_token_id", marker)) != int(marker):
+            raise ValueError(
+                f"{checkpoint}: {ADAPTER_CONFIG_FILE} says the adapter is gated to token {marker} ({GATE_TOKEN_KEY}) "
+                f"but {MARS_ADAPTER_CONFIG_FILE} says adapter_gating={recorded!r}, mask_token_id="
+                f"{mars.get('mask_token_id')!r}; the files come from different checkpoints. Restore "
+                f'{MARS_ADAPTER_CONFIG_FILE} with "adapter_gating": "mask", "mask_token_id": {marker}.'
+            )
+        recorded = MASK_GATING
+    elif rows_path is not None and mars_path is None:
+        said = (
+            f"its {MARS_MASK_ROWS_FILE} says the adapter is gated to mask positions (adapter_gating={claimed!r})"
+            if claimed
+            else f"it has the MARS mask-row file {MARS_MASK_ROWS_FILE}"
+        )
+        raise ValueError(
+            f"{checkpoint}: {said} but has no {MARS_ADAPTER_CONFIG_FILE}, the record of its block size, mask token "
+            "and adapter gating. Loaded without it, a mask-gated adapter would run ungated and change every real "
+            f"token's output, so it is refused. Restore {MARS_ADAPTER_CONFIG_FILE} from where the checkpoint came "
+            "from (mars_hf.hub.save_pretrained and MARSTrainer write it), or write it yourself, e.g. "
+            '{"adapter_gating": "mask", "block_size": <the block size it was trained with>, "mask_token_id": '
+            "<the tokenizer's mask token id>} (leave adapter_gating out only for an adapter trained ungated)."
+        )
+    if claimed is not None and claimed != recorded:
+        raise ValueError(
+            f"{checkpoint}: {MARS_MASK_ROWS_FILE} says adapter_gating={claimed!r} but {MARS_ADAPTER_CONFIG_FILE} "
+            f"says {recorded!r}; the files come from different checkpoints. Restore {MARS_ADAPTER_CONFIG_FILE} "
+            f'with "adapter_gating": {json.dumps(claimed)} (the adapter was trained that way).'
+        )
+    if recorded is not None and recorded != MASK_GATING:
+        raise ValueError(
+            f"{checkpoint}: unknown adapter_gating {recorded!r} in {MARS_ADAPTER_CONFIG_FILE} (known: {MASK_GATING!r})."
+        )
+    if recorded == MASK_GATING and "mask_token_id" not in mars:
+        raise ValueError(
+            f"{checkpoint}: a mask-gated adapter needs mask_token_id in {MARS_ADAPTER_CONFIG_FILE}."
+        )
+    has_record = marker is not None or mars_path is not None
+    if has_record and gating is not None and (gating == MASK_GATING) != (recorded == MASK_GATING):
+        raise ValueError(
+            f"{checkpoint} records adapter_gating={recorded or NO_GATING!r}, not the adapter_gating={gating!r} "
+            "passed; drop adapter_gating= (the record says how the adapter was trained)."
+        )
+    if not has_record and config_path is not None:
+        if gating is None:
+            raise _no_record_error(checkpoint)
+        if gating == MASK_GATING:
+            if mask_token_id is None:
+                raise ValueError(
+                    f"{checkpoint}: adapter_gating='mask' without a record needs the mask token id "
+                    "(mask_token_id=, or a tokenizer with a mask token)."
+                )
+            return {GATING_KEY: MASK_GATING, "mask_token_id": int(mask_token_id)}
+    return mars
+
+
+def _base_mismatch(checkpoint, what: str, model, named: str | None, given: str | None) -> ValueError:
+    given = given or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+    names = (
+        f"The adapter names its base {named!r} ({ADAPTER_CONFIG_FILE} base_model_name_or_path)"
+        if named
+        else f"The adapter does not name its base ({ADAPTER_CONFIG_FILE} has no base_model_name_or_path)"
+    )
+    return ValueError(
+        f"{checkpoint} does not fit this model: {what}. {names}; the model given is {given!r}. Load the adapter "
+        "onto the base model it was trained on (e.g. load_mars_model(adapter, base_model_name_or_path=<that base>))."
+    )
+
+
+def check_factor_shapes(
+    path: str, a_shape, b_shape, in_features: int, out_features: int, rank: int | None, where
+):
+    """Raise unless ``lora_A`` is ``[r, in_features]`` and ``lora_B`` ``[out_features, r]`` with one rank ``r``
+    (``rank``, when the adapter's config gives it): a kernel or matmul reading factors of other shapes reads past
+    them or fails with a bare shape error."""
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    r = a_shape[0] if rank is None else int(rank)
+    if len(a_shape) == 2 and len(b_shape) == 2 and a_shape[0] == r and b_shape[1] == r:
+        return
+    raise ValueError(
+        f"{where}: the LoRA factors of {path} do not agree: lora_A is {list(a_shape)} and lora_B is {list(b_shape)}, "
+        f"but lora_A must be [r, in_features] = [{r}, {in_features}] and lora_B [out_features, r] = "
+        f"[{out_features}, {r}]{'' if rank is None else f' (r = {r} in its config)'}. The adapter file is damaged or "
+        "was edited; save it again from the trained model (mars_hf.hub.save_pretrained)."
+    )
+
+
+def adapter_shapes(checkpoint, hub_kwargs: dict | None = None) -> tuple[dict, dict]:
+    """``({module path: {"A": shape, "B": shape}}, {other tensor name: shape})`` of a saved adapter, from the
+    safetensors header (no tensor is read)."""
+    from safetensors import safe_open
+
+    weights_path = _resolve(checkpoint, ADAPTER_WEIGHTS_FILE, hub_kwargs or {})
+    if weights_path is None:
+        raise OSError(f"{checkpoint} has no {ADAPTER_WEIGHTS_FILE}.")
+    pairs: dict[str, dict] = {}
+    others: dict[str, tuple] = {}
+    with safe_open(weights_path, framework="pt") as handle:
+        for key in handle.keys():
+            shape = tuple(handle.get_slice(key).get_shape())
+            part = next((p for p in (".lora_A.weight", ".lora_B.weight") if key.endswith(p)), None)
+            if part is None:
+                others[key] = shape
+                continue
+            path = key[: -len(part)]
+            path = path[len("base_model.model.") :] if path.startswith("base_model.model.") else path
+            pairs.setdefault(path, {})[part[6]] = shape
+    return pairs, others
+
+
+def _in_out(module) -> tuple[int, int] | None:
+    """(inputs, outputs) of a linear layer (``nn.Linear``, or transformers' ``Conv1D``); None for other modules."""
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if hasattr(module, "nf") and getattr(module, "weight", None) is not None:  # Conv1D: weight is [in, out]
+        return module.weight.shape[0], module.nf
+    return None
+
+
+def check_adapter_fits(model, checkpoint, hub_kwargs: dict | None = None, given: str | None = None) -> None:
+    """Raise, naming the layer and the fix, unless the adapter saved in ``checkpoint`` fits ``model``.
+
+    Every adapted linear layer must have ``lora_A`` ``[r, in_features]`` and ``lora_B`` ``[out_features, r]``;
+    the trained mask rows and PEFT's trainable-token rows must have the embeddings' width. Factors whose ranks
+    disagree are a damaged adapter; factors or rows of other widths, or modules the model lacks, are the wrong
+    base model (the error names the base the adapter was trained on and ``given``, the model it was given).
+    """
+    hub_kwargs = hub_kwargs or {}
+    config_path = _resolve(checkpoint, ADAPTER_CONFIG_FILE, hub_kwargs)
+    config = _read_json(config_path) if config_path else {}
+    named = config.get("base_model_name_or_path")
+    rank = None if config.get("rank_pattern") else config.get("r")
+    pairs, others = adapter_shapes(checkpoint, hub_kwargs)
+    modules = dict(model.named_modules())
+    missing = [path for path in pairs if path not in modules]
+    if missing:
+        what = f"it adapts modules this model does not have: {missing[:4]}"
+        raise _base_mismatch(checkpoint, what, model, named, given)
+    for path, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(
+                f"{checkpoint}: the adapter has lora_{''.join(pair)} but not both factors for {path}."
+            )
+        sizes = _in_out(modules[path])
+        if sizes is None:
+            continue
+        a_shape, b_shape = pair["A"], pair["B"]
+        if len(a_shape) == 2 and len(b_shape) == 2 and (a_shape[1], b_shape[0]) != sizes:
+            what = (
+                f"{path} has {sizes[0]} inputs and {sizes[1]} outputs here, but the adapter's lora_A is "
+                f"{list(a_shape)} and lora_B {list(b_shape)} (a layer of {a_shape[1]} inputs and {b_shape[0]} outputs)"
+            )
+            raise _base_mismatch(checkpoint, what, model, named, given)
+        check_factor_shapes(path, a_shape, b_shape, sizes[0], sizes[1], rank, checkpoint)
+    width = model.get_input_embeddings().weight.shape[-1]
+    rows = {
+        f"{MARS_MASK_ROWS_FILE} {key}": shape
+        for key, shape in _mask_row_shapes(checkpoint, hub_kwargs).items()
+    }
+    rows.update({key: shape for key, shape in others.items() if "trainable_tokens" in key})
+    for name, shape in rows.items():
+        if shape and shape[-1] != width:
+            what = f"its trained token rows ({name}) have {shape[-1]} values where this model's embeddings have {width}"
+            raise _base_mismatch(checkpoint, what, model, named, given)
+
+
+def _mask_row_shapes(checkpoint, hub_kwargs: dict) -> dict:
+    path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
+    if path is None:
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        return {
+            key: tuple(handle.get_slice(key).get_shape())
+            for key in handle.keys()
+            if key in ("input_embeddings", "output_embeddings")
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# A saved adapter on a plain transformers model: AdaptedLinear layers in place of the adapted nn.Linear
+# --------------------------------------------------------------------------------------------------
 # Sibling layers that read the same input tensor: their A's are stacked into one matmul. Only a
 # guess from the names; the forward checks that the input really is the same tensor.
 SHARED_INPUT_NAMES = (
@@ -431,89 +615,111 @@ class _SharedInput:
 
     ``leader`` carries the stacked ``mars_lora_A`` (``ranks x inputs``; both forms read it) as a (non-persistent)
     buffer, so ``model.to()`` moves it. The product (with autograd on), or in inference every member's adapted
-    output, is kept, with the input it was computed from and the form that computed it, only until every sibling
-    has taken its part (no activation outlives its forward).
+    output, is kept in the forward's :class:`ForwardGate` (so per thread), with the input it was computed from and
+    the form that computed it, until every sibling has taken its part (no activation outlives its forward).
+    ``plan``: the C kernel's call for the group (opt-in, see ``gated_kernel``), built at first use, dropped when
+    a member's matrix is replaced or moved (:class:`AdaptedLinear`); its argument struct is filled per call, so
+    calls hold ``lock``.
     """
 
-    __slots__ = ("leader", "members", "ranks", "kernel_dtype", "x", "parts", "serial", "waiting", "form", "plan")
+    __slots__ = ("leader", "members", "ranks", "kernel_dtype", "plan", "lock")
 
     def __init__(self, members: list, ranks: list[int], kernel_dtype: torch.dtype | None = None):
         self.leader, self.members, self.ranks = members[0], list(members), list(ranks)
         self.kernel_dtype = kernel_dtype  # the model dtype the C kernel serves (None: torch form only)
-        self.x = self.parts = self.serial = self.form = self.plan = None
-        self.waiting = 0
+        self.plan = None
+        self.lock = threading.Lock()
 
-    def _take(self, x: torch.Tensor, serial, form: str):
-        """The product kept for input ``x`` of this forward by ``form`` (None: none), counting this sibling's
-        take; dropped once every sibling has taken it."""
-        if not (x is self.x and serial == self.serial and self.form == form):
+    def __getstate__(self) -> dict:
+        """No plan (a C struct of this process's addresses) and no lock: a copy builds its own."""
+        return {"members": self.members, "ranks": self.ranks, "kernel_dtype": self.kernel_dtype}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["members"], state["ranks"], state["kernel_dtype"])
+
+    def _take(self, record: ForwardGate, x: torch.Tensor, form: str):
+        """What a sibling kept for input ``x`` of this forward in ``form`` (None: nothing), counting this take;
+        dropped once every sibling has taken it."""
+        kept = record.kept.get(self)
+        if kept is None or kept[0] is not x or kept[2] != form:
             return None
-        parts = self.parts
-        self.waiting -= 1
-        if self.waiting <= 0:
-            self.x = self.parts = None
-        return parts
+        if kept[3] <= 1:
+            del record.kept[self]
+        else:
+            record.kept[self] = (*kept[:3], kept[3] - 1)
+        return kept[1]
 
-    def _keep(self, x: torch.Tensor, parts, serial, form: str) -> None:
-        """Keep ``parts`` (computed by ``form`` from ``x``) for the other siblings of this forward."""
-        self.x, self.parts, self.serial, self.form, self.waiting = x, parts, serial, form, len(self.ranks) - 1
+    def _keep(self, record: ForwardGate, x: torch.Tensor, parts, form: str) -> None:
+        record.kept[self] = (x, parts, form, len(self.ranks) - 1)
 
-    def part(self, x: torch.Tensor, gate: MaskGate | None, member: int) -> torch.Tensor:
-        """Member ``member``'s block of ``gate * (x @ A.T)`` over flattened rows (all rows when ungated)."""
-        serial = gate.serial if gate is not None else None
-        parts = self._take(x, serial, "torch")
-        if parts is None:
-            parts = self._products(x, gate)
-            if len(parts) > 1:
-                self._keep(x, parts, serial, "torch")
-        return parts[member]
-
-    def _products(self, x: torch.Tensor, gate: MaskGate | None) -> tuple:
-        """Every member's block of ``gate * (x @ A.T)`` over flattened rows (all rows when ungated), in one matmul."""
+    def part(self, x: torch.Tensor, record: ForwardGate | None, member: int) -> torch.Tensor:
+        """Member ``member``'s block of ``gate * (x @ A.T)`` over flattened rows (ungated: its own ``x @ A.T``)."""
         A = self.leader._buffers["mars_lora_A"]
         x2 = x.reshape(-1, x.shape[-1])
-        xa = F.linear(x2 if x2.dtype == A.dtype else x2.to(A.dtype), A)
-        if gate is not None:
-            gate.check_rows(xa.shape[0])
-            xa.mul_(gate.gate_for(xa.dtype))
+        x2 = x2 if x2.dtype == A.dtype else x2.to(A.dtype)
+        if record is None:
+            start = sum(self.ranks[:member])
+            return F.linear(x2, A[start : start + self.ranks[member]])
+        parts = self._take(record, x, "torch")
+        if parts is None:
+            parts = self._products(x2, record)
+            if len(parts) > 1:
+                self._keep(record, x, parts, "torch")
+        return parts[member]
+
+    def _products(self, x2: torch.Tensor, record: ForwardGate) -> tuple:
+        """Every member's block of ``gate * (x @ A.T)`` over flattened rows, in one matmul."""
+        xa = F.linear(x2, self.leader._buffers["mars_lora_A"])
+        xa.mul_(_require_rows(record, xa.shape[0]).gate_for(xa.dtype))
         return xa.split(self.ranks, dim=1) if len(self.ranks) > 1 else (xa,)
 
-    def adapted_output(self, x: torch.Tensor, gate: MaskGate, member: int, args: tuple, kwargs: dict) -> torch.Tensor:
+    def adapted_output(self, x: torch.Tensor, record: ForwardGate, member: int, args: tuple, kwargs: dict):
         """(inference, masks in this forward) member ``member``'s output for ``x`` with its mask rows adapted: the
         output a sibling kept for this ``x``, else the whole group's, computed now (:meth:`adapt_group`)."""
-        outputs = self._take(x, gate.serial, "outputs")
+        outputs = self._take(record, x, "outputs")
         if outputs is None:
-            outputs = self.adapt_group(x, gate, args, kwargs)
+            outputs = self.adapt_group(x, record, args, kwargs)
         return outputs[member]
 
-    def adapt_group(self, x: torch.Tensor, gate: MaskGate, args: tuple, kwargs: dict) -> list:
+    def adapt_group(self, x: torch.Tensor, record: ForwardGate, args: tuple, kwargs: dict) -> list:
         """(inference) Every member's base output for ``x``, its mask rows adapted in one pass over the group's
         ``x @ A.T``, kept for the siblings: per forward one Python call per group does the work, not one per layer.
-        On CPU in the kernel's dtype the C kernel writes the mask rows only; otherwise the torch form adds
-        ``gate * (x @ A.T) @ B^T`` to every row, an exact 0 at real rows."""
-        outputs = [
-            module.__dict__["_mars_adapter"].base_forward(x, *args, **kwargs).contiguous() for module in self.members
-        ]
+        With the opt-in C kernel (CPU, the kernel's dtype) the mask rows only are written; otherwise the torch form
+        adds ``gate * (x @ A.T) @ B^T`` to every row, an exact 0 at real rows."""
+        outputs = [_base_output(module, x, args, kwargs).contiguous() for module in self.members]
         if x.dtype == outputs[0].dtype == self.kernel_dtype and x.is_cpu:
-            # dropped whenever a member's matrix is replaced or moved: _register_buffer_dropping_plan, _apply_dropping_plan
-            plan = self.plan
-            if plan is None:
-                bts = [module._buffers["mars_lora_BT"] for module in self.members]
-                plan = self.plan = GroupPlan(x.dtype, self.leader._buffers["mars_lora_A"], bts)
-            mask_rows_group_delta(plan, x.contiguous(), gate.positions_for(x), outputs)
+            index = _require_rows(record, x.numel() // x.shape[-1]).positions()
+            with self.lock:
+                plan = self.plan
+                if plan is None:
+                    bts = [module._buffers["mars_lora_BT"] for module in self.members]
+                    plan = self.plan = GroupPlan(x.dtype, self.leader._buffers["mars_lora_A"], bts)
+                mask_rows_group_delta(plan, x.contiguous(), index, outputs)
         else:
-            self._add_torch(x, gate, outputs)
+            A = self.leader._buffers["mars_lora_A"]
+            x2 = x.reshape(-1, x.shape[-1])
+            parts = self._products(x2 if x2.dtype == A.dtype else x2.to(A.dtype), record)
+            for module, output, part in zip(self.members, outputs, parts):
+                _add_delta_in_place(output, part, module._buffers["mars_lora_BT"])
         if len(outputs) > 1:
-            self._keep(x, outputs, gate.serial, "outputs")
+            self._keep(record, x, outputs, "outputs")
         return outputs
 
-    def _add_torch(self, x: torch.Tensor, gate: MaskGate, outputs: list) -> None:
-        for module, output, part in zip(self.members, outputs, self._products(x, gate)):
-            _add_delta_in_place(output, part, module._buffers["mars_lora_BT"])
+
+def _require_rows(record: ForwardGate | None, rows: int) -> ForwardGate:
+    if record is None or record.rows != rows:
+        raise RuntimeError(
+            f"A mask-gated adapter layer got {rows} positions but this thread's last input_ids had "
+            f"{None if record is None else record.rows}: the gate reads input_ids through the input embedding, so "
+            "call the model with `input_ids` (not `inputs_embeds`)."
+        )
+    return record
 
 
 class _Adapter:
-    """What one adapted linear layer needs in its forward (kept in the module's ``__dict__``)."""
+    """What one adapted layer needs in its forward (kept in the module's ``__dict__``). ``base_forward``: what
+    computes the base layer's output (``None``: ``F.linear`` on the layer's own weight and bias; an accelerator may
+    route it, e.g. ``cpu_kernels``; or the replaced module itself when it was not a plain ``nn.Linear``)."""
 
     __slots__ = ("base_forward", "gate", "group", "member")
 
@@ -521,49 +727,67 @@ class _Adapter:
         self.base_forward, self.gate, self.group, self.member = base_forward, gate, group, member
 
 
-def _adapted_forward(self, x, *args, **kwargs):
-    """``y = base(x)``; then, only if this forward holds mask tokens, ``y += (gate · x Aᵀ) (s·B)ᵀ`` in place.
+def _base_output(module, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    base = module.__dict__["_mars_adapter"].base_forward
+    return F.linear(x, module.weight, module.bias) if base is None else base(x, *args, **kwargs)
 
-    At real positions the gate row is 0, so the added product row is exactly 0 and ``y`` keeps the
-    base layer's bits. Without masks the adapter is skipped: the layer costs its base layer. In inference a
-    sibling group is adapted in one pass (:meth:`_SharedInput.adapt_group`); otherwise (autograd on, or an
-    ungated adapter) each layer adds its own delta.
+
+class AdaptedLinear(torch.nn.Linear):
+    """A linear layer with a saved LoRA adapter attached (gated to mask positions, or not).
+
+    It holds the replaced layer's own ``weight`` and ``bias`` Parameters, so the state dict, ``model.to`` and
+    anything that edits the weights see the base model's; the adapter's matrices are non-persistent buffers:
+    ``mars_lora_A`` (on the first layer of a group of siblings that read one input, their A's stacked) and
+    ``mars_lora_BT`` (``(s·B)ᵀ``, the scale folded in once). Forward: ``y = base(x)``; then, only if this
+    thread's forward holds mask tokens, ``y += (gate · x Aᵀ) (s·B)ᵀ``: at real positions the gate row is 0, so the
+    added row is exactly 0 and ``y`` keeps the base layer's bits. A forward without masks costs the base layer.
     """
-    adapter = self.__dict__["_mars_adapter"]
-    gate = adapter.gate
-    if gate is not None and gate.gate is not None and not torch.is_grad_enabled():
-        return adapter.group.adapted_output(x, gate, adapter.member, args, kwargs)
-    y = adapter.base_forward(x, *args, **kwargs)
-    if gate is not None and gate.gate is None:
-        if gate.rows is None:
-            gate.check_rows(x.numel() // x.shape[-1])  # raises: no input_ids seen for this forward
-        return y
-    xa = adapter.group.part(x, gate, adapter.member)
-    bt = self._buffers["mars_lora_BT"]
-    if not torch.is_grad_enabled():
-        _add_delta_in_place(y, xa, bt)
-        return y
-    y2 = y.view(-1, y.shape[-1])
-    if xa.dtype != y.dtype:  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
-        return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
-    return torch.addmm(y2, xa, bt).view(y.shape)
 
+    def __init__(self, linear: torch.nn.Linear):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
 
-def _apply_dropping_plan(self, fn, *args, **kwargs):
-    """``nn.Module._apply`` (what ``model.to``, ``half`` and ``share_memory`` run), then the group's kernel plan is
-    dropped: it holds the matrices' addresses, which ``_apply`` may move without replacing the tensors."""
-    result = type(self)._apply(self, fn, *args, **kwargs)
-    self.__dict__["_mars_adapter"].group.plan = None
-    return result
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        adapter = self.__dict__["_mars_adapter"]
+        gate, group = adapter.gate, adapter.group
+        record = None
+        if gate is not None:
+            record = gate.require()
+            if record.gate is None:
+                return _base_output(self, x, args, kwargs)
+            if not torch.is_grad_enabled():
+                return group.adapted_output(x, record, adapter.member, args, kwargs)
+        y = _base_output(self, x, args, kwargs)
+        xa, bt = group.part(x, record, adapter.member), self._buffers["mars_lora_BT"]
+        if not torch.is_grad_enabled():
+            _add_delta_in_place(y, xa, bt)
+            return y
+        y2 = y.reshape(-1, y.shape[-1])
+        if (
+            xa.dtype != y.dtype
+        ):  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
+            return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
+        return torch.addmm(y2, xa, bt).view(y.shape)
 
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (``model.to``, ``half``, ``share_memory``), then the group's kernel plan is dropped:
+        it holds the matrices' addresses, which ``_apply`` may move without replacing the tensors."""
+        result = super()._apply(fn, recurse)
+        self._drop_plan()
+        return result
 
-def _register_buffer_dropping_plan(self, name, tensor, persistent=True):
-    """``nn.Module.register_buffer`` (what ``module.mars_lora_BT = t`` runs too), then the group's kernel plan is
-    dropped: it holds the matrices it was built from. Dropping it here, not checking the matrices' identity every
-    forward, saves ≈ 0.3-0.6 ms of a 31 ms bf16 forward: the layers' buffer dicts are cold by the time a group runs
-    (docs/gated_adapters.md, "Seventh pass")."""
-    type(self).register_buffer(self, name, tensor, persistent)
-    self.__dict__["_mars_adapter"].group.plan = None
+    def register_buffer(self, name, tensor, persistent=True):
+        """``nn.Module.register_buffer`` (what ``module.mars_lora_BT = t`` runs too), then the group's kernel plan
+        is dropped: it holds the matrices it was built from."""
+        super().register_buffer(name, tensor, persistent)
+        self._drop_plan()
+
+    def _drop_plan(self) -> None:
+        adapter = self.__dict__.get("_mars_adapter")
+        if adapter is not None:
+            adapter.group.plan = None
 
 
 def _add_delta_in_place(y: torch.Tensor, xa: torch.Tensor, bt: torch.Tensor) -> None:
@@ -600,6 +824,17 @@ def _lora_dtype(weight: torch.Tensor, requested: torch.dtype | None) -> torch.dt
     return weight.dtype
 
 
+def _is_plain_linear(module) -> bool:
+    """An ``nn.Linear`` whose forward is ``F.linear`` on its own parameters (no subclass, hooks or wrapper)."""
+    hooks = (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+    )
+    return type(module) is torch.nn.Linear and "forward" not in module.__dict__ and not any(hooks)
+
+
 @torch.no_grad()
 def _install_adapter(
     model,
@@ -609,12 +844,25 @@ def _install_adapter(
     lora_dtype: torch.dtype | None = None,
     kernel: str | None = None,
 ) -> None:
-    """Wrap each adapted linear layer's forward (see :func:`_adapted_forward`); no hooks, no new weights.
+    """Put an :class:`AdaptedLinear` in the place of each adapted linear layer of ``model`` (shapes checked first).
 
-    ``kernel`` (``auto``/``c``/``torch``, default ``$MARS_HF_GATED_KERNEL`` or ``auto``): whether a gated
-    adapter's inference forwards on CPU run the C kernel of :mod:`gated_kernel`."""
+    ``kernel`` (``auto``/``c``/``torch``, default ``$MARS_HF_GATED_KERNEL`` or ``torch``): whether a gated
+    adapter's inference forwards on CPU run the opt-in C kernel of :mod:`gated_kernel`."""
     kernel = kernel_mode(kernel)
     modules = dict(model.named_modules())
+    for path, pair in pairs.items():
+        module = modules.get(path)
+        if not isinstance(module, torch.nn.Linear) or isinstance(module, AdaptedLinear):
+            raise ValueError(f"{path} is not a linear layer without an adapter: {type(module).__name__}.")
+        a_shape, b_shape = tuple(pair["A"].shape), tuple(pair["B"].shape)
+        check_factor_shapes(
+            path, a_shape, b_shape, module.in_features, module.out_features, None, "the adapter"
+        )
+        if (a_shape[1], b_shape[0]) != (module.in_features, module.out_features):
+            raise ValueError(
+                f"{path} is {module}, but the adapter's factors are for a layer of {a_shape[1]} inputs and "
+                f"{b_shape[0]} outputs: the adapter belongs to another base model."
+            )
     for paths in _shared_input_groups(pairs):
         members = [modules[path] for path in paths]
         first = members[0].weight
@@ -624,15 +872,18 @@ def _install_adapter(
             and m.weight.dtype == first.dtype
             for m in members
         ):
-            _install_group(members, [pairs[path] for path in paths], scaling, gate, lora_dtype, kernel)
+            _install_group(
+                model, paths, members, [pairs[path] for path in paths], scaling, gate, lora_dtype, kernel
+            )
         else:
             for module, path in zip(members, paths):
-                _install_group([module], [pairs[path]], scaling, gate, lora_dtype, kernel)
+                _install_group(model, [path], [module], [pairs[path]], scaling, gate, lora_dtype, kernel)
 
 
-def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_dtype, kernel: str) -> None:
-    leader = members[0]
-    weight = leader.weight
+def _install_group(
+    model, paths, linears: list, pairs: list[dict], scaling: float, gate, lora_dtype, kernel
+) -> None:
+    weight = linears[0].weight
     dtype = _lora_dtype(weight, lora_dtype)
     kernel_dtype = None
     if gate is not None and use_kernel(kernel, weight.device, weight.dtype):
@@ -644,82 +895,19 @@ def _install_group(members: list, pairs: list[dict], scaling: float, gate, lora_
                 f"The gated C kernel does not keep a {weight.dtype} model's adapter in {lora_dtype}: drop lora_dtype "
                 "or use kernel='torch'."
             )
-    stacked = torch.cat([pair["A"] for pair in pairs]).to(device=weight.device, dtype=dtype)
-    leader.register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
-    group = _SharedInput(members, [pair["A"].shape[0] for pair in pairs], kernel_dtype)
-    for member, (module, pair) in enumerate(zip(members, pairs)):
+    adapted = [AdaptedLinear(linear) for linear in linears]
+    group = _SharedInput(adapted, [pair["A"].shape[0] for pair in pairs], kernel_dtype)
+    for member, (module, linear, pair, path) in enumerate(zip(adapted, linears, pairs, paths)):
+        base = None if _is_plain_linear(linear) else linear  # a wrapped layer keeps running its own forward
+        module._mars_adapter = _Adapter(base, gate, group, member)
         bt = (pair["B"].to(torch.float64) * scaling).t()  # the scale folded into B once, not per forward
         module.register_buffer(
-            "mars_lora_BT",
-            bt.to(device=module.weight.device, dtype=dtype).contiguous(),
-            persistent=False,
+            "mars_lora_BT", bt.to(device=weight.device, dtype=dtype).contiguous(), persistent=False
         )
-        adapter = _Adapter(_own_forward(module), gate, group, member)
-        object.__setattr__(module, "_mars_adapter", adapter)
-        # partials of module-level functions, not bound methods: a model holding them pickles (torch.save)
-        module.forward = functools.partial(_adapted_forward, module)
-        module._apply = functools.partial(_apply_dropping_plan, module)
-        module.register_buffer = functools.partial(_register_buffer_dropping_plan, module)
-
-
-def _own_forward(module):
-    """``module.forward`` as a picklable callable: a partial of its class's ``forward`` when it is the class's own (a
-    bound method pickles as a lookup of ``forward``, which would find the wrapper installed in its place), else
-    whatever the module holds."""
-    forward = module.forward
-    if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward:
-        return functools.partial(type(module).forward, module)
-    return forward
-
-
-def read_gating_record(checkpoint, hub_kwargs: dict | None = None) -> dict:
-    """``mars_config.json`` of an adapter checkpoint (``{}`` if it is no MARS adapter), after checking it.
-
-    A MARS adapter's gating is recorded in ``mars_config.json`` (``adapter_gating``); its mask-row file
-    (``mars_mask_token.safetensors``) also says so in its metadata. Without the record a gated adapter
-    would load *ungated* and change every real token, so a checkpoint whose files disagree, or that has
-    the mask-row file but no ``mars_config.json``, is refused with the fix.
-    """
-    hub_kwargs = hub_kwargs or {}
-    mars_path = _resolve(checkpoint, MARS_ADAPTER_CONFIG_FILE, hub_kwargs)
-    mars = _read_json(mars_path) if mars_path else {}
-    rows_path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
-    claimed = None
-    if rows_path is not None:
-        from safetensors import safe_open
-
-        with safe_open(rows_path, framework="pt") as handle:
-            claimed = (handle.metadata() or {}).get(GATING_METADATA_KEY)
-    recorded = mars.get(GATING_KEY)
-    if rows_path is not None and mars_path is None:
-        said = (
-            f"its {MARS_MASK_ROWS_FILE} says the adapter is gated to mask positions (adapter_gating={claimed!r})"
-            if claimed
-            else f"it has the MARS mask-row file {MARS_MASK_ROWS_FILE}"
-        )
-        raise ValueError(
-            f"{checkpoint}: {said} but has no {MARS_ADAPTER_CONFIG_FILE}, the record of its block size, mask token "
-            "and adapter gating. Loaded without it, a mask-gated adapter would run ungated and change every real "
-            f"token's output, so it is refused. Restore {MARS_ADAPTER_CONFIG_FILE} from where the checkpoint came "
-            "from (mars_hf.hub.save_pretrained and MARSTrainer write it), or write it yourself, e.g. "
-            '{"adapter_gating": "mask", "block_size": <the block size it was trained with>, "mask_token_id": '
-            "<the tokenizer's mask token id>} (leave adapter_gating out only for an adapter trained ungated)."
-        )
-    if claimed is not None and claimed != recorded:
-        raise ValueError(
-            f"{checkpoint}: {MARS_MASK_ROWS_FILE} says adapter_gating={claimed!r} but {MARS_ADAPTER_CONFIG_FILE} "
-            f"says {recorded!r}; the files come from different checkpoints. Restore {MARS_ADAPTER_CONFIG_FILE} "
-            f'with "adapter_gating": {json.dumps(claimed)} (the adapter was trained that way).'
-        )
-    if recorded is not None and recorded != MASK_GATING:
-        raise ValueError(
-            f"{checkpoint}: unknown adapter_gating {recorded!r} in {MARS_ADAPTER_CONFIG_FILE} (known: {MASK_GATING!r})."
-        )
-    if recorded == MASK_GATING and "mask_token_id" not in mars:
-        raise ValueError(
-            f"{checkpoint}: a mask-gated adapter needs mask_token_id in {MARS_ADAPTER_CONFIG_FILE}."
-        )
-    return mars
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, module)
+    stacked = torch.cat([pair["A"] for pair in pairs]).to(device=weight.device, dtype=dtype)
+    adapted[0].register_buffer("mars_lora_A", stacked.contiguous(), persistent=False)
 
 
 # Real tokens of the load-time check (any ids of the vocabulary serve; the masks follow them).
@@ -742,22 +930,32 @@ def _probe_logits(model, mask_token_id: int) -> torch.Tensor:
 
 
 def attach_shipped_adapter(
-    model, checkpoint, *, lora_dtype: torch.dtype | None = None, kernel: str | None = None, **hub_kwargs
+    model,
+    checkpoint,
+    *,
+    lora_dtype: torch.dtype | None = None,
+    kernel: str | None = None,
+    adapter_gating: str | None = None,
+    mask_token_id: int | None = None,
+    **hub_kwargs,
 ) -> bool:
     """Apply the LoRA adapter saved in ``checkpoint`` (folder or Hub id) to a plain transformers model.
 
     Reads ``adapter_config.json``, ``adapter_model.safetensors``, ``mars_config.json`` and the trained
-    mask row (``mars_mask_token.safetensors``): resizes the embeddings if the checkpoint's vocabulary is
-    larger, writes the mask row, records ``config.mars``, suppresses the mask token as an output and
-    wraps each adapted linear layer's forward (gated to mask positions when ``adapter_gating == "mask"``),
-    so the model's weights and state dict stay the base model's. A gated adapter is checked once: a
-    forward of a few real tokens and masks must give the base model's logits at the real positions,
-    bit for bit, or it is refused. Idempotent: returns False when the model already carries this
-    checkpoint's adapter or the checkpoint is not an adapter (a full checkpoint needs nothing), True
-    when it attached it. ``lora_dtype``: dtype of the adapter's own arithmetic (default: float32 for a
-    bf16/fp16 model on CPU, else the model's dtype). ``kernel``: ``"auto"`` (default, or
-    ``$MARS_HF_GATED_KERNEL``), ``"c"`` or ``"torch"``: whether inference forwards on CPU compute the gated
-    delta with the C kernel of ``gated_kernel`` (mask rows only). No PEFT needed.
+    mask row (``mars_mask_token.safetensors``), checks that the adapter fits the model
+    (:func:`check_adapter_fits`), resizes the embeddings if the checkpoint's vocabulary is larger, writes the
+    mask row, records ``config.mars``, suppresses the mask token as an output and puts an :class:`AdaptedLinear`
+    in the place of each adapted linear layer (gated to mask positions when the record says so), so the
+    model's weights and state dict stay the base model's. A gated adapter is checked once: a forward of a few
+    real tokens and masks must give the base model's logits at the real positions, bit for bit, or it is
+    refused. Idempotent: returns False when the model already carries this checkpoint's adapter or the
+    checkpoint is not an adapter (a full checkpoint needs nothing), True when it attached it.
+
+    ``lora_dtype``: dtype of the adapter's own arithmetic (default: float32 for a bf16/fp16 model on CPU, else
+    the model's dtype). ``kernel``: ``"torch"`` (default, or ``$MARS_HF_GATED_KERNEL``), ``"auto"`` or ``"c"``:
+    whether inference forwards on CPU compute the gated delta with the opt-in C kernel of ``gated_kernel``.
+    ``adapter_gating`` / ``mask_token_id``: how an adapter without a gating record was trained (see
+    :func:`read_gating_record`). No PEFT needed.
     """
     key = str(checkpoint)
     attached = getattr(model, "_mars_shipped_adapter", None)
@@ -765,18 +963,11 @@ def attach_shipped_adapter(
         if attached != key:
             raise ValueError(f"The model already carries the adapter of {attached}; load a fresh base model.")
         return False
-    config_path = _resolve(checkpoint, ADAPTER_CONFIG_FILE, hub_kwargs)
-    if config_path is None:
+    if _resolve(checkpoint, ADAPTER_CONFIG_FILE, hub_kwargs) is None:
         return False
+    mars = read_gating_record(checkpoint, hub_kwargs, gating=adapter_gating, mask_token_id=mask_token_id)
+    check_adapter_fits(model, checkpoint, hub_kwargs)
     pairs, scaling = read_adapter_weights(checkpoint, hub_kwargs)
-    mars = read_gating_record(checkpoint, hub_kwargs)
-    modules = dict(model.named_modules())
-    missing = [path for path in pairs if not isinstance(modules.get(path), torch.nn.Linear)]
-    if missing:
-        raise ValueError(
-            f"{checkpoint}: the adapter targets modules this model has no linear layer for: {missing[:4]}; "
-            "load the base model the adapter was trained on."
-        )
     rows = read_mask_rows_file(checkpoint, hub_kwargs)
     if rows is not None:
         apply_mask_rows(model, rows)

@@ -28,7 +28,15 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import cached_file
 
-from mars_hf.decoding.gated_lora import MARS_MASK_ROWS_FILE, apply_mask_rows, grow_embeddings
+from mars_hf.decoding.gated_lora import (
+    GATING_KEY,
+    MARS_MASK_ROWS_FILE,
+    MASK_GATING,
+    MERGE_REFUSED,
+    MergeRefusedError,
+    apply_mask_rows,
+    grow_embeddings,
+)
 from mars_hf.models.adapters import is_peft_model
 from mars_hf.models.mask_token import DEFAULT_MASK_TOKEN, set_mars_config
 
@@ -68,6 +76,7 @@ def load_mars_model(
     base_model_name_or_path: str | None = None,
     merge_adapter: bool = False,
     enable: bool = True,
+    adapter_gating: str | None = None,
     **kwargs,
 ):
     """Load ``(model, tokenizer)`` from any MARS checkpoint format.
@@ -80,6 +89,10 @@ def load_mars_model(
             gated to mask positions (``config.mars.adapter_gating == "mask"``) cannot be merged: ``True``
             raises for it, ``"auto"`` merges every adapter that can be merged and keeps a gated one as is.
         enable: call :func:`mars_hf.decoding.generation.enable_mars` on the result.
+        adapter_gating: how a LoRA adapter that carries no gating record was trained: ``"none"`` (a plain LoRA
+            on every position) or ``"mask"`` (gated to the tokenizer's mask token). An adapter with a record
+            (``gate_token_id`` in ``adapter_config.json``, or ``mars_config.json``) needs none; one without is
+            refused unless told, since a gated adapter loaded ungated changes every real token's output.
         **kwargs: file-lookup options (``revision``, ``cache_dir``, ``token``, ``local_files_only``)
             and anything ``AutoModelForCausalLM.from_pretrained`` takes (``dtype``, ``device_map``...).
     """
@@ -102,14 +115,22 @@ def load_mars_model(
             ) from error
     config_dict = read_checkpoint_json(name_or_path, "config.json", hub_kwargs)
     adapter_config = (
-        None if config_dict is not None else read_checkpoint_json(name_or_path, "adapter_config.json", hub_kwargs)
+        None
+        if config_dict is not None
+        else read_checkpoint_json(name_or_path, "adapter_config.json", hub_kwargs)
     )
     if config_dict is None and adapter_config is None:
         raise OSError(f"{name_or_path!r} has neither a config.json nor an adapter_config.json. {how_to}")
 
     if adapter_config is not None:
         model, tokenizer, mars = _load_adapter(
-            name_or_path, adapter_config, base_model_name_or_path, merge_adapter, hub_kwargs, kwargs
+            name_or_path,
+            adapter_config,
+            base_model_name_or_path,
+            merge_adapter,
+            adapter_gating,
+            hub_kwargs,
+            kwargs,
         )
     else:
         model = _load_backbone(name_or_path, config_dict, hub_kwargs, kwargs)
@@ -240,12 +261,25 @@ def _ensure_mask_token(tokenizer, mars: dict, name_or_path: str) -> int:
 
 
 def _load_adapter(
-    name_or_path, adapter_config, base_model_name_or_path, merge_adapter, hub_kwargs, model_kwargs
+    name_or_path,
+    adapter_config,
+    base_model_name_or_path,
+    merge_adapter,
+    adapter_gating,
+    hub_kwargs,
+    model_kwargs,
 ):
-    """Base model (any format above) + the trained mask-token rows + the PEFT adapter."""
+    """Base model (any format above) + the trained mask-token rows + the LoRA adapter.
+
+    A mask-gated adapter is attached by :func:`mars_hf.decoding.gated_lora.attach_shipped_adapter` (each adapted
+    linear layer replaced by one that adds the gated delta; the model stays a plain transformers model, its
+    state dict the base's); an ungated one loads with PEFT. Both are checked against the base first, so an
+    adapter on the wrong base or with damaged factors is refused naming the layer, not with a bare shape error.
+    """
     from peft import PeftModel
     from safetensors.torch import load_file
 
+    from mars_hf.decoding.gated_lora import attach_shipped_adapter, check_adapter_fits, read_gating_record
     from mars_hf.models.embedded_model import resolve_adapter_base
 
     # The shipped adapter (and any trained on the embedded SmolLM2 elsewhere) runs on the embedded base.
@@ -265,14 +299,12 @@ def _load_adapter(
         folder = snapshot_download(
             name_or_path, **{k: v for k, v in hub_kwargs.items() if k not in ("proxies",)}
         )
-    from mars_hf.decoding.gated_lora import read_gating_record
-
-    # Refuses an adapter whose gating record is lost or contradicted (never loads a gated adapter ungated).
-    mars = read_gating_record(folder)
-    gated = mars.get("adapter_gating") == "mask"
+    # Refuses an adapter whose gating record is lost, contradicted or missing (never loads a gated one ungated).
+    tokenizer = _adapter_tokenizer(folder, base, hub_kwargs) if adapter_gating == MASK_GATING else None
+    mask_token_id = None if tokenizer is None else _ensure_mask_token(tokenizer, {}, name_or_path)
+    mars = read_gating_record(folder, gating=adapter_gating, mask_token_id=mask_token_id)
+    gated = mars.get(GATING_KEY) == MASK_GATING
     if gated and merge_adapter is True:
-        from mars_hf.decoding.gated_lora import MERGE_REFUSED, MergeRefusedError
-
         raise MergeRefusedError(f"{name_or_path}: {MERGE_REFUSED} (pass merge_adapter=False or 'auto')")
     base_config = read_checkpoint_json(base, "config.json", hub_kwargs)
     if base_config is None:
@@ -280,12 +312,10 @@ def _load_adapter(
             f"Cannot find the base model {base!r} of the adapter {name_or_path!r} (locally or in the HF cache); "
             "pass `base_model_name_or_path=` pointing to it."
         )
+    tokenizer = tokenizer or _adapter_tokenizer(folder, base, hub_kwargs)
     logger.info("Loading the LoRA adapter %s onto its base model %s.", name_or_path, base)
     model = _load_backbone(base, base_config, hub_kwargs, model_kwargs)
-    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(base, **hub_kwargs)
+    check_adapter_fits(model, folder, given=base)
 
     rows_file = os.path.join(folder, MARS_MASK_ROWS_FILE)
     if os.path.isfile(rows_file):
@@ -299,15 +329,12 @@ def _load_adapter(
                 MARS_MASK_ROWS_FILE,
             )
     if gated:
-        # The torch-only gate (what custom_generate/ runs): each adapted linear layer's forward is wrapped
-        # on the plain model, and the load checks real positions against the base model once. PEFT's
-        # wrapper decodes ~3.5x slower here (its trainable-token head rebuilds the output matrix every
-        # forward); the two agree to float64 round-off (tests/test_gated_lora.py).
-        from mars_hf.decoding.gated_lora import attach_shipped_adapter
-
-        attach_shipped_adapter(model, folder)
+        # The lean gate (MARS_SPEC §7) on the plain model; the load checks real positions against the base model
+        # once. mars_hf.models.gated_peft loads the same adapter through PEFT (training it further, PEFT tooling);
+        # the two agree to float64 round-off (tests/test_gated_lora.py).
+        attach_shipped_adapter(model, folder, adapter_gating=adapter_gating, mask_token_id=mask_token_id)
         logger.info(
-            "%s is a LoRA adapter gated to mask positions: applied by wrapping the adapted linear layers "
+            "%s is a LoRA adapter gated to mask positions: attached to the adapted linear layers "
             "(it cannot be merged; to train it further, start a run from it with MARSConfig(init_adapter=...)).",
             name_or_path,
         )
@@ -318,3 +345,10 @@ def _load_adapter(
         model = model.merge_and_unload()
     model.eval()
     return model, tokenizer, mars
+
+
+def _adapter_tokenizer(folder: str, base: str, hub_kwargs: dict):
+    """The adapter folder's tokenizer (it has the mask token), else its base model's."""
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(base, **hub_kwargs)

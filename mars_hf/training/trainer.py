@@ -19,8 +19,9 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from trl import SFTTrainer
 
-from mars_hf.decoding.gated_lora import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE, gate_peft_model
+from mars_hf.decoding.gated_lora import MARS_ADAPTER_CONFIG_FILE, MARS_MASK_ROWS_FILE
 from mars_hf.models.adapters import is_peft_model, save_mask_rows
+from mars_hf.models.gated_peft import gate_peft_model
 from mars_hf.models.mask_token import add_mask_token, set_mars_config, suppress_mask_token
 from mars_hf.training.attention_mask import build_mars_inputs, check_attn_implementation, mars_attention_mask
 from mars_hf.training.collator import MARSDataCollator, chat_template_eos_tail
