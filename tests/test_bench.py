@@ -60,7 +60,7 @@ def test_every_mars_row_runs_once_per_kernel_mode():
         ("cursor", "auto", "auto"),
         ("cursor", "auto", "stock"),
     ]
-    assert "mars_cpu_kernels" not in grid[3].generate_kwargs("probability")  # "auto" is the decoder's default
+    assert grid[3].generate_kwargs("probability")["mars_cpu_kernels"] == "auto"  # named: generate defaults to stock
     assert grid[4].generate_kwargs("probability")["mars_cpu_kernels"] == "stock"
     assert grid[4].label.endswith("kernels=stock") and "kernels" not in grid[3].label
 

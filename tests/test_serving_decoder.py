@@ -266,3 +266,18 @@ def test_the_engine_measures_every_batch_size_at_start_and_never_while_serving(m
     assert sorted(measured) == [1, 2, 4]
     for prompt, tokens in served.items():
         assert tok.decode(tokens, skip_special_tokens=True) == reference(model, tok, prompt, lengths[prompt])
+
+
+@pytest.mark.parametrize("flag, expected", [([], "auto"), (["--cpu-kernels", "stock"], "stock")])
+def test_the_servers_kernels_come_from_its_flag(flag, expected):
+    """`mars-hf serve` is our own command: it picks the measured-faster kernels by default ("auto"), unlike
+    generate's stock default, and `--cpu-kernels` reaches the decoder."""
+    from mars_hf.cli import build_parser
+    from mars_hf.commands.serve import server_config
+
+    args = build_parser().parse_args(["serve", "some-model", *flag])
+    config = server_config(args)
+    tok = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tok, dtype=torch.float32))
+    _, scheduler = build_server(model, tok, config)
+    assert config.cpu_kernels == expected and scheduler.engine.decoder.cpu_kernels == expected

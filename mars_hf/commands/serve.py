@@ -27,6 +27,7 @@ SERVER_FLAGS = {
     "request_timeout": "request_timeout_s",
     "shutdown_grace": "shutdown_grace_s",
     "max_body_bytes": "max_body_bytes",
+    "cpu_kernels": "cpu_kernels",
 }
 CONTROLLER_FLAGS = {"tau_min": "tau_min", "tau_max": "tau_max", "wait_high": "wait_high_s"}
 SECURITY_FLAGS = {
@@ -68,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-id", default=None, help="Name in /v1/models and responses (default: MODEL).")
     add_dtype_argument(parser)
     parser.add_argument("--max-rows", type=int, help="KV slots: rows decoded together.")
+    parser.add_argument(
+        "--cpu-kernels",
+        choices=("auto", "packed", "stock"),
+        help="CPU linear kernels (default auto: packed where they measure faster; docs/accelerators.md).",
+    )
     parser.add_argument(
         "--max-length",
         type=int,

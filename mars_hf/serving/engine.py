@@ -125,7 +125,9 @@ class DecoderEngine:
     see `mars_hf.serving.processors`), then its request's sampling warpers.
     """
 
-    def __init__(self, model, *, max_rows: int = 8, max_length: int = 2048, cache: str = "cursor"):
+    def __init__(
+        self, model, *, max_rows: int = 8, max_length: int = 2048, cache: str = "cursor", cpu_kernels: str = "auto"
+    ):
         mars = model_defaults(model)  # config.mars with enable_mars's overrides
         if "block_size" not in mars or "mask_token_id" not in mars:
             raise ValueError(
@@ -159,6 +161,7 @@ class DecoderEngine:
             pad_token_id=int(pad if pad is not None else 0),
             cache=cache,
             kv_cache=kv_cache,
+            cpu_kernels=cpu_kernels,
         )
         with torch.inference_mode():
             self.decoder = self._make_decoder()

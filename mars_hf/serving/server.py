@@ -39,6 +39,13 @@ class ServerConfig:
     model_id: str = field(default="mars", metadata={"help": "Model name reported by /v1/models."})
     max_rows: int = field(default=8, metadata={"help": "KV slots: rows decoded together."})
     max_length: int = field(default=2048, metadata={"help": "Tokens per slot (prompt + output)."})
+    cpu_kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "CPU linear kernels ('auto', 'packed', 'stock'; docs/accelerators.md): the server picks the "
+            "packed ones where they measure faster, unlike generate, whose default path is stock."
+        },
+    )
     max_queue: int = field(default=64, metadata={"help": "Waiting requests before 429."})
     max_prompt_tokens: int = field(default=1536, metadata={"help": "Longest prompt accepted."})
     max_new_tokens: int = field(default=512, metadata={"help": "Largest max_tokens accepted."})
@@ -133,7 +140,9 @@ def build_server(model_or_engine, tokenizer, config: ServerConfig, *, host: str 
         engine: Engine = model_or_engine
     else:
         positions = cap_to_model_positions(config, model_or_engine)
-        engine = DecoderEngine(model_or_engine, max_rows=config.max_rows, max_length=config.max_length)
+        engine = DecoderEngine(
+            model_or_engine, max_rows=config.max_rows, max_length=config.max_length, cpu_kernels=config.cpu_kernels
+        )
     controller = TauController(config.controller, slots=engine.max_rows)
     scheduler = Scheduler(engine, controller, ServingMetrics(), max_queue=config.max_queue)
     limits = config.limits

@@ -57,8 +57,7 @@ class BenchConfiguration:
             kwargs.update(mars_threshold=self.tau, mars_acceptance=acceptance)
         if self.cache_block is not None:
             kwargs["mars_cache_block"] = self.cache_block
-        if self.cpu_kernels != "auto":
-            kwargs["mars_cpu_kernels"] = self.cpu_kernels
+        kwargs["mars_cpu_kernels"] = self.cpu_kernels  # named always: generate's own default is "stock"
         return kwargs
 
 
