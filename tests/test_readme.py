@@ -253,3 +253,36 @@ def test_the_fast_subset_command_deselects_registered_slow_tests(pytestconfig):
     assert len(marked) >= 5, marked  # the end-to-end tests of several files, not an empty selection
     ci_pytest = shlex.split(CI_RUN.strip().splitlines()[-1].split(" && ")[-1])
     assert ci_pytest[:3] == ["python", "-m", "pytest"] and "-m" not in ci_pytest[3:]  # CI deselects nothing
+
+
+DOC_PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def _heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces as hyphens, -N for repeats."""
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_links_in_the_readme_and_the_guide_point_at_pages_and_headings_that_exist():
+    """Pages move (the guide in docs/, the notebook in docs/lab/): every relative link still lands."""
+    broken = []
+    for page in DOC_PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = page.parent / path if path else page
+            if not linked.exists() or (anchor and anchor not in _heading_anchors(linked.read_text())):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert broken == []
+
+
+def test_the_readme_quotes_no_commit_hashes():
+    """Revisions belong to docs/numbers.md and the lab notebook, beside the numbers measured on them."""
+    hashes = [word for word in re.findall(r"\b[0-9a-f]{7,40}\b", README) if re.search(r"[a-f]", word)]
+    assert hashes == []
