@@ -659,6 +659,14 @@ BARE_VENV_SCRIPT = textwrap.dedent(
         **inputs, custom_generate=repo_id, trust_remote_code=True, mars_threshold=0.9, **common
     ).tolist()
     result["stock"] = model.generate(**inputs, **common).tolist()
+    result["verify"] = model.generate(
+        **inputs, custom_generate=folder, trust_remote_code=True, mars_acceptance="verify", **common
+    ).tolist()
+    torch.manual_seed(7)
+    result["sampled"] = model.generate(
+        **inputs, custom_generate=folder, trust_remote_code=True, mars_acceptance="verify", max_new_tokens=12,
+        do_sample=True, temperature=40.0, top_k=40,
+    ).tolist()
     # from_pretrained(trust_remote_code=True) installs custom_generate/ as model.generate.
     patched = AutoModelForCausalLM.from_pretrained(repo_id, dtype=torch.float64, trust_remote_code=True)
     result["patched_mars"] = patched.generate(**inputs, mars_threshold=0.9, **common).tolist()
@@ -690,3 +698,14 @@ def test_custom_generate_in_a_venv_with_only_torch_and_transformers(saved, token
     assert result["hub_id"] == expected
     assert result["patched_mars"] == expected
     assert result["stock"] == greedy_tokens and result["patched_stock"] == greedy_tokens
+    assert result["verify"] == greedy_tokens  # lossless
+    torch.manual_seed(7)  # the seed contract: the same seed, mars_hf's sampled tokens
+    sampled = model.generate(
+        **batch(tokenizer),
+        max_new_tokens=12,
+        do_sample=True,
+        temperature=40.0,
+        top_k=40,
+        mars_acceptance="verify",
+    )
+    assert result["sampled"] == sampled.tolist() != greedy_tokens
