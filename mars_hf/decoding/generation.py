@@ -22,6 +22,7 @@ This module imports only torch, transformers and its sibling modules (shipped be
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,23 +41,18 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .acceptance import ACCEPTANCE_RULES, ScoreProcessing
-from .cache import CACHE_SCHEMES, MARSBlockCache
+from .acceptance import ScoreProcessing
+from .cache import MARSBlockCache
 from .cpu_kernels import packed_linears
 from .decoder import MARSBatchDecoder, RowSettings, RowUpdate, check_token_ids  # noqa: F401  (public re-exports)
 from .draft_sources import SOURCES
-from .layouts import LAYOUT_CHOICES
 from .sampling import draw_seed
 from .settings import (
     MARS_KEYWORDS,
     MARS_ONLY_KEYWORDS,
     MARSDecodingSettings,
-    check_choice,
     check_generation_config,
-    check_model_window,
     fill_from_generation_configs,
-    resolve_mask_token,
-    resolve_window,
 )
 
 logger = logging.getLogger(__name__)
@@ -163,11 +159,11 @@ def mars_generate(
             column's: the planner then goes as wide as the window allows). Default True: measured at
             first use (about 2 s at most, per model, device, dtype, threads and batch size; cached for
             the process, and on disk under ``$MARS_HF_COST_CACHE`` when set).
-        mars_cpu_kernels: ``"auto"`` (default): on a float32 or bfloat16 CPU model, the linears run on
-            oneDNN with weights packed once (a second copy of them) where that measures faster than the
-            default kernels (once per model and thread count), for the whole call; ``"packed"`` always;
-            ``"stock"`` never. One-row forwards keep the stock kernel's bits: they run packed only where the
-            pack rounds exactly like it (bfloat16 on oneDNN; ``mars_hf.decoding.cpu_kernels``).
+        mars_cpu_kernels: ``"stock"`` (default): the stock kernels, no private op. ``"auto"`` (opt-in): on a
+            float32 or bfloat16 CPU model, the linears run on oneDNN with weights packed once (a second copy)
+            where that measures faster, for the whole call; ``"packed"`` always. One-row forwards keep the
+            stock kernel's bits: they run packed only where the pack rounds exactly like it
+            (docs/accelerators.md).
         mars_streamer: the streamer. transformers does not hand ``streamer`` to a decoding callable, so
             the MARS entry points pass it here; with the callable form on a model without
             ``enable_mars``, pass it here yourself. It receives the prompt, then only final tokens (one row:
@@ -715,50 +711,21 @@ class MARSGenerationMixin:
         return _stock(self, args, kwargs)
 
 
-def enable_mars(
-    model,
-    block_size: int | None = None,
-    mask_token_id: int | None = None,
-    *,
-    acceptance: str | None = None,
-    cache: str | None = None,
-    cache_block: int | None = None,
-    layout: str | None = None,
-):
-    """Make ``model.generate(mars_threshold=τ)`` decode with MARS; returns the same model object.
+@functools.cache
+def mars_class(cls: type) -> type:
+    """``cls`` with ``MARSGenerationMixin`` mixed in before it, under the same name (so ``save_pretrained``
+    records the original architecture): load with ``mars_class(model_class).from_pretrained(...)`` and
+    ``generate(mars_threshold=τ)`` decodes with MARS, with no instance changed after it was built."""
+    if issubclass(cls, MARSGenerationMixin):
+        return cls
+    return type(cls.__name__, (MARSGenerationMixin, cls), {"__module__": cls.__module__})
 
-    Reads ``config.mars`` (``block_size``, ``mask_token_id``); keyword arguments override it for this
-    model object only (``config.mars`` is not modified). ``acceptance``, ``cache`` and
-    ``cache_block`` and ``layout`` set defaults for ``mars_acceptance``, ``mars_cache``,
-    ``mars_cache_block`` and ``mars_layout``.
-    The class is swapped for a subclass with the same name that mixes in ``MARSGenerationMixin``,
-    so ``save_pretrained`` still records the original architecture.
-    """
-    overrides = {
-        key: value
-        for key, value in (
-            ("block_size", block_size),
-            ("mask_token_id", mask_token_id),
-            ("acceptance", acceptance),
-            ("cache", cache),
-            ("cache_block", cache_block),
-            ("layout", layout),
-        )
-        if value is not None
-    }
-    if block_size is not None:
-        check_model_window(model, block_size, "`block_size` (the window W)")
-    model._mars_overrides = {**(getattr(model, "_mars_overrides", None) or {}), **overrides}
-    check_model_window(model, resolve_window(model, None), "The window W (`config.mars['block_size']`)")
-    resolve_mask_token(model, None)
-    for name, value, allowed in (
-        ("acceptance", acceptance, ACCEPTANCE_RULES),
-        ("cache", cache, CACHE_SCHEMES),
-        ("layout", layout, LAYOUT_CHOICES),
-    ):
-        if value is not None:
-            check_choice(name, value, allowed=allowed)
-    cls = type(model)
-    if not isinstance(model, MARSGenerationMixin):
-        model.__class__ = type(cls.__name__, (MARSGenerationMixin, cls), {"__module__": cls.__module__})
-    return model
+
+def __getattr__(name):
+    """``enable_mars`` lives in :mod:`mars_hf.decoding.enable` (it converts a model object you already hold);
+    the import from here keeps working without loading that module on the default path."""
+    if name == "enable_mars":
+        from .enable import enable_mars
+
+        return enable_mars
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
