@@ -481,17 +481,6 @@ def test_custom_generate_applies_the_gated_adapter(trained_gated):
     assert torch.equal(out, expected)
 
 
-def test_find_custom_generate_checkpoint_reads_the_callers_argument():
-    def generate(custom_generate=None):
-        return inner()
-
-    def inner():
-        return gated_lora.find_custom_generate_checkpoint()
-
-    assert generate(custom_generate="someone/repo") == "someone/repo"
-    assert inner() is None
-
-
 BARE_VENV_GATED = textwrap.dedent(
     """
     import importlib.util, json, sys

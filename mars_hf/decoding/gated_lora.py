@@ -35,9 +35,10 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from .gated_kernel import GroupPlan, kernel_mode, mask_rows_group_delta, matrix_dtype, use_kernel
-
 logger = logging.getLogger(__name__)
+
+# Chooses the opt-in C kernel of gated_kernel (its KERNEL_ENV); unset, or "torch", the default path never imports it.
+KERNEL_ENV = "MARS_HF_GATED_KERNEL"
 
 GATING_KEY = "adapter_gating"
 MASK_GATING = "mask"
@@ -256,8 +257,8 @@ def check_adapter_config(config: dict, checkpoint) -> float:
             unsupported.append(f"{key}={config[key]!r}")
     if unsupported:
         raise ValueError(
-            f"The adapter of {checkpoint} uses {', '.join(unsupported)}, which the torch-only loader that "
-            "custom_generate/ and mars_hf share does not implement; retrain the adapter without them."
+            f"The adapter of {checkpoint} uses {', '.join(unsupported)}, which mars_hf's loader of gated adapters "
+            "does not implement; retrain the adapter without them."
         )
     r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
@@ -692,6 +693,8 @@ class _SharedInput:
             with self.lock:
                 plan = self.plan
                 if plan is None:
+                    from .gated_kernel import GroupPlan
+
                     bts = [module._buffers["mars_lora_BT"] for module in self.members]
                     plan = self.plan = GroupPlan(x.dtype, self.leader._buffers["mars_lora_A"], bts)
                 mask_rows_group_delta(plan, x.contiguous(), index, outputs)
@@ -704,6 +707,13 @@ class _SharedInput:
         if len(outputs) > 1:
             self._keep(record, x, outputs, "outputs")
         return outputs
+
+
+def mask_rows_group_delta(plan, x: torch.Tensor, index: torch.Tensor, outputs: list) -> None:
+    """The C kernel's call for a sibling group (``gated_kernel.mask_rows_group_delta``), imported on first use."""
+    from .gated_kernel import mask_rows_group_delta as group_delta
+
+    group_delta(plan, x, index, outputs)
 
 
 def _require_rows(record: ForwardGate | None, rows: int) -> ForwardGate:
@@ -848,7 +858,11 @@ def _install_adapter(
 
     ``kernel`` (``auto``/``c``/``torch``, default ``$MARS_HF_GATED_KERNEL`` or ``torch``): whether a gated
     adapter's inference forwards on CPU run the opt-in C kernel of :mod:`gated_kernel`."""
-    kernel = kernel_mode(kernel)
+    kernel = kernel or os.environ.get(KERNEL_ENV) or "torch"
+    if kernel != "torch":
+        from .gated_kernel import kernel_mode
+
+        kernel = kernel_mode(kernel)  # checks the name
     modules = dict(model.named_modules())
     for path, pair in pairs.items():
         module = modules.get(path)
@@ -880,13 +894,21 @@ def _install_adapter(
                 _install_group(model, [path], [module], [pairs[path]], scaling, gate, lora_dtype, kernel)
 
 
+def _uses_kernel(kernel: str, weight: torch.Tensor) -> bool:
+    from .gated_kernel import use_kernel
+
+    return use_kernel(kernel, weight.device, weight.dtype)
+
+
 def _install_group(
     model, paths, linears: list, pairs: list[dict], scaling: float, gate, lora_dtype, kernel
 ) -> None:
     weight = linears[0].weight
     dtype = _lora_dtype(weight, lora_dtype)
     kernel_dtype = None
-    if gate is not None and use_kernel(kernel, weight.device, weight.dtype):
+    if gate is not None and kernel != "torch" and _uses_kernel(kernel, weight):
+        from .gated_kernel import matrix_dtype
+
         matrices = matrix_dtype(weight.dtype, lora_dtype)
         if matrices is not None:
             kernel_dtype, dtype = weight.dtype, matrices
@@ -1005,21 +1027,3 @@ def attach_shipped_adapter(
         " (real positions checked equal to the base model)" if gated else "",
     )
     return True
-
-
-def find_custom_generate_checkpoint() -> str | None:
-    """The ``custom_generate`` argument of the ``generate`` call that is running us (folder or Hub id).
-
-    transformers copies ``custom_generate/*.py`` into its module cache before running it, so the
-    checkpoint is not this file's parent folder; the caller's frame still holds the argument.
-    """
-    import sys
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "generate":
-            value = frame.f_locals.get("custom_generate")
-            if isinstance(value, (str, os.PathLike)):
-                return str(value)
-        frame = frame.f_back
-    return None
