@@ -265,7 +265,9 @@ def test_lookup_keywords_are_checked(single):
     )
 
 
-def test_lookup_through_custom_generate_in_process(tmp_path, tok, padded):
+def test_lookup_through_custom_generate_is_refused_naming_mars_hf(tmp_path, tok, padded):
+    """The slim custom_generate/ has no prompt lookup (docs/hub.md): asking for it is an error that names
+    mars_hf, never a silent decode without it."""
     from transformers import AutoModelForCausalLM
 
     from mars_hf import hub
@@ -274,22 +276,17 @@ def test_lookup_through_custom_generate_in_process(tmp_path, tok, padded):
     model = confident_model("llama")
     folder = tmp_path / "ckpt"
     hub.save_pretrained(model, tok, folder, base_model="tiny")
-    assert (folder / "custom_generate" / "draft_sources.py").is_file()
     plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
-    stock = plain.generate(**padded, max_new_tokens=12, do_sample=False)
-    out = plain.generate(
-        **padded,
-        max_new_tokens=12,
-        do_sample=False,
-        custom_generate=str(folder),
-        trust_remote_code=True,
-        mars_acceptance="verify",
-        prompt_lookup_num_tokens=4,
-        mars_cost_table=CHEAP,  # a fixed curve: whether lookup drafts pay is not this host's speed
-        return_dict_in_generate=True,
-    )
-    assert torch.equal(out.sequences, stock)
-    assert out.drafts_by_source["lookup"]["proposed"] > 0
+    with pytest.raises(ValueError, match="mars_hf"):
+        plain.generate(
+            **padded,
+            max_new_tokens=12,
+            do_sample=False,
+            custom_generate=str(folder),
+            trust_remote_code=True,
+            mars_acceptance="verify",
+            prompt_lookup_num_tokens=4,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
