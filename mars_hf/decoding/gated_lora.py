@@ -157,14 +157,17 @@ class MaskGate:
 
     def require(self, rows: int | None = None) -> ForwardGate:
         """This thread's record, checked to describe ``rows`` positions when given; raises otherwise."""
-        record = self.current()
-        if record is None or (rows is not None and rows != record.rows):
-            raise RuntimeError(
-                f"A mask-gated adapter layer got {rows} positions but this thread's last input_ids had "
-                f"{None if record is None else record.rows}: the gate reads input_ids through the input "
-                "embedding, so call the model with `input_ids` (not `inputs_embeds`)."
-            )
-        return record
+        return _require_rows(self.current(), rows)
+
+
+def _require_rows(record: ForwardGate | None, rows: int | None) -> ForwardGate:
+    if record is None or (rows is not None and rows != record.rows):
+        raise RuntimeError(
+            f"A mask-gated adapter layer got {rows} positions but this thread's last input_ids had "
+            f"{None if record is None else record.rows}: the gate reads input_ids through the input embedding, so "
+            "call the model with `input_ids` (not `inputs_embeds`)."
+        )
+    return record
 
 
 def install_mask_gate(model, mask_token_id: int, reset_per_forward: bool = False) -> MaskGate:
@@ -655,22 +658,27 @@ class _SharedInput:
 
     def part(self, x: torch.Tensor, record: ForwardGate | None, member: int) -> torch.Tensor:
         """Member ``member``'s block of ``gate * (x @ A.T)`` over flattened rows (ungated: its own ``x @ A.T``)."""
-        A = self.leader._buffers["mars_lora_A"]
-        x2 = x.reshape(-1, x.shape[-1])
-        x2 = x2 if x2.dtype == A.dtype else x2.to(A.dtype)
         if record is None:
             start = sum(self.ranks[:member])
-            return F.linear(x2, A[start : start + self.ranks[member]])
+            return F.linear(
+                self._rows(x), self.leader._buffers["mars_lora_A"][start : start + self.ranks[member]]
+            )
         parts = self._take(record, x, "torch")
         if parts is None:
-            parts = self._products(x2, record)
+            parts = self._products(x, record)
             if len(parts) > 1:
                 self._keep(record, x, parts, "torch")
         return parts[member]
 
-    def _products(self, x2: torch.Tensor, record: ForwardGate) -> tuple:
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as flattened rows in the dtype of the adapter's arithmetic."""
+        x2 = x.reshape(-1, x.shape[-1])
+        dtype = self.leader._buffers["mars_lora_A"].dtype
+        return x2 if x2.dtype == dtype else x2.to(dtype)
+
+    def _products(self, x: torch.Tensor, record: ForwardGate) -> tuple:
         """Every member's block of ``gate * (x @ A.T)`` over flattened rows, in one matmul."""
-        xa = F.linear(x2, self.leader._buffers["mars_lora_A"])
+        xa = F.linear(self._rows(x), self.leader._buffers["mars_lora_A"])
         xa.mul_(_require_rows(record, xa.shape[0]).gate_for(xa.dtype))
         return xa.split(self.ranks, dim=1) if len(self.ranks) > 1 else (xa,)
 
@@ -699,10 +707,7 @@ class _SharedInput:
                     plan = self.plan = GroupPlan(x.dtype, self.leader._buffers["mars_lora_A"], bts)
                 mask_rows_group_delta(plan, x.contiguous(), index, outputs)
         else:
-            A = self.leader._buffers["mars_lora_A"]
-            x2 = x.reshape(-1, x.shape[-1])
-            parts = self._products(x2 if x2.dtype == A.dtype else x2.to(A.dtype), record)
-            for module, output, part in zip(self.members, outputs, parts):
+            for module, output, part in zip(self.members, outputs, self._products(x, record)):
                 _add_delta_in_place(output, part, module._buffers["mars_lora_BT"])
         if len(outputs) > 1:
             self._keep(record, x, outputs, "outputs")
@@ -714,16 +719,6 @@ def mask_rows_group_delta(plan, x: torch.Tensor, index: torch.Tensor, outputs: l
     from .gated_kernel import mask_rows_group_delta as group_delta
 
     group_delta(plan, x, index, outputs)
-
-
-def _require_rows(record: ForwardGate | None, rows: int) -> ForwardGate:
-    if record is None or record.rows != rows:
-        raise RuntimeError(
-            f"A mask-gated adapter layer got {rows} positions but this thread's last input_ids had "
-            f"{None if record is None else record.rows}: the gate reads input_ids through the input embedding, so "
-            "call the model with `input_ids` (not `inputs_embeds`)."
-        )
-    return record
 
 
 class _Adapter:
@@ -775,9 +770,7 @@ class AdaptedLinear(torch.nn.Linear):
             _add_delta_in_place(y, xa, bt)
             return y
         y2 = y.reshape(-1, y.shape[-1])
-        if (
-            xa.dtype != y.dtype
-        ):  # float32 LoRA arithmetic on a 16-bit model (see lora_dtype): add, then round once
+        if xa.dtype != y.dtype:  # float32 LoRA arithmetic on a 16-bit model (lora_dtype): add, round once
             return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
         return torch.addmm(y2, xa, bt).view(y.shape)
 
