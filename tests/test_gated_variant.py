@@ -153,12 +153,14 @@ def test_gating_a_plain_lora_makes_its_saved_config_say_so(tokenizer, tmp_path):
 # ---------------------------------------------------------------------------------------------- threads (fault 6)
 
 
-@pytest.mark.parametrize("loader", ["peft", "mars_hf"])
-def test_two_threads_decoding_on_one_gated_model_each_get_their_own_output(loader, tokenizer, tmp_path):
+@pytest.mark.parametrize("loader, kernel", [("peft", None), ("mars_hf", "torch"), ("mars_hf", "c")])
+def test_two_threads_decoding_on_one_gated_model_each_get_their_own_output(
+    loader, kernel, tokenizer, tmp_path
+):
     """Batches of different sizes (so their forwards have different row counts) decoded with masks in every
     forward, in two threads at once on one model, with the interpreter switching threads as often as it can:
-    each call gives what it gives alone."""
-    _, shipped, peft_model, folder = shipped_gated(tmp_path, "llama", tokenizer)
+    each call gives what it gives alone (with the opt-in C kernel too, whose per-group call is locked)."""
+    _, shipped, peft_model, folder = shipped_gated(tmp_path, "llama", tokenizer, kernel=kernel)
     model = load_gated_peft_model(plain_base(tmp_path), folder) if loader == "peft" else shipped
     enable_mars(model.get_base_model() if loader == "peft" else model)
     jobs = [["hello world the cat", "one two"], ["the dog sat on"], ["red blue", "yes no", "a cat"]]
