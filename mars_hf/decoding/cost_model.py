@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import os
 import statistics
 import time
@@ -57,6 +58,8 @@ PROBE_BUDGET_S = 2.0  # the whole probe, warm-up included
 PROBE_ROUNDS = 5  # interleaved rounds at most (the fastest of each size counts)
 PROBE_CONTEXT = 32  # cached tokens the probed forwards attend over
 MAX_PROBED_WIDTH = 64  # wider steps are extrapolated (and never planned)
+MAX_TABLE_WIDTH = 4096  # sizes a given curve may name (a step of W = 60 with every quadratic group: 3 721)
+MAX_CURVE_FILE_BYTES = 65_536  # a curve on disk is < 2 KB; anything this large is not one (never read whole)
 _EXACT_UP_TO = 10  # every width up to this is probed; wider ones on a geometric grid
 
 
@@ -74,32 +77,42 @@ class CostTable:
     # or "borrowed" (a larger batch's curve, for the tail of a call whose rows finish: feeding.StepFeed.cost_table)
     batch: int = 1
     unit_seconds: float | None = None  # what one column took when measured (None: not measured here)
+    widest: int = MAX_PROBED_WIDTH  # padding never goes past this (``cost_table``: the window's widest plan)
 
     @classmethod
     def from_mapping(cls, mapping, source: str = "given", batch: int = 1) -> CostTable:
-        """A table from ``{n: cost}``; costs are taken relative to ``n = 1`` (1.0 when 1 is absent)."""
+        """A table from ``{n: cost}``; costs are taken relative to ``n = 1`` (1.0 when 1 is absent).
+
+        Sizes are whole numbers from 1 to :data:`MAX_TABLE_WIDTH` (or such numbers as strings: a
+        ``GenerationConfig`` saved as JSON keeps its keys that way); a wider one is no step any window
+        plans, and read as a curve it once padded steps to 10⁸ columns (issue 52, fault 8).
+        """
         if isinstance(mapping, CostTable):
             return mapping
         if not isinstance(mapping, dict) or not mapping:
             raise ValueError(
                 "`mars_cost_table` must be a non-empty dict {columns per sequence: relative cost}, e.g. "
-                f"{{1: 1.0, 2: 1.05, 5: 1.3}}; got {mapping!r}."
+                f"{{1: 1.0, 2: 1.05, 5: 1.3}}; got {_short(mapping)}."
             )
         items = {}
-        for n, cost in mapping.items():
-            if (
-                int(n) != n
-                or int(n) < 1
-                or not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0)
-            ):
+        for key, cost in mapping.items():
+            n = _table_size(key)
+            if not _positive_finite(cost):
                 raise ValueError(
-                    f"`mars_cost_table` needs integer sizes >= 1 and positive finite costs; got {n!r}: {cost!r}."
+                    f"`mars_cost_table` key {_short(key)} has cost {_short(cost)}: every cost must be a positive "
+                    "finite number (a forward's time relative to one column's), e.g. {1: 1.0, 2: 1.05}."
                 )
-            items[int(n)] = float(cost)
+            items[n] = float(cost)
         one = items.get(1, 1.0)
         items[1] = one
         sizes = tuple(sorted(items))
-        return cls(sizes, tuple(items[n] / one for n in sizes), source, batch)
+        costs = tuple(items[n] / one for n in sizes)
+        if not all(math.isfinite(c) and c > 0 for c in costs):
+            raise ValueError(
+                f"`mars_cost_table` costs relative to one column's ({one!r}) overflow: give costs of a "
+                "similar scale, e.g. relative ones, {1: 1.0, 2: 1.05}."
+            )
+        return cls(sizes, costs, source, batch)
 
     @classmethod
     def flat(cls, batch: int = 1) -> CostTable:
@@ -123,9 +136,13 @@ class CostTable:
 
     def padded_width(self, n: int) -> int:
         """The width to run ``n`` columns at: a wider measured size when it is cheaper (padding columns
-        come after every real column, nothing real attends to them, so tokens do not change)."""
+        come after every real column, nothing real attends to them, so tokens do not change), never wider
+        than :attr:`widest` (the widest step the window can plan): a curve that calls a huge size cheap
+        must not make every step that wide."""
         best, best_cost = n, self.cost(n)
         for size, cost in zip(self.sizes, self.costs):
+            if size > self.widest:
+                break
             if size > n and cost < best_cost:
                 best, best_cost = size, cost
         return best
@@ -139,6 +156,40 @@ class CostTable:
         return dict(zip(self.sizes, self.costs))
 
 
+def _table_size(key) -> int:
+    """A curve's size from a mapping key: a whole number in ``1 … MAX_TABLE_WIDTH`` (an int, a whole float
+    or a string of digits), else a ValueError that names the key and the fix."""
+    n = None
+    if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit() and len(key.strip()) <= 6:
+        n = int(key.strip())
+    elif (
+        isinstance(key, numbers.Real) and not isinstance(key, bool) and math.isfinite(key) and key == int(key)
+    ):
+        n = int(key)
+    if n is None or not 1 <= n <= MAX_TABLE_WIDTH:
+        raise ValueError(
+            f"`mars_cost_table` key {_short(key)} is not a step width: keys are columns per sequence, whole "
+            f"numbers from 1 to {MAX_TABLE_WIDTH} (a MARS step is 1 + drafts + masks wide), e.g. "
+            "{1: 1.0, 2: 1.05, 5: 1.3}; drop the key or give the width it was measured at."
+        )
+    return n
+
+
+def _positive_finite(value) -> bool:
+    return (
+        isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
+
+def _short(value, limit: int = 60) -> str:
+    """``repr`` cut short: an error about a huge or deeply nested value must not print it whole."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):  # nested past the interpreter's limit; int's digit limit
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def batch_bucket(rows: int) -> int:
     """Batch sizes share a curve per power of two (a server's batch changes every few steps)."""
     return 1 << max(0, int(rows) - 1).bit_length()
@@ -147,11 +198,14 @@ def batch_bucket(rows: int) -> int:
 def candidate_widths(window: int) -> list[int]:
     """Columns per sequence the decoder may feed with window W: one fresh token, up to W drafts and
     up to W masks (``1 … 1 + 2W``), and the quadratic layout's ``1 + K + (K + 1)·m``; capped."""
-    sizes = set(range(1, 2 * window + 2))
-    for drafts in range(window + 1):
+    sizes = set(range(1, min(2 * window + 1, MAX_PROBED_WIDTH) + 1))
+    for drafts in range(min(window, MAX_PROBED_WIDTH) + 1):
         for masks in range(1, window + 1):
-            sizes.add(1 + drafts + (drafts + 1) * masks)
-    return sorted(n for n in sizes if n <= MAX_PROBED_WIDTH)
+            width = 1 + drafts + (drafts + 1) * masks
+            if width > MAX_PROBED_WIDTH:
+                break
+            sizes.add(width)
+    return sorted(sizes)
 
 
 def probe_sizes(widths: list[int]) -> list[int]:
@@ -227,8 +281,9 @@ def cost_table(
     once (per process, or read from ``MARS_HF_COST_CACHE``). ``known_only``: None instead of measuring
     when neither this process nor the disk cache has the curve yet."""
     batch = batch_bucket(batch_size)
+    widest = candidate_widths(window)[-1]
     if given is not None:
-        return CostTable.from_mapping(given, "given", batch)
+        return dataclasses.replace(CostTable.from_mapping(given, "given", batch), widest=widest)
     if not probe:
         return CostTable.flat(batch)
     sizes = tuple(probe_sizes(candidate_widths(window)))
@@ -237,7 +292,7 @@ def cost_table(
     if key in per_model:
         return per_model[key]
     path = _disk_path(model, key)
-    table = _read(path, batch) if path else None
+    table = _read(path, batch, sizes) if path else None
     if table is not None:
         logger.info("MARS cost curve (batch %d) read from %s: %s", batch, path, table.as_dict())
     else:
@@ -246,6 +301,7 @@ def cost_table(
         table = measure(model, batch=batch, sizes=sizes, mask_token_id=mask_token_id)
         if path:
             _write(path, table)
+    table = dataclasses.replace(table, widest=widest)
     per_model[key] = table
     return table
 
@@ -269,15 +325,28 @@ def disk_cache_by_default(folder):
         os.environ.pop(CACHE_ENV, None)
 
 
-def _read(path: str, batch: int) -> CostTable | None:
+def _read(path: str, batch: int, sizes: tuple[int, ...]) -> CostTable | None:
+    """The curve stored at ``path``, or None (with a warning) when the file is not one this module wrote
+    for ``sizes``: unreadable, too large, nested past the parser's limit, not two equal lists, or sizes
+    the probe never times (a hand-edited ``{"sizes": [1, 100000000], ...}`` once padded every step to
+    that width). It is then measured again and rewritten."""
     if not os.path.exists(path):
         return None
     try:
+        if os.path.getsize(path) > MAX_CURVE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_CURVE_FILE_BYTES} bytes")
         with open(path, encoding="utf-8") as handle:
             record = json.load(handle)
-        return CostTable.from_mapping(dict(zip(record["sizes"], record["costs"])), "disk", batch)
-    except (OSError, ValueError, KeyError, TypeError):  # unreadable or not a curve: measured again, rewritten
-        logger.warning("Ignoring the MARS cost table at %s: not a readable curve.", path)
+        known, costs = record["sizes"], record["costs"]
+        if not (isinstance(known, list) and isinstance(costs, list) and len(known) == len(costs)):
+            raise ValueError("sizes and costs are not two lists of one length")
+        if len(set(known)) != len(known) or not set(known) <= set(sizes) | {1}:
+            raise ValueError(f"sizes {_short(known)} are not widths the probe times ({list(sizes)})")
+        return CostTable.from_mapping(dict(zip(known, costs)), "disk", batch)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:  # Recursion: nested JSON
+        logger.warning(
+            "Ignoring the MARS cost table at %s: not a readable curve (%s).", path, _short(error, 200)
+        )
         return None
 
 
@@ -375,7 +444,7 @@ class ObservedCosts:
                 self.applied[width] = statistics.median(ratios)
                 points[width] = max(1.0, self.applied[width])
         refined = CostTable.from_mapping(points, "observed", table.batch)
-        return dataclasses.replace(refined, unit_seconds=table.unit_seconds)
+        return dataclasses.replace(refined, unit_seconds=table.unit_seconds, widest=table.widest)
 
 
 def _observed(model, table: CostTable, create: bool = False) -> tuple:
