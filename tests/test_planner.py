@@ -33,6 +33,7 @@ from mars_hf.decoding.planner import (
     PROBE_SHARE,
     THRESHOLD,
     AcceptanceStats,
+    DraftingFloor,
     RowChoice,
     RowSpec,
     choose,
@@ -221,7 +222,8 @@ def test_acceptance_stats_learn_and_reprobe():
 
 def test_probes_spread_out_until_the_planner_feeds_masks_itself():
     """Every probe doubles the interval to the next, kept drafts or not (good drafts on a curve where
-    masks do not pay are nothing to feed); masks the planner chose reset it, forced ones do not."""
+    masks do not pay are nothing to feed); masks the planner chose reset it once its drafting steps have
+    paid, forced ones and masks that only filled a batch's columns (1 token for their width) do not."""
     first = AcceptanceStats.FIRST_PROBE_EVERY
     stats = AcceptanceStats(4)
     stats.start_probe()  # the probe's mask step
@@ -237,8 +239,12 @@ def test_probes_spread_out_until_the_planner_feeds_masks_itself():
     for _ in range(10):
         stats.start_probe()
     assert stats.probe_every == AcceptanceStats.MAX_PROBE_EVERY
-    stats.observe_step(2, 1.2, fed_masks=True)  # masks of the planner's own choosing
-    assert stats.probe_every == first
+    for _ in range(2 * DraftingFloor.EVIDENCE):
+        stats.observe_step(1, 1.4, fed_masks=True)  # masks filling a width a companion paid for
+    assert stats.probe_every == AcceptanceStats.MAX_PROBE_EVERY and not stats.drafting_pays()
+    for _ in range(2 * DraftingFloor.EVIDENCE):
+        stats.observe_step(2, 1.2, fed_masks=True)  # masks of the planner's own choosing, which pay
+    assert stats.drafting_pays() and stats.probe_every == first
 
 
 def test_good_drafts_on_a_curve_where_masks_never_pay_are_probed_ever_more_rarely(tok, monkeypatch):
@@ -284,6 +290,179 @@ def test_worthless_drafts_on_a_dear_curve_decode_one_token_steps(tok):
     out = _verify(model, encoded, {1: 1.0, 2: 1.7, 64: 60.0}, max_new_tokens=40)
     assert torch.equal(out.sequences, stock)
     assert out.forward_widths[1:].tolist() == [1] * (out.num_forwards - 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the floor: plain steps of the same batch (a feed on a mocked clock)
+# ---------------------------------------------------------------------------------------------------
+
+# a batch-4 CPU curve in float32: two columns cost 1.4x one
+BATCH_4_CURVE = {1: 1.0, 2: 1.4, 3: 1.55, 4: 1.7, 5: 1.85, 6: 2.0, 9: 2.4}
+
+
+def _feed(rows, keep, *, steps, window=2, confidence=0.99, told=None, floor=None, seed=0):
+    """``steps`` steps of ``rows`` verify rows, planned as ``StepFeed`` plans them, on the mocked clock of
+    ``BATCH_4_CURVE`` (a step costs its width's relative cost; nothing is timed): every mask fed proposes a
+    draft of own probability ``confidence``, kept with probability ``keep`` (given the ones before it; a
+    function of the step number where the text changes).
+    ``told``: the chance of being kept the planner is told instead of its estimates (estimates wrong in a
+    way no single step shows). ``floor``: a ``DraftingFloor`` (None: today's planner, no floor).
+
+    Returns the tokens per unit cost relative to plain steps (1.0: one-token decoding) and the widths."""
+    rng = random.Random(seed)
+    table = CostTable.from_mapping(BATCH_4_CURVE)
+    spacing = probe_spacing(table.effective)
+    stats = [AcceptanceStats(window) for _ in range(rows)]
+    held = [[] for _ in range(rows)]  # each row's drafts (their own probabilities)
+    tokens = cost = 0.0
+    widths = []
+    for step in range(steps):
+        kept_rate = keep(step) if callable(keep) else keep
+        specs = []
+        for row, drafts in zip(stats, held):
+            if row.probing and not drafts:
+                row.probing = False
+            draft_probs = [told] * len(drafts) if told is not None else row.calibrated(drafts)
+            future = [told] * window if told is not None else row.future()
+            specs.append(
+                RowSpec(AUTO, 1, draft_probs, future, max(1.0, row.gain), window, 100,
+                        row.probe_due(spacing), row.probing and bool(drafts))
+            )  # fmt: skip
+        if floor is None:
+            width, choices = choose(specs, table.effective, window)
+        else:
+            width, choices = choose(specs, table.effective, window, drafting=floor.open)
+        width = table.padded_width(max(width, 1))
+        widths.append(width)
+        cost += rows * table.cost(width)
+        for r, (row, spec, choice) in enumerate(zip(stats, specs, choices)):
+            kept = 0
+            while kept < choice.drafts and rng.random() < kept_rate:
+                kept += 1
+            tokens += kept + 1
+            row.observe(choice.drafts, kept, held[r][: choice.drafts])
+            fresh = choice.masks and (choice.quadratic or kept == choice.drafts)
+            held[r] = [confidence] * choice.masks if fresh else []
+            if held[r]:
+                row.propose(held[r])
+            if spec.force_drafts:
+                row.probing = False
+            elif spec.force_masks and choice.masks:
+                row.start_probe()
+            forced = spec.force_masks or spec.force_drafts
+            row.observe_step(kept + 1, table.cost(width), fed_masks=choice.masks > 0, forced=forced)
+        if floor is not None:
+            floor.observe(stats)
+    return tokens / cost, widths
+
+
+def test_re_probes_at_batch_4_spread_out_as_at_batch_1():
+    """Confident masks whose drafts are mostly wrong, at batch 4 on a curve where two columns cost 1.4x one:
+    the planner feeds plain steps but for re-probes, and no more of those than at batch 1. (Masks that only
+    filled a width a companion's re-probe paid for used to reset every row's interval: twice the wide steps,
+    2 % of the time lost.)"""
+    alone = sum(w > 1 for w in _feed(1, 0.3, steps=256)[1])
+    batch = sum(w > 1 for w in _feed(4, 0.3, steps=256)[1])
+    assert batch <= alone + 2, (alone, batch)
+
+
+def test_the_floor_goes_plain_where_drafting_does_not_pay_whatever_the_estimates_say():
+    """The planner told every draft is kept 9 times in 10 (it is kept 2 times in 10: < 1.4 tokens per
+    forward of two columns at batch 4): without the floor it drafts at every step, far below one-token
+    decoding; with it, it drafts for one bounded exploration, then plain steps but for later explorations,
+    each as short and each further from the last."""
+    ratio, widths = _feed(4, 0.2, steps=512, told=0.9)
+    assert ratio < 0.8 and sum(w > 1 for w in widths) > 500  # what the floor is for
+    floor = DraftingFloor()
+    ratio, widths = _feed(4, 0.2, steps=512, told=0.9, floor=floor)
+    wide = [i for i, w in enumerate(widths) if w > 1]
+    explorations = [[wide[0]]]
+    for i in wide[1:]:
+        if i == explorations[-1][-1] + 1:
+            explorations[-1].append(i)
+        else:
+            explorations.append([i])
+    assert explorations[0][0] == 0 and len(explorations) <= 4, explorations
+    assert all(len(run) <= DraftingFloor.FIRST_LOOK + 2 for run in explorations), explorations
+    gaps = [b[0] - a[-1] for a, b in zip(explorations, explorations[1:])]
+    assert gaps[0] >= DraftingFloor.FIRST_WAIT and gaps == sorted(gaps) and gaps[-1] > gaps[0], gaps
+    assert ratio > 0.95
+
+
+def test_the_floor_keeps_drafts_that_pay_and_sheds_them_when_they_stop():
+    """Drafts kept 9 times in 10 on the same curve: the floor is established and changes nothing. Then the
+    text changes (1 in 10 kept) while the planner's estimates stay where they were: the floor closes and the
+    batch goes back to plain steps."""
+    floor = DraftingFloor()
+    ratio, widths = _feed(4, 0.9, steps=256, confidence=0.9, floor=floor)
+    assert floor.open and floor.established and ratio > 1.2 and sum(w > 1 for w in widths) > 0.8 * 256
+    assert (ratio, widths) == _feed(4, 0.9, steps=256, confidence=0.9)  # the same plans without the floor
+    floor = DraftingFloor()
+    change = lambda step: 0.9 if step < 128 else 0.1  # noqa: E731
+    _, widths = _feed(4, change, steps=384, told=0.9, floor=floor)
+    assert sum(w > 1 for w in widths[:128]) > 120 and sum(w > 1 for w in widths[128:]) < 40
+    assert widths[150:190] == [1] * 40  # closed within a few steps of the change, until an exploration
+
+
+def test_with_honest_estimates_and_bad_drafts_the_floor_costs_nothing():
+    """Drafts kept 3 times in 10 (< 1.4 tokens per forward at 2 columns): plain steps after the re-probes
+    either way, at batch 4 as at batch 1; a floor never opens a batch its planner would not widen."""
+    for rows in (1, 4):
+        bare, _ = _feed(rows, 0.3, steps=256)
+        floored, widths = _feed(rows, 0.3, steps=256, floor=DraftingFloor())
+        assert floored >= bare - 0.005 and floored > 0.98 and sum(w > 1 for w in widths) <= 12
+
+
+class _Row:
+    def __init__(self, tokens, cost, drafted=True):
+        self.last_sample = (tokens, cost, drafted)
+
+
+def test_the_floor_rule():
+    """The rule as documented: closes far below plain after FIRST_LOOK drafting steps, below 1 + MARGIN after
+    EVIDENCE, once established only below plain; explores again at a multiple of its wait, which doubles."""
+    far, near, good = DraftingFloor(), DraftingFloor(), DraftingFloor()
+    for step in range(1, DraftingFloor.EVIDENCE + 1):
+        for floor, tokens in ((far, 0.85), (near, 1.02), (good, 1.2)):
+            if floor.open:
+                floor.observe([_Row(tokens, 1.0), _Row(1, 1.0, drafted=False)][:1])
+        assert far.open == (step < DraftingFloor.FIRST_LOOK)
+        assert near.open == (step < DraftingFloor.EVIDENCE)
+    assert good.open and good.established and not near.established
+    wait = DraftingFloor.FIRST_WAIT
+    assert far.closed_until % wait == 0 and far.closed_until >= DraftingFloor.FIRST_LOOK + wait
+    assert far.wait == 2 * DraftingFloor.FIRST_WAIT  # the next failed exploration waits longer
+    while not far.open:
+        far.observe([_Row(1, 1.0, drafted=False)])
+    assert far.steps % wait == 0 and far.drafting_steps == 0 and far.tokens == 0.0  # explores afresh
+    # established: a ratio between plain and the margin does not close it, one below plain does
+    for _ in range(40):
+        good.observe([_Row(1.02, 1.0)])
+    assert good.open
+    while good.open:
+        good.observe([_Row(0.9, 1.0)])
+    assert good.drafting_steps < DraftingFloor.EVIDENCE + 40 + 8 and good.wait == DraftingFloor.FIRST_WAIT
+    # steps where no row drafted are not evidence; a drafting step counts every row of it
+    quiet = DraftingFloor()
+    for _ in range(100):
+        quiet.observe([_Row(1, 1.0, drafted=False), _Row(1, 1.0, drafted=False)])
+    assert quiet.open and quiet.drafting_steps == 0
+    for _ in range(DraftingFloor.EVIDENCE):
+        quiet.observe([_Row(2, 1.4), _Row(1, 1.4, drafted=False)])  # 1.5 tokens per row for 1.4
+    assert quiet.open and quiet.established
+
+
+def test_a_closed_floor_makes_verify_rows_plain():
+    """``choose(..., drafting=False)``: verify rows feed nothing extra, re-probes included; fixed rows keep
+    their width and τ rows their choice."""
+    window, flat = 4, CostTable.from_mapping(FLAT).effective
+    good = RowSpec(AUTO, 1, [0.95] * 4, [0.95] * 4, 3.0, max_masks=4, max_extra=100, force_masks=True)
+    tau = RowSpec(THRESHOLD, 1, [], [0.95] * 4, 1.0, max_masks=4, max_extra=100)
+    fixed = RowSpec(FIXED, 6)
+    width, choices = choose([good, tau, fixed], flat, window, drafting=False)
+    assert choices[0] == RowChoice() and choices[1].masks == 4 and width == 6
+    assert choose([good], flat, window, drafting=False) == (1, [RowChoice()])
+    assert choose([good], flat, window)[1][0].masks == 4
 
 
 # ---------------------------------------------------------------------------------------------------
