@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import GenerationMixin
@@ -653,25 +652,6 @@ def _stock(model, args, kwargs):
     return GenerationMixin.generate(model, *args, **kwargs)
 
 
-def _attach_shipped_adapter(model) -> None:
-    """In a checkpoint's ``custom_generate/``: apply the gated adapter stored beside it, if any.
-
-    A gated-adapter checkpoint (docs/method.md §7) is an adapter on a base model; plain transformers loads
-    the base, and this applies the adapter and the trained mask row from the checkpoint (the
-    ``custom_generate=`` argument of the running ``generate`` call: transformers runs a *copy* of this
-    file from its module cache, so the checkpoint is not this file's parent). Inside the mars_hf
-    package this does nothing: its loaders do it.
-    """
-    here = Path(__file__).resolve().parent
-    if here.name != "custom_generate":
-        return
-    from .gated_lora import attach_shipped_adapter, find_custom_generate_checkpoint
-
-    checkpoint = find_custom_generate_checkpoint()
-    if checkpoint is not None:
-        attach_shipped_adapter(model, checkpoint)
-
-
 def generate(model, *args, **kwargs):
     """The string form of ``custom_generate`` (``custom_generate/generate.py`` of a MARS checkpoint).
 
@@ -683,7 +663,6 @@ def generate(model, *args, **kwargs):
     if kwargs.get("custom_generate") is not None and kwargs.get("custom_generate") is not mars_generate:
         raise ValueError("A MARS checkpoint's `generate` cannot chain to another `custom_generate`.")
     kwargs.pop("custom_generate", None)
-    _attach_shipped_adapter(model)
     values = _call_values(model, args, kwargs)
     if not _wants_mars(values):
         kwargs.pop("mars_threshold", None)

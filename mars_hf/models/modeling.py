@@ -88,7 +88,8 @@ def load_mars_model(
         merge_adapter: merge a LoRA adapter into its base (faster decoding, no PEFT wrapper). A LoRA
             gated to mask positions (``config.mars.adapter_gating == "mask"``) cannot be merged: ``True``
             raises for it, ``"auto"`` merges every adapter that can be merged and keeps a gated one as is.
-        enable: call :func:`mars_hf.decoding.generation.enable_mars` on the result.
+        enable: build the model as its MARS class (``mars_hf.decoding.generation.mars_class``), so
+            ``generate(mars_threshold=τ)`` decodes with MARS; ``False``: the plain transformers class.
         adapter_gating: how a LoRA adapter that carries no gating record was trained: ``"none"`` (a plain LoRA
             on every position) or ``"mask"`` (gated to the tokenizer's mask token). An adapter with a record
             (``gate_token_id`` in ``adapter_config.json``, or ``mars_config.json``) needs none; one without is
@@ -131,9 +132,10 @@ def load_mars_model(
             adapter_gating,
             hub_kwargs,
             kwargs,
+            as_mars=enable,
         )
     else:
-        model = _load_backbone(name_or_path, config_dict, hub_kwargs, kwargs)
+        model = _load_backbone(name_or_path, config_dict, hub_kwargs, kwargs, as_mars=enable)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **hub_kwargs)
         mars = dict(config_dict.get("mars") or {})
 
@@ -149,11 +151,8 @@ def load_mars_model(
     extra = {k: v for k, v in mars.items() if k not in ("block_size", "mask_token_id", "format_version")}
     set_mars_config(model, block_size=resolved_block_size, mask_token_id=mask_token_id, **extra)
 
-    if enable:
-        from mars_hf.decoding.generation import enable_mars
-
-        # An unmerged PeftModel delegates generate() to the transformers model it wraps.
-        enable_mars(model.get_base_model() if is_peft_model(model) else model)
+    if enable:  # built as the MARS class (`_load_backbone`): what is left is checking its settings
+        check_mars_settings(model.get_base_model() if is_peft_model(model) else model)
     return model, tokenizer
 
 
@@ -213,8 +212,20 @@ def read_checkpoint_json(name_or_path: str, filename: str, hub_kwargs: dict) -> 
         return json.load(handle)
 
 
-def _load_backbone(name_or_path: str, config_dict: dict, hub_kwargs: dict, model_kwargs: dict):
-    """``AutoModelForCausalLM.from_pretrained``, mapping the paper's ``a2d-*`` model types onto stock ones."""
+def check_mars_settings(model) -> None:
+    """The window and the mask token of a loaded MARS model, checked once (errors name the fix)."""
+    from mars_hf.decoding.settings import check_model_window, resolve_mask_token, resolve_window
+
+    check_model_window(model, resolve_window(model, None), "The window W (`config.mars['block_size']`)")
+    resolve_mask_token(model, None)
+
+
+def _load_backbone(
+    name_or_path: str, config_dict: dict, hub_kwargs: dict, model_kwargs: dict, *, as_mars: bool = True
+):
+    """``AutoModelForCausalLM.from_pretrained``'s model, mapping the paper's ``a2d-*`` model types onto stock
+    ones; ``as_mars``: built as its MARS class (``generation.mars_class``: ``generate(mars_threshold=τ)``
+    decodes with MARS), no object changed after it was built."""
     model_type = config_dict.get("model_type")
     if model_type in PAPER_MODEL_TYPES and "config" not in model_kwargs:
         stock_type = PAPER_MODEL_TYPES[model_type]
@@ -233,7 +244,30 @@ def _load_backbone(name_or_path: str, config_dict: dict, hub_kwargs: dict, model
             model_class.__name__,
         )
         model_kwargs = {**model_kwargs, "config": config}
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **hub_kwargs, **model_kwargs)
+    if not as_mars:
+        return AutoModelForCausalLM.from_pretrained(name_or_path, **hub_kwargs, **model_kwargs)
+    from mars_hf.decoding.generation import mars_class
+
+    config = model_kwargs.get("config")
+    if config is None:
+        trust = model_kwargs.get("trust_remote_code", False)
+        config = AutoConfig.from_pretrained(name_or_path, **hub_kwargs, trust_remote_code=trust)
+    model_class = _causal_lm_class(config, name_or_path)
+    return mars_class(model_class).from_pretrained(name_or_path, **hub_kwargs, **{**model_kwargs, "config": config})
+
+
+def _causal_lm_class(config, name_or_path: str) -> type:
+    """The class ``AutoModelForCausalLM`` builds for ``config`` (a checkpoint's own code under ``auto_map``
+    needs ``trust_remote_code=True``, as with transformers)."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    remote = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if remote is not None and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return get_class_from_dynamic_module(remote, name_or_path)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"{name_or_path!r} ({type(config).__name__}) is not a causal LM transformers knows.")
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
 def _ensure_mask_token(tokenizer, mars: dict, name_or_path: str) -> int:
@@ -268,6 +302,7 @@ def _load_adapter(
     adapter_gating,
     hub_kwargs,
     model_kwargs,
+    as_mars: bool = True,
 ):
     """Base model (any format above) + the trained mask-token rows + the LoRA adapter.
 
@@ -314,7 +349,7 @@ def _load_adapter(
         )
     tokenizer = tokenizer or _adapter_tokenizer(folder, base, hub_kwargs)
     logger.info("Loading the LoRA adapter %s onto its base model %s.", name_or_path, base)
-    model = _load_backbone(base, base_config, hub_kwargs, model_kwargs)
+    model = _load_backbone(base, base_config, hub_kwargs, model_kwargs, as_mars=as_mars)
     check_adapter_fits(model, folder, given=base)
 
     rows_file = os.path.join(folder, MARS_MASK_ROWS_FILE)
