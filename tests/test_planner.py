@@ -1027,3 +1027,23 @@ def test_a_huge_window_is_capped_by_max_new_tokens(tok):
     )
     assert torch.equal(capped, huge)
     assert time.perf_counter() - start < 120  # a hang guard, not a timing
+
+
+def test_the_decoders_floor_sees_every_step_and_a_closed_floor_decodes_plain(tok, monkeypatch):
+    """The floor is wired into decoding: it observes each step's served rows, and while it is closed a verify
+    batch runs one-column steps only (still stock greedy's tokens); open, the same model drafts."""
+    from mars_hf.decoding.planner import DraftingFloor
+
+    model = peaked_model("llama")
+    encoded = _batch(tok)
+    stock = model.generate(**encoded, max_new_tokens=24, do_sample=False)
+    seen = []
+    observe = DraftingFloor.observe
+    monkeypatch.setattr(DraftingFloor, "observe", lambda self, stats: (seen.append(len(stats)), observe(self, stats)))
+    drafting = _verify(model, encoded, FLAT, max_new_tokens=24)
+    assert torch.equal(drafting.sequences, stock) and max(drafting.forward_widths[1:].tolist()) > 1
+    assert len(seen) == drafting.num_forwards and max(seen) == len(encoded.input_ids)
+    monkeypatch.setattr(DraftingFloor, "observe", lambda self, stats: None)
+    monkeypatch.setattr(DraftingFloor, "open", property(lambda self: False))  # closed for the whole call
+    plain = _verify(model, encoded, FLAT, max_new_tokens=24)
+    assert torch.equal(plain.sequences, stock) and max(plain.forward_widths[1:].tolist()) == 1

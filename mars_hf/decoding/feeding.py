@@ -18,7 +18,7 @@ from .cost_model import cost_table as curve_for
 from .draft_choice import DraftChooser
 from .draft_sources import CHAINED, MASKS
 from .layouts import RowPlan, idle_plan, plan_row, position_limit
-from .planner import AUTO, FIXED, THRESHOLD, RowChoice, RowSpec, choose, probe_spacing
+from .planner import AUTO, FIXED, THRESHOLD, DraftingFloor, RowChoice, RowSpec, choose, probe_spacing
 from .settings import check_cost_table, check_layout
 
 
@@ -77,6 +77,7 @@ class StepFeed:
             pad_token_id=pad_token_id,
         )
         self.plan_counts: dict[str, int] = {}
+        self.floor = DraftingFloor()  # plain steps whenever this batch's drafting stops paying (planner.py)
 
     def plan(self, rows, deciding) -> StepPlan:
         """Each row's plan, the planner's specs and choices, the step's width and its relative cost.
@@ -103,7 +104,7 @@ class StepFeed:
                 return self._unit_step(rows, deciding, plans, specs)
             # lookup drafts may outnumber the window: the grid then allows that many
             longest = max((len(s.draft_probs) for s in specs if s.kind == AUTO), default=0)
-            width, choices = choose(specs, table.effective, max(self.window, longest))
+            width, choices = choose(specs, table.effective, max(self.window, longest), drafting=self.floor.open)
         self._apply_choices(rows, deciding, plans, specs, choices)
         width = max(width, max(len(p.tokens) for p in plans))
         if table is not None and any(p.group_columns for p in plans):
@@ -242,6 +243,8 @@ class StepFeed:
                 stats.start_probe()
             forced = spec.force_masks or spec.force_drafts
             stats.observe_step(len(tokens), cost, fed_masks=choice.masks > 0, forced=forced)
+        served = [row.stats for i, (row, spec) in enumerate(zip(rows, specs)) if spec.kind == AUTO and i in outcome]
+        self.floor.observe(served)
 
     def measure_costs(self, max_rows: int) -> None:
         """Measure the cost curves of every batch bucket up to ``max_rows`` now (a server at start-up),
