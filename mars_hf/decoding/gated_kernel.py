@@ -70,7 +70,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu99")
 OPENMP_FLAG = "-fopenmp"  # torch's thread count (same runtime); a compiler without OpenMP builds it single-threaded
 MAX_MEMBERS = 8  # the C struct's room for sibling layers (q/k/v: 3); the C source below is given this value
 # A group's call splits over threads from this many multiply-adds (the C source is given this value). Whole gated
-# forwards of embedded-mars, interleaved (examples/gated_kernel_ab.py; docs/gated_adapters.md, "Sixth pass", a 2-vCPU
+# forwards of embedded-mars, interleaved (examples/gated_kernel_ab.py; docs/lab/gated_adapters_passes.md, "Sixth pass", a 2-vCPU
 # Zen 4 EPYC): one thread for every SmolLM2 group (a threshold of 2^21) measured within ±0.04 of a forward of this
 # threshold, better at some row counts and worse at others from run to run, so it stays; the calls alone, timed
 # between bare base products, had read 20-30 % faster on one thread. MIN_PARALLEL_WORK_ENV sets another threshold (a
@@ -381,7 +381,7 @@ SERVED = {
 # product (its arithmetic is float32 for precision, its operands bf16), the kernel widens in registers.
 # float32: one C call per group instead of a dozen torch ops; on a 2-vCPU AVX2 EPYC with packed base
 # kernels a gated forward measured 1.09-1.11x the base against the torch form's 1.14-1.21x
-# (docs/gated_adapters.md, "Fifth pass"). float64 (the tests' exact models) keeps BLAS's torch form.
+# (docs/lab/gated_adapters_passes.md, "Fifth pass"). float64 (the tests' exact models) keeps BLAS's torch form.
 AUTO_DTYPES = (torch.bfloat16, torch.float32)
 
 _LIBRARY: ctypes.CDLL | None = None
@@ -611,7 +611,7 @@ class GroupPlan:
     replaced (``register_buffer``, which ``module.mars_lora_BT = t`` runs) or moved (``model.to``/``share_memory``/
     ``half``: ``nn.Module._apply``, which may move storage without replacing the tensor). Checking the matrices
     per call instead (identity, then also address and version) cost 0.3-1 ms of a 31 ms bf16 forward: the layers'
-    buffers and the tensors' metadata are cold by then (docs/gated_adapters.md, "Sixth pass" and "Seventh pass").
+    buffers and the tensors' metadata are cold by then (docs/lab/gated_adapters_passes.md, "Sixth pass" and "Seventh pass").
     ``held`` keeps the matrices alive while the C struct points at them."""
 
     __slots__ = ("function", "call", "address", "held", "index")
