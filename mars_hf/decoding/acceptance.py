@@ -14,7 +14,6 @@ Two acceptance families:
 ``ScoreProcessing`` applies the logits processors to predictions whose provisional prefixes differ;
 ``ThresholdRule``, ``Verification`` and ``DraftProposal`` apply the rules to the rows of one step
 (``StepLogits``: the forward's logits, the stops and the score records they share).
-This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,6 @@ confidence that τ is compared with, and to verify's proposal floor; ``entropy``
 left as they are. A checkpoint without a calibration decodes exactly as before. The maps are fitted
 on greedy (argmax) predictions in float32; sampled decoding maps the sampled token's probability the
 same way, an approximation.
-
-This file depends on the standard library only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

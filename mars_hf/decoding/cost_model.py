@@ -24,8 +24,6 @@ so the decoder asks this module, which measures the curve where decoding runs:
   one-column forwards (never the probe's), for the rest of the process; and when the planner has run only
   wider steps for a while, a plain step times that one column (:func:`unit_due`). Given and flat curves
   are the user's choice: never corrected.
-
-This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

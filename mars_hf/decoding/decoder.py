@@ -11,8 +11,6 @@ The loop is thin; the parts it drives live apart:
 ``mars_generate`` (in ``generation``) drives it for ``model.generate``; a server drives it directly
 (``add_row`` / ``step`` / ``drop_row``). Live rows occupy KV slots ``0 … n-1``: a row that leaves is
 replaced by the last one (one row copy), so memory is bounded by ``max_rows`` and reused.
-
-This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ curve: prompt lookup's continuation (``pick_lookup``), a draft model's continuat
 observed acceptance and the masks' calibrated confidences. Whatever is chosen, the output is the same:
 a draft is kept only where it is the model's own choice (its argmax, or a sampled row's keyed draw,
 ``sampling.py``). ``StepFeed`` then plans the masks around the chosen drafts.
-
-This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

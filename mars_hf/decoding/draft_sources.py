@@ -6,8 +6,6 @@ transformers' meaning (``prompt_lookup_num_tokens`` / ``max_matching_ngram_size`
 ``PromptLookupCandidateGenerator``): the continuation of the first earlier occurrence of the row's
 last n-gram (n from the largest down to 1), cut before an EOS. It is deterministic; a sampled row keeps
 a lookup draft where it equals the row's keyed draw there (``sampling.py``).
-
-This file depends on the standard library only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

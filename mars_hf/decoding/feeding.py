@@ -5,8 +5,6 @@
 by a draft model, whichever chain is worth more), how many masks in which layout (fixed, or chosen by
 ``planner.choose`` from the measured ``cost_model`` curve), and pads the step to the cheapest measured
 width. ``StepFeed.learn`` then updates each row's acceptance statistics from what it kept.
-
-This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

@@ -8,16 +8,17 @@ Three ways in, one decoder (``decoder.MARSBatchDecoder``):
   ``tokenizer`` (and cannot be asked whether they were given): on a model without ``enable_mars``, pass
   ``mars_streamer=`` and ``mars_assistant_model=``, and stop strings as a ``StopStringCriteria`` in
   ``stopping_criteria``.
-- ``enable_mars(model)`` (or a class that mixes in ``MARSGenerationMixin``): afterwards
+- ``AutoMARSModelForCausalLM`` (a class that mixes in ``MARSGenerationMixin``: ``mars_class``), or
+  ``enable_mars(model)`` on a model you already hold: afterwards
   ``model.generate(**inputs, mars_threshold=0.9)`` or ``mars_acceptance="verify"`` routes to MARS;
   without them it is stock ``generate``. The settings may also come from a ``GenerationConfig``
   (``GenerationConfig(mars_threshold=0.9)``, the model's ``generation_config``); keywords win.
-- the module-level ``generate(model, ...)``: the *string* form of ``custom_generate`` (this file
-  ships verbatim as a checkpoint's ``custom_generate/generate.py``), which receives raw arguments.
+- the module-level ``generate(model, ...)``: the raw ``generate`` arguments, routed to MARS or stock
+  (a checkpoint's ``custom_generate/`` is a separate, slim copy: ``mars_hf/hub/custom_generate_src``).
 
 The settings are resolved and checked once (``settings.MARSDecodingSettings``); ``mars_generate``
 then sets the decoder up, runs its steps and assembles transformers' output.
-This module imports only torch, transformers and its sibling modules (shipped beside it).
+This module imports only torch, transformers and its sibling modules.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ A row feeds, after the entries it already holds in the cache:
   tokens could stand in for ``drafts`` unchanged).
 
 ``plan_row`` says which columns hold what; ``pack`` stacks the rows of a step into model inputs.
-This file depends on torch only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

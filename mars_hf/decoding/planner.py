@@ -34,8 +34,6 @@ its forward).
 Under all of this sits the batch's floor, plain one-column steps (:class:`DraftingFloor`): the tokens
 and measured costs its drafting steps actually gave, pooled over the rows; where they do not beat
 plain steps the planner feeds plain steps only, exploring again at spaced, bounded intervals.
-
-This file depends on the standard library only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """One row of a MARS batch: how it decodes (``RowSettings``), what it gained in a step (``RowUpdate``)
 and its state between steps (``RowState``: tokens, cache commit point, drafts in hand, statistics).
-
-This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

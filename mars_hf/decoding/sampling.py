@@ -13,8 +13,6 @@ timing, the kernels or the batch companions. It also makes verification of a sam
 match, as in greedy: a draft is kept iff it equals the draw at its position, so ``τ = 1`` sampling and
 verify sampling give the same text for the same seed. (docs/verified_decoding.md, "Seeds and
 reproducibility".)
-
-This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations

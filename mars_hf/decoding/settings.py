@@ -6,8 +6,6 @@ reads them in that order, checks each once (errors name the keyword and the fix)
 object that the decoding loop reads from. ``check_generation_config`` checks what a ``GenerationConfig``
 sets before any decoding is chosen, so a misspelt or out-of-range ``mars_*`` setting never decodes
 stock in silence.
-
-This file depends on torch and transformers only (it ships in a checkpoint's ``custom_generate/``).
 """
 
 from __future__ import annotations
