@@ -102,7 +102,7 @@ def add_mask_token(
     mask_token_id = int(tokenizer.mask_token_id)
     if mask_token_id >= rows:
         raise ValueError(f"mask token id {mask_token_id} does not fit the {rows}-row embedding matrix.")
-    _fill_rows_with_mean(model, [mask_token_id])
+    fill_rows_with_mean(model, [mask_token_id])
     return mask_token_id
 
 
@@ -152,7 +152,7 @@ def _append(model, tokenizer, old_rows: int) -> int:
 
 
 @torch.no_grad()
-def _fill_rows_with_mean(model, ids: list[int]) -> None:
+def fill_rows_with_mean(model, ids: list[int]) -> None:
     """Set rows ``ids`` of the input (and untied output) embeddings to the mean of the other rows."""
     matrices = [model.get_input_embeddings().weight]
     output = model.get_output_embeddings()

@@ -19,7 +19,7 @@ import torch
 from mars_hf.decoding.gated_lora import grow_embeddings
 from mars_hf.decoding.generation import enable_mars
 from mars_hf.decoding.settings import model_defaults
-from mars_hf.models.mask_token import set_mars_config
+from mars_hf.models.mask_token import fill_rows_with_mean, set_mars_config
 
 logger = logging.getLogger(__name__)
 
@@ -51,28 +51,11 @@ def with_untrained_mask(base_model, trained_model):
     if mask_token_id >= rows:
         grow_embeddings(base_model, mask_token_id + 1)  # new rows: the mean of the base's rows
     else:
-        _mean_row(base_model, mask_token_id)
+        fill_rows_with_mean(base_model, [mask_token_id])
     set_mars_config(base_model, block_size=window, mask_token_id=mask_token_id, base_vocab_size=rows)
     base_model.generation_config = copy.deepcopy(trained_model.generation_config)
     base_model.eval()
     return enable_mars(base_model)
-
-
-def _mean_row(model, row: int) -> None:
-    """Row ``row`` of the input (and untied output) embeddings set to the mean of the other rows."""
-    matrices = [model.get_input_embeddings().weight]
-    output = model.get_output_embeddings()
-    if output is not None and output.weight.data_ptr() != matrices[0].data_ptr():
-        matrices.append(output.weight)
-    for weight in matrices:
-        keep = torch.ones(weight.shape[0], dtype=torch.bool, device=weight.device)
-        keep[row] = False
-        weight[row] = weight[keep].mean(dim=0)
-    bias = getattr(output, "bias", None) if output is not None else None
-    if bias is not None:
-        keep = torch.ones(bias.shape[0], dtype=torch.bool, device=bias.device)
-        keep[row] = False
-        bias[row] = bias[keep].mean()
 
 
 def load_untrained_mask_model(trained_model, base: str):
