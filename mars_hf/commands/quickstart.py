@@ -6,14 +6,15 @@ import argparse
 import dataclasses
 import logging
 
-from mars_hf.commands.comma_lists import floats
+from mars_hf.commands.comma_lists import floats, words
 from mars_hf.tools.quickstart.config import QuickstartConfig, config_from_args
 
 HELP = (
     "Offline MARS demo on the embedded SmolLM2-135M-Instruct: first the MARS model shipped in mars_hf "
     "(embedded-mars) at batch 1 and 4, then self-distil, train within a time budget, evaluate tokens/forward, "
-    "speed and agreement at several τ, and print both models' rows in one table; saves results.json, a Pareto "
-    "plot and the Hub-ready checkpoint (about 30 min on 2 CPU cores)."
+    "speed and agreement at several τ, and print both models' rows in one table; then a short benchmark of the "
+    "trained model on MT-Bench and HumanEval prompts, per category; saves results.json, a Pareto plot and the "
+    "Hub-ready checkpoint (about 30 min on 2 CPU cores)."
 )
 
 
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option("reference_minutes", type=float)
     option("eval_minutes", type=float)
     option("shipped_eval_minutes", type=float)
+    option("bench_minutes", type=float)
+    option("bench_per_category", type=int)
     option("max_steps", type=int)
     option("num_train_prompts", type=int)
     option("num_eval_prompts", type=int)
@@ -97,6 +100,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="Do not evaluate the shipped MARS model (embedded-mars) first.",
+    )
+    parser.add_argument(
+        "--bench-datasets",
+        dest="bench_datasets",
+        type=words,
+        default=None,
+        help=f"{help_of['bench_datasets']} Comma-separated (default: {','.join(defaults.bench_datasets)}).",
+    )
+    parser.add_argument(
+        "--skip-bench",
+        dest="skip_bench",
+        action="store_true",
+        default=None,
+        help=help_of["skip_bench"],
     )
     parser.add_argument("--no-save", dest="save_checkpoint", action="store_false", default=None)
     parser.add_argument(

@@ -33,6 +33,7 @@ from mars_hf.tools.bench.configurations import SCHEMES, BenchConfiguration, buil
 from mars_hf.tools.bench.denominators import add_denominators
 from mars_hf.tools.bench.eval_sets import (
     EVAL_SETS,
+    dataset_prompts,
     evaluation_prompts,
     exclude_evaluation_rows,
     load_eval_set,
@@ -72,6 +73,7 @@ __all__ = [
     "add_denominators",
     "build_configurations",
     "count_generated_tokens",
+    "dataset_prompts",
     "evaluation_prompts",
     "exclude_evaluation_rows",
     "format_table",

@@ -111,8 +111,33 @@ def load_eval_set(name: str) -> tuple[EvalPrompt, ...]:
     if name == "humaneval":
         return humaneval_prompts()
     if not os.path.isfile(name):
-        raise FileNotFoundError(f"--dataset {name!r} is neither one of {list(EVAL_SETS)} nor a JSONL file.")
+        raise FileNotFoundError(f"Dataset {name!r} is neither one of {list(EVAL_SETS)} nor a JSONL file.")
     return jsonl_prompts(name)
+
+
+def dataset_prompts(
+    datasets, per_category: int | None, *, qualify: str = "several"
+) -> tuple[list[str], list[str]]:
+    """``(messages, categories)``: the first ``per_category`` prompts of each category (`first_per_category`)
+    of each of ``datasets`` (`load_eval_set` names), in order.
+
+    Categories are named ``set/category`` where ``qualify`` says: ``"several"`` where several sets are given
+    (`mars-hf bench --dataset`), ``"clashing"`` only where two sets share a category name (so that they stay
+    apart; the quickstart's short benchmark, whose MT-Bench and HumanEval categories never clash).
+    """
+    if qualify not in ("several", "clashing"):
+        raise ValueError(f"qualify must be 'several' or 'clashing', got {qualify!r}.")
+    chosen = [(name, first_per_category(load_eval_set(name), per_category)) for name in datasets]
+    if qualify == "several":
+        prefixed = len(chosen) > 1
+    else:
+        names = [{p.category for p in prompts} for _, prompts in chosen]
+        prefixed = sum(len(n) for n in names) != len(set().union(*names))
+    messages, categories = [], []
+    for name, prompts in chosen:
+        messages += [p.message for p in prompts]
+        categories += [f"{name}/{p.category}" if prefixed else p.category for p in prompts]
+    return messages, categories
 
 
 def first_per_category(prompts, count: int | None) -> list[EvalPrompt]:

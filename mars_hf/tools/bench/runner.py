@@ -55,7 +55,12 @@ class BenchArguments:
     max_new_tokens: int = field(default=64, metadata={"help": "New tokens per row (greedy)."})
     repeats: int = field(default=3, metadata={"help": "Timed repeats per configuration (median)."})
     warmup: int = field(default=1, metadata={"help": "Untimed runs per configuration first."})
-    cost_repeats: int = field(default=9, metadata={"help": "Repeats of each forward of the cost model."})
+    cost_repeats: int = field(
+        default=9,
+        metadata={
+            "help": "Repeats of each forward of the cost model (0: no cost model, no predicted speed-ups)."
+        },
+    )
     cpu_kernels: list[str] = field(
         default_factory=lambda: ["auto"],
         metadata={"help": "mars_cpu_kernels modes: every MARS row runs once per mode (auto, packed, stock)."},
@@ -156,8 +161,9 @@ def run_benchmark(
             rows = summarise_measurements(batch_size, batches, measurements, model_name)
             label_rows(model, rows, args.acceptance)
             add_divergences(rows, measurements, batches, divergence_reference or (lambda: model))
-            trained = [row for row in rows if row["masks"] == "trained"]
-            result["costs"][str(batch_size)] = add_cost_model(model, batches[0], trained, args)
+            if args.cost_repeats > 0:
+                trained = [row for row in rows if row["masks"] == "trained"]
+                result["costs"][str(batch_size)] = add_cost_model(model, batches[0], trained, args)
             add_denominators(rows)
             result["rows"].extend(rows)
             if categories is not None:

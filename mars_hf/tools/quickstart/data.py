@@ -66,6 +66,28 @@ def _cache_key(kind: str, model_path: str, prompts: list[str], **settings) -> st
     return f"{kind}-{hashlib.sha1(payload.encode()).hexdigest()[:16]}"
 
 
+def training_prompts_without_benchmarks(count: int, seed: int) -> tuple[list[str], int]:
+    """``(prompts, how many were left out)``: the quickstart's training prompts (`training_prompts`) less any
+    that holds a benchmark's prompt (`exclude_evaluation_rows`: MT-Bench's first turns, HumanEval, `mars-hf
+    bench`'s own sets), so that the short benchmark never decodes what this run trained on. A benchmark whose
+    package is missing is named in a warning (its prompts could not be checked)."""
+    from mars_hf.tools.bench.eval_sets import available_evaluation_prompts, exclude_evaluation_rows
+    from mars_hf.training.prompts import training_prompts
+
+    prompts = training_prompts(count, seed=seed)
+    evaluation, missing = available_evaluation_prompts()
+    for reason in missing:
+        logger.warning("Training prompts not checked against a benchmark's prompts: %s", reason)
+    kept = exclude_evaluation_rows(list(prompts), evaluation)
+    if len(kept) < len(prompts):
+        logger.warning(
+            "%d of %d training prompts hold a benchmark's prompt and are left out.",
+            len(prompts) - len(kept),
+            len(prompts),
+        )
+    return kept, len(prompts) - len(kept)
+
+
 def cached_self_distill(model, tokenizer, prompts, *, model_path, config: QuickstartConfig):
     """:func:`self_distill` with an on-disk cache keyed by the model, the prompts and the settings."""
     from datasets import load_from_disk

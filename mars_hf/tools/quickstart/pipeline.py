@@ -15,7 +15,9 @@ SmolLM2-135M-Instruct by default:
    machine (or for exactly ``max_steps`` steps with the usual step-based schedule);
 5. evaluation on the held-out prompts in float32, at batch 1 (stock ``generate``, MARS at each τ and
    verify, interleaved per prompt) and then at batch 4 like the shipped model: tokens per forward,
-   wall-clock and token agreement with the base model;
+   wall-clock and token agreement with the base model; then a short benchmark of the same model on
+   prompts users know (one MT-Bench first turn per category, one HumanEval problem), per category
+   (:mod:`mars_hf.tools.quickstart.known_prompts`; the training prompts never hold one);
 6. ``results.json``, ``pareto.png`` (tokens per forward against agreement, one point per τ, the shipped
    model's curve next to this run's), one table on the terminal with both models' rows (what the
    quickstart's minutes bought next to what the long run bought), and the trained model as a Hub-ready folder (:func:`mars_hf.hub.save_pretrained`).
@@ -37,8 +39,9 @@ and reference, cached), :mod:`mars_hf.tools.quickstart.train` (training within a
 :mod:`mars_hf.tools.quickstart.evaluate` (decoding rows, table, plot).
 
 Default time split (≤ 30 min on 2 CPU cores in all, install included): shipped model 3 min,
-self-distillation 4, reference answers 1, training 12, evaluation of the trained model 4, plus loading
-and saving. Every budget holds on a slow machine too (:mod:`mars_hf.tools.quickstart.budget`).
+self-distillation 4, reference answers 1, training 12, evaluation of the trained model 4, the short
+benchmark on prompts users know 2, plus loading and saving. Every budget holds on a slow machine too
+(:mod:`mars_hf.tools.quickstart.budget`).
 """
 
 from __future__ import annotations
@@ -61,7 +64,11 @@ from mars_hf.models.embedded_model import resolve_model_path
 from mars_hf.models.precision import matmul_rate as _matmul_rate
 from mars_hf.tools.divergence import narrower_than_float32
 from mars_hf.tools.quickstart.config import QuickstartConfig
-from mars_hf.tools.quickstart.data import budgeted_self_distill, cached_reference
+from mars_hf.tools.quickstart.data import (
+    budgeted_self_distill,
+    cached_reference,
+    training_prompts_without_benchmarks,
+)
 from mars_hf.tools.quickstart.evaluate import (
     OWN_SECTION,
     SHIPPED_SECTION,
@@ -74,10 +81,11 @@ from mars_hf.tools.quickstart.evaluate import (
     results_table,
     summarize_against,
 )
+from mars_hf.tools.quickstart.known_prompts import bench_prompts, bench_table, short_benchmark
 from mars_hf.tools.quickstart.train import resolved, train_mars
 from mars_hf.training.calibration_fit import attach_calibration, held_out_split
 from mars_hf.training.data import chat_prompt_ids
-from mars_hf.training.prompts import held_out_prompts, training_prompts
+from mars_hf.training.prompts import held_out_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -319,6 +327,7 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     model and its self-distilled answers, training, evaluation of the trained model, the report.
     """
     config = resolved(config)
+    known = bench_prompts(config)  # a missing benchmark package fails here, before any minute is spent
     timings: dict[str, float] = {}
     total_start = time.monotonic()
     machine = choose_precision_and_threads(config)
@@ -341,9 +350,19 @@ def run_quickstart(config: QuickstartConfig) -> dict:
     _save_before_evaluation(trained, base.tokenizer, config, training, timings)
     recheck_threads(machine, "evaluation")
     with _timed(timings, "evaluate"):
-        own = _evaluate_own(config, base, data, trained)
+        evaluated = _evaluation_model(config, base, trained)
+        own = _evaluate_own(config, base, data, evaluated)
+    bench = None
+    if known is not None:
+        # What was measured so far is on disk before the benchmark runs: a failing benchmark loses none of it.
+        timings["total"] = time.monotonic() - total_start
+        partial = _results(config, machine, base, data, training, own, shipped, None, timings)
+        (output_dir / "results.json").write_text(json.dumps(partial, indent=2))
+        with _timed(timings, "bench"):
+            bench = short_benchmark(evaluated, base.tokenizer, *known, config)
+    del evaluated
     timings["total"] = time.monotonic() - total_start
-    results = _results(config, machine, base, data, training, own, shipped, timings)
+    results = _results(config, machine, base, data, training, own, shipped, bench, timings)
     _write_report(results, trained, base.tokenizer, config, timings, total_start)
     return results
 
@@ -362,6 +381,7 @@ class _BaseAnswers:
     """The prompts, the base model's self-distilled training answers and its held-out reference answers."""
 
     train_prompts: list
+    train_prompts_excluded: int  # training prompts left out because they hold a benchmark's prompt
     eval_prompts: list
     eval_ids: list
     dataset: object
@@ -394,7 +414,7 @@ def _load_base(config: QuickstartConfig) -> _Base:
 
 def _base_answers(config: QuickstartConfig, base: _Base, timings: dict) -> _BaseAnswers:
     """Self-distilled training answers and the held-out reference (both cached on disk)."""
-    train_prompts = training_prompts(config.num_train_prompts, seed=config.seed)
+    train_prompts, excluded = training_prompts_without_benchmarks(config.num_train_prompts, seed=config.seed)
     eval_prompts = held_out_prompts(config.num_eval_prompts, seed=config.seed)
     eval_ids = [chat_prompt_ids(base.tokenizer, prompt) for prompt in eval_prompts]
     with _timed(timings, "self_distill"):
@@ -408,6 +428,7 @@ def _base_answers(config: QuickstartConfig, base: _Base, timings: dict) -> _Base
     evaluable = len(reference)  # a budget may have answered only the first prompts
     return _BaseAnswers(
         train_prompts,
+        excluded,
         eval_prompts[:evaluable],
         eval_ids[:evaluable],
         dataset,
@@ -445,13 +466,19 @@ class _OwnEvaluation:
     length: int
 
 
-def _evaluate_own(config: QuickstartConfig, base: _Base, data: _BaseAnswers, trained) -> _OwnEvaluation:
-    """The trained model at batch 1 and 4 against the base model's float32 reference answers."""
+def _evaluation_model(config: QuickstartConfig, base: _Base, trained):
+    """The trained model as a user decodes with it: with ``gated_lora``, the saved adapter on the base model,
+    gated by forward hooks (as custom_generate/ and hub.load apply it; PEFT's wrapper decodes several times
+    slower); else the trained model itself."""
     if config.method == "gated_lora":
-        # Evaluate what ships: the saved adapter on the base model, gated by forward hooks (as
-        # custom_generate/ and hub.load apply it); PEFT's wrapper decodes several times slower.
-        trained = _reload_gated(trained, base.tokenizer, base.path)
-    batch1, batch4, length = evaluate(trained, base.tokenizer, data.eval_ids, config)
+        return _reload_gated(trained, base.tokenizer, base.path)
+    return trained
+
+
+def _evaluate_own(config: QuickstartConfig, base: _Base, data: _BaseAnswers, model) -> _OwnEvaluation:
+    """The trained model (:func:`_evaluation_model`) at batch 1 and 4 against the base model's float32
+    reference answers."""
+    batch1, batch4, length = evaluate(model, base.tokenizer, data.eval_ids, config)
     # A budget may have cut the answers: the first `length` tokens of a greedy answer are the greedy
     # answer of that length, so the references are cut alike.
     references = [answer[:length] for answer in data.reference]
@@ -465,9 +492,10 @@ def _evaluate_own(config: QuickstartConfig, base: _Base, data: _BaseAnswers, tra
 
 
 def _results(
-    config, machine, base: _Base, data: _BaseAnswers, training, own: _OwnEvaluation, shipped, timings
+    config, machine, base: _Base, data: _BaseAnswers, training, own: _OwnEvaluation, shipped, bench, timings
 ) -> dict:
-    """Everything measured, JSON-able: settings, machine, data, training, evaluation, samples."""
+    """Everything measured, JSON-able: settings, machine, data, training, evaluation, the short benchmark on
+    prompts users know (None where it was skipped), samples."""
     evaluated = decoded_prompts(own.runs)
     dataset = data.dataset
     return {
@@ -478,7 +506,8 @@ def _results(
         "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads(), **machine},
         "data": {
             "train_prompts": len(dataset),
-            "train_prompts_requested": len(data.train_prompts),
+            "train_prompts_requested": len(data.train_prompts) + data.train_prompts_excluded,
+            "train_prompts_holding_a_benchmark_prompt": data.train_prompts_excluded,
             "train_tokens": int(sum(sum(1 for t in labels if t != -100) for labels in dataset["labels"])),
             "ended_with_eos": int(sum(dataset["ends_with_eos"])),
             "eval_prompts": evaluated,
@@ -491,6 +520,7 @@ def _results(
         "evaluation": own.rows,
         "evaluation_batch4": own.batch4_rows,
         "shipped": shipped,
+        "bench": bench,
         "timings_seconds": timings,
         "checkpoint": str(Path(config.output_dir) / "checkpoint") if config.save_checkpoint else None,
         "samples": _samples(base.tokenizer, data, own.runs, evaluated),
@@ -572,11 +602,10 @@ def summary(results: dict) -> str:
         "difference; batch 4 tokens/forward: tokens / (4 × batch forwards), so rows that end early "
         "lower stock too; vs stock: speed against stock generate at the same batch."
     )
-    lines = [
-        *header,
-        "",
-        results_table(results),
-        "",
+    lines = [*header, "", results_table(results), ""]
+    if results.get("bench"):
+        lines += [bench_table(results["bench"], results.get("checkpoint")), ""]
+    lines += [
         f"training: {training['steps']} steps ({training['epochs']:.2f} epochs of {results['data']['train_prompts']} "
         f"self-distilled answers) in {training['seconds'] / 60:.1f} min; "
         f"total {timings['total'] / 60:.1f} min ("
