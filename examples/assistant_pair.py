@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' tiny models and tokenizer
 
-from mars_hf.decoding.draft_choice import DraftChooser  # noqa: E402
+from mars_hf.decoding.drafts import DraftChooser  # noqa: E402
 from tests.test_generation import peaked_model  # noqa: E402
 from tests.tiny import tiny_tokenizer  # noqa: E402
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     tokenizer = tiny_tokenizer()
     model, assistant = peaked_model(args.target), peaked_model(args.assistant)
     target_forwards, draft_forwards = Counter(model), Counter(assistant)
-    never_chain = staticmethod(lambda row, room: 0)
+    never_chain = staticmethod(lambda held, eos, room: 0)
 
     def either_or(encoded, layout):
         original = DraftChooser.__dict__["chainable"]

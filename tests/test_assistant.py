@@ -18,8 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mars_hf.decoding.draft_choice import DraftChooser
-from mars_hf.decoding.draft_sources import ASSISTANT, CHAINED, MASKS
+from mars_hf.decoding.drafts import ASSISTANT, CHAINED, MASKS, DraftChooser
 from tests.reference_decoder import reference_assisted_generate
 from tests.test_generation import peaked_model
 from tests.test_prompt_lookup import REPEATING, _assert_same_token_distribution, _sampling_rows
@@ -98,25 +97,29 @@ def test_stops_and_lengths_inside_chained_drafts(tok, padded):
 
 
 class _Spy:
-    """Records every proposal the draft model makes (context, chained head, its tokens) and what the
-    row then holds; counts the draft-model parts of chains that verification kept."""
+    """Records every proposal of the draft model a row takes (its context, chained head, the draft model's
+    tokens, the source and the whole chain); counts the draft-model parts of chains that verification kept."""
 
     def __init__(self, monkeypatch):
         self.offers, self.kept_after_masks = [], 0
-        offer, outcome = DraftChooser.offer_assistant_drafts, DraftChooser.source_outcome
+        offer, outcome = DraftChooser.with_assistant, DraftChooser.source_outcome
 
-        def spy_offer(feed, row, head, drafts, table):
-            context = row.tokens + row.drafts[:head]
-            offer(feed, row, head, drafts, table)
-            self.offers.append((context, head, list(drafts), row.draft_source, list(row.drafts)))
+        def spy_offer(chooser, rows, held, stats, deciding):
+            offers = offer(chooser, rows, held, stats, deciding)
+            for row, before, taken in zip(rows, held, offers):
+                if taken is not before and taken.source in (ASSISTANT, CHAINED):
+                    head = len(taken.confidence) if taken.source == CHAINED else 0
+                    context = row.tokens + list(before.tokens[:head])
+                    self.offers.append((context, head, list(taken.tokens[head:]), taken.source, list(taken.tokens)))
+            return offers
 
-        def spy_outcome(source, checked, kept, fed_confidence):
-            result = outcome(source, checked, kept, fed_confidence)
-            if source == CHAINED:
+        def spy_outcome(drafts, kept):
+            result = outcome(drafts, kept)
+            if drafts.source == CHAINED:
                 self.kept_after_masks += result[1]
             return result
 
-        monkeypatch.setattr(DraftChooser, "offer_assistant_drafts", spy_offer)
+        monkeypatch.setattr(DraftChooser, "with_assistant", spy_offer)
         monkeypatch.setattr(DraftChooser, "source_outcome", staticmethod(spy_outcome))
 
 
@@ -145,7 +148,7 @@ def test_the_chain_counts_fail_when_no_chain_is_offered(monkeypatch, padded):
     """The mutant that never chains (the draft model always reads the row's tokens alone, today's
     either/or) gives the same output with no chained drafts: the counts above would fail on it."""
     model, assistant = peaked_model("llama"), peaked_model("qwen3")
-    monkeypatch.setattr(DraftChooser, "chainable", staticmethod(lambda row, room: 0))
+    monkeypatch.setattr(DraftChooser, "chainable", staticmethod(lambda held, eos, room: 0))
     out = _assisted(model, assistant, padded, max_new_tokens=24)
     assert torch.equal(out.sequences, model.generate(**padded, max_new_tokens=24, do_sample=False))
     assert out.drafts_by_source[CHAINED] == {"proposed": 0, "accepted": 0}
@@ -167,7 +170,7 @@ def test_chains_cost_no_more_target_forwards_than_either_alone(tok):
         out = _assisted(model, assistant, encoded, max_new_tokens=32)
         assert torch.equal(out.sequences, stock)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(DraftChooser, "chainable", staticmethod(lambda row, room: 0))
+            patch.setattr(DraftChooser, "chainable", staticmethod(lambda held, eos, room: 0))
             either = _assisted(model, assistant, encoded, max_new_tokens=32)
         assert torch.equal(either.sequences, stock)
         forwards["chained"] += out.num_forwards

@@ -355,6 +355,7 @@ def test_calibrate_command_writes_the_record_and_loading_applies_it(tmp_path):
     from mars_hf import AutoMARSModelForCausalLM
     from mars_hf.cli import main
     from mars_hf.decoding.decoder import MARSBatchDecoder
+    from mars_hf.decoding.settings import MARSDecodingSettings
 
     tokenizer = tiny_tokenizer()
     model = _peaked(tiny_model("llama", seed=1, tokenizer=tokenizer, vocab_size=len(tokenizer)))
@@ -375,7 +376,7 @@ def test_calibrate_command_writes_the_record_and_loading_applies_it(tmp_path):
     assert len(record["offsets"]) == WINDOW and "reliability" in record
     loaded = AutoMARSModelForCausalLM.from_pretrained(str(folder))
     decoder = MARSBatchDecoder(
-        loaded, max_rows=1, max_length=32, window=WINDOW, mask_token_id=mask, pad_token_id=2
+        loaded, MARSDecodingSettings(window=WINDOW, mask_token_id=mask), max_rows=1, max_length=32, pad_token_id=2
     )
     assert decoder.calibration is not None and decoder.calibration.num_offsets == WINDOW
 

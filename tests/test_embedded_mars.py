@@ -216,6 +216,7 @@ def test_calibrate_embedded_mars_writes_mars_config_and_decoding_applies_it(ship
     import shutil
 
     from mars_hf.decoding.decoder import MARSBatchDecoder
+    from mars_hf.decoding.settings import MARSDecodingSettings
 
     base_dir, folder, _ = shipped
     copy = tmp_path / "embedded_mars"
@@ -240,5 +241,7 @@ def test_calibrate_embedded_mars_writes_mars_config_and_decoding_applies_it(ship
     model = AutoMARSModelForCausalLM.from_pretrained("embedded-mars", dtype=torch.float64)
     assert model.config.mars["calibration"] == record
     mask = model.config.mars["mask_token_id"]
-    decoder = MARSBatchDecoder(model, max_rows=1, max_length=32, window=4, mask_token_id=mask, pad_token_id=2)
+    decoder = MARSBatchDecoder(
+        model, MARSDecodingSettings(window=4, mask_token_id=mask), max_rows=1, max_length=32, pad_token_id=2
+    )
     assert decoder.calibration is not None

@@ -77,12 +77,10 @@ def decoder_windows(monkeypatch):
     real = generation.MARSBatchDecoder
     windows = []
 
-    def spy(*args, **kwargs):
-        windows.append(kwargs["window"])
-        assert kwargs["window"] <= MAX_NEW, (
-            f"decoder built with W = {kwargs['window']} for {MAX_NEW} new tokens"
-        )
-        return real(*args, **kwargs)
+    def spy(model, settings, **kwargs):
+        windows.append(settings.window)
+        assert settings.window <= MAX_NEW, f"decoder built with W = {settings.window} for {MAX_NEW} new tokens"
+        return real(model, settings, **kwargs)
 
     monkeypatch.setattr(generation, "MARSBatchDecoder", spy)
     return windows
@@ -202,7 +200,7 @@ def test_token_ids_that_are_not_integers_are_refused(model, inputs, dtype):
             _generate(model, bad, **kwargs)
     mask = model.config.mars["mask_token_id"]
     decoder = generation.MARSBatchDecoder(
-        model, max_rows=1, max_length=16, window=4, mask_token_id=mask, pad_token_id=2
+        model, MARSDecodingSettings(window=4, mask_token_id=mask), max_rows=1, max_length=16, pad_token_id=2
     )
     settings = generation.RowSettings(threshold=0.5)
     with pytest.raises(TypeError, match="integer token ids"):

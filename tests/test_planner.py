@@ -25,21 +25,10 @@ from transformers import StoppingCriteriaList
 
 from mars_hf.decoding import cost_model
 from mars_hf.decoding.cost_model import CostTable
-from mars_hf.decoding.feeding import StepFeed
 from mars_hf.decoding.generation import enable_mars
-from mars_hf.decoding.planner import (
-    AUTO,
-    FIXED,
-    PROBE_SHARE,
-    THRESHOLD,
-    AcceptanceStats,
-    DraftingFloor,
-    RowChoice,
-    RowSpec,
-    choose,
-    plan_width,
-    probe_spacing,
-)
+from mars_hf.decoding.planner import AUTO, FIXED, THRESHOLD, RowChoice, RowSpec, StepPlanner, choose, plan_width
+from mars_hf.decoding.settings import MARSDecodingSettings
+from mars_hf.decoding.stats import PROBE_SHARE, AcceptanceStats, DraftingFloor, probe_spacing
 from tests.test_generation import StopOnToken, _batch, peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 
@@ -251,9 +240,9 @@ def test_good_drafts_on_a_curve_where_masks_never_pay_are_probed_ever_more_rarel
     """A model whose drafts are often right, on a curve where a second column costs 2.5x one (no draft
     can pay for it): the re-probes find kept drafts, yet they come at 8, 16, 32, ... plain steps, not
     every 8; the output is stock's."""
-    from mars_hf.decoding import planner
+    from mars_hf.decoding import stats
 
-    monkeypatch.setattr(planner, "PROBE_SHARE", 1e6)  # no stretching: probes every FIRST_PROBE_EVERY
+    monkeypatch.setattr(stats, "PROBE_SHARE", 1e6)  # no stretching: probes every FIRST_PROBE_EVERY
     model = peaked_model("llama")
     encoded = _batch(tok)
     stock = model.generate(**encoded, max_new_tokens=96, do_sample=False)
@@ -301,7 +290,7 @@ BATCH_4_CURVE = {1: 1.0, 2: 1.4, 3: 1.55, 4: 1.7, 5: 1.85, 6: 2.0, 9: 2.4}
 
 
 def _feed(rows, keep, *, steps, window=2, confidence=0.99, told=None, floor=None, seed=0):
-    """``steps`` steps of ``rows`` verify rows, planned as ``StepFeed`` plans them, on the mocked clock of
+    """``steps`` steps of ``rows`` verify rows, planned as ``StepPlanner`` plans them, on the mocked clock of
     ``BATCH_4_CURVE`` (a step costs its width's relative cost; nothing is timed): every mask fed proposes a
     draft of own probability ``confidence``, kept with probability ``keep`` (given the ones before it; a
     function of the step number where the text changes).
@@ -583,9 +572,9 @@ def test_the_probe_is_bounded_cached_and_changes_nothing(tok, monkeypatch):
     decoding never measures. (The correction by observed forwards is off here: it would make the second
     call's plan, and so which batch sizes it needs a curve for, depend on this machine's timings; it has
     its own tests below.)"""
-    from mars_hf.decoding import feeding
+    from mars_hf.decoding import planner
 
-    monkeypatch.setattr(feeding, "observe", lambda model, table, width, seconds, rows=None: table)
+    monkeypatch.setattr(planner, "observe", lambda model, table, width, seconds, rows=None: table)
     model = enable_mars(tiny_model("llama", seed=5))
     encoded = _batch(tok)
     calls = []
@@ -905,9 +894,8 @@ def test_fixed_window_steps_never_start_a_probe_but_pad_to_a_known_curve(tok, mo
 
 
 def _bare_feed(model):
-    """A bare ``StepFeed`` on ``model`` (the planner's curves, nothing fed)."""
-    mars = model.config.mars
-    return StepFeed(model, window=mars["block_size"], mask_token_id=mars["mask_token_id"], pad_token_id=0)
+    """A bare ``StepPlanner`` on ``model`` (the planner's curves, nothing fed)."""
+    return StepPlanner(model, MARSDecodingSettings.for_model(model), pad_token_id=0)
 
 
 def test_candidate_widths_cover_every_feed():
@@ -1032,7 +1020,7 @@ def test_a_huge_window_is_capped_by_max_new_tokens(tok):
 def test_the_decoders_floor_sees_every_step_and_a_closed_floor_decodes_plain(tok, monkeypatch):
     """The floor is wired into decoding: it observes each step's served rows, and while it is closed a verify
     batch runs one-column steps only (still stock greedy's tokens); open, the same model drafts."""
-    from mars_hf.decoding.planner import DraftingFloor
+    from mars_hf.decoding.stats import DraftingFloor
 
     model = peaked_model("llama")
     encoded = _batch(tok)

@@ -18,11 +18,9 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 
 from mars_hf.decoding.acceptance import verify_drafts
 from mars_hf.decoding.cost_model import CostTable
-from mars_hf.decoding.draft_choice import DraftChooser
-from mars_hf.decoding.draft_sources import lookup_drafts
+from mars_hf.decoding.drafts import DraftChooser, lookup_drafts
 from mars_hf.decoding.generation import enable_mars
-from mars_hf.decoding.planner import AcceptanceStats
-from mars_hf.decoding.rows import SourceStats
+from mars_hf.decoding.stats import AcceptanceStats, RowStats, SourceStats
 from mars_hf.decoding.sampling import gumbel_noise
 from tests.test_generation import peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
@@ -477,13 +475,14 @@ def test_a_row_whose_first_lookup_failed_tries_again_after_declined_matches():
     fade, so after about a dozen it is worth trying again (on a curve where 2 columns cost 2.1x one,
     11 columns 2.4x, measured on one AVX2 CPU)."""
     table = CostTable.from_mapping({1: 1.0, 2: 2.14, 9: 2.36})
-    row = SimpleNamespace(tokens=[1] * 20, committed=19, prefilled=True, lead=0, stats=AcceptanceStats(2))
+    row = SimpleNamespace(tokens=[1] * 20, committed=19, prefilled=True, lead=0)
     lookup = SourceStats(10)
-    assert DraftChooser.draft_value(row, lookup.future(), table) > 0  # a first match is tried
+    stats = RowStats(AcceptanceStats(2), lookup)
+    assert DraftChooser.draft_value(row, stats, lookup.future(), table) > 0  # a first match is tried
     lookup.observe(10, 0)  # ... and fails at its first token
-    assert DraftChooser.draft_value(row, lookup.future(), table) == 0.0  # the next matches are declined
+    assert DraftChooser.draft_value(row, stats, lookup.future(), table) == 0.0  # the next matches are declined
     declined = 0
-    while DraftChooser.draft_value(row, lookup.future(), table) == 0.0:
+    while DraftChooser.draft_value(row, stats, lookup.future(), table) == 0.0:
         lookup.forget()
         declined += 1
         assert declined < 30

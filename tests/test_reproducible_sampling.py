@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings
+from mars_hf.decoding.settings import MARSDecodingSettings
 from mars_hf.decoding.sampling import gumbel_noise, position_seed
 from tests.test_generation import PROMPTS, _batch, peaked_model
 from tests.tiny import tiny_tokenizer
@@ -101,7 +102,7 @@ def test_batch_companions_never_change_a_rows_sample(model, tok):
 
     def run(companions, acceptance):
         decoder = MARSBatchDecoder(
-            model, max_rows=4, max_length=64, window=window, mask_token_id=mask, pad_token_id=2
+            model, MARSDecodingSettings(window=window, mask_token_id=mask), max_rows=4, max_length=64, pad_token_id=2
         )
         for prompt in companions:
             decoder.add_row(prompt, RowSettings(threshold=0.5, do_sample=True, max_new_tokens=16))

@@ -188,7 +188,7 @@ def test_the_scheduler_routes_the_decoders_kernels_once_for_its_whole_loop(monke
     step (each step's own block then costs nothing), serves the same tokens as `generate`, and restores the
     model's stock kernels when it stops."""
     from mars_hf.decoding import cpu_kernels
-    from mars_hf.decoding.rows import RowSettings
+    from mars_hf.decoding.decoder import RowSettings
     from mars_hf.serving import TauController
     from mars_hf.serving.engine import DecoderEngine
     from mars_hf.serving.request import GenerationRequest, Tokens
@@ -231,7 +231,7 @@ def test_the_engine_measures_every_batch_size_at_start_and_never_while_serving(m
 
     from mars_hf.decoding import cost_model
     from mars_hf.decoding.cost_model import CostTable
-    from mars_hf.decoding.rows import RowSettings
+    from mars_hf.decoding.decoder import RowSettings
     from mars_hf.serving.engine import DecoderEngine
 
     tok = tiny_tokenizer()

@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (
 )
 
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings
+from mars_hf.decoding.settings import MARSDecodingSettings
 from mars_hf.decoding.generation import enable_mars
 from tests.bare_venv import run_in_bare_venv
 from tests.test_generation import PEAKED_ARCHS, PROMPTS, SCHEMES, Recorder, StopOnToken, _batch, peaked_model
@@ -380,7 +381,7 @@ def test_step_decoder_rows_join_and_leave_between_steps(tok):
     model = peaked_model("llama")
     window, mask = model.config.mars["block_size"], model.config.mars["mask_token_id"]
     decoder = MARSBatchDecoder(
-        model, max_rows=2, max_length=64, window=window, mask_token_id=mask, pad_token_id=2
+        model, MARSDecodingSettings(window=window, mask_token_id=mask), max_rows=2, max_length=64, pad_token_id=2
     )
     prompts = [tok(p).input_ids for p in PROMPTS]
     settings = [
@@ -543,7 +544,7 @@ def test_a_row_seed_makes_its_samples_independent_of_the_batch(tok):
 
     def run(companions, seed):
         decoder = MARSBatchDecoder(
-            model, max_rows=3, max_length=64, window=window, mask_token_id=mask, pad_token_id=2
+            model, MARSDecodingSettings(window=window, mask_token_id=mask), max_rows=3, max_length=64, pad_token_id=2
         )
         row = decoder.add_row(
             prompts[0],

@@ -12,11 +12,14 @@ Two acceptance families:
   own greedy output, or its own sample for the seed.
 
 ``ScoreProcessing`` applies the logits processors to predictions whose provisional prefixes differ;
-``ThresholdRule``, ``Verification`` and ``DraftProposal`` apply the rules to the rows of one step
-(``StepLogits``: the forward's logits, the stops and the score records they share).
+``decide`` applies the rules to the rows of one step (``StepLogits``: the forward's logits, the stops and
+the score records they share) and returns each row's ``Decision``. Nothing here changes a row: the decoder
+applies the decisions.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from transformers.generation.logits_process import (
@@ -181,24 +184,16 @@ def verify_drafts(drafts: list[int], model_tokens: list[int]) -> int:
     return kept
 
 
-def cut_at_floor(tokens: list[int], confidences: list[float], floor: float) -> list[int]:
-    """Drafts proposed: the leading ones whose confidence reaches ``floor``."""
-    kept = 0
-    while kept < len(tokens) and confidences[kept] >= floor:
-        kept += 1
-    return tokens[:kept]
-
-
 # ------------------------------------------------------------------------------------------------
 # Applying the rules to the rows of one step
 # ------------------------------------------------------------------------------------------------
 #
-# A row is the decoder's row state: it exposes ``tokens``, ``committed``, ``drafts``, its settings,
+# A row is the decoder's row state, read only: it exposes ``tokens``, ``committed``, its settings,
 # ``processing`` and ``noise`` (its keyed noise when it samples, ``sampling.RowNoise``; a prediction for
 # the token at position ``len(tokens) + k`` uses the noise of that position); plans come from
 # ``layouts``. Rows that share processors, sampling and metric decide together (one gather, one
-# softmax, one host transfer). Each rule returns
-# ``{row index: (tokens kept, fed tokens now verified, drafts kept, stop reason or None)}``.
+# softmax, one host transfer). Each rule returns ``{row index: Decision}``; the drafts a row fed come
+# from the step's plan (``fed[i]``, a ``drafts.Drafts``).
 
 
 class StepLogits:
@@ -265,210 +260,180 @@ class StepLogits:
             self.score_records.append((row.row_id, row.generated, scores, logits))
 
 
-class ThresholdRule:
-    """Prediction 0 and the masks' predictions; keep while confident (docs/method.md §2).
+class Decision(NamedTuple):
+    """What one row keeps from a step.
 
-    ``anchors``: rows that fed a draft model's drafts (§5 with τ, ``DraftsThenThreshold``) map to
-    ``(kept, token, scores, logits)``: their prediction 0 is the check after the first ``kept`` drafts and
-    is ``token`` (what verification chose there), their masks are the group after that prefix; the
-    kept drafts' checks (``scores``, ``logits``) are recorded before the row's own predictions.
+    ``tokens``: tokens now final; ``verified_fed``: fed tokens whose keys and values are now verified (what a
+    cache scheme may commit); ``drafts_kept``: fed drafts kept; ``reason``: ``"stop"`` or None;
+    ``proposes_after``: verify rows whose kept prefix had a mask group after it, that prefix's length (the
+    group proposes the row's next drafts, ``drafts.MaskDrafts``), else None.
     """
 
-    def __init__(self, step: StepLogits, anchors: dict | None = None):
-        self.step = step
-        self.anchors = anchors or {}
+    tokens: list[int]
+    verified_fed: int
+    drafts_kept: int
+    reason: str | None
+    proposes_after: int | None = None
 
-    def decide(self, rows, plans, members):
-        outcome = {}
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, r.metric)):
-            self._decide_group(rows, plans, group, outcome)
-        return outcome
 
-    def _decide_group(self, rows, plans, group, outcome):
-        kept_of = {i: self.anchors[i][0] if i in self.anchors else 0 for i in group}
-        raw, scores, spans, chosen_all, values = self._predictions(rows, plans, group, kept_of)
+def decide(step: StepLogits, rows, plans, fed, deciding) -> dict[int, Decision]:
+    """Each deciding row's ``Decision`` (``fed[i]``: the ``drafts.Drafts`` row ``i`` fed this step). Verify rows
+    check their drafts (§6); τ rows that fed a draft model's drafts check them, then accept the masks after
+    the kept prefix at τ (§5); other τ rows accept their masks at τ (§2). Nothing here changes a row."""
+    threshold_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify and not fed[i]]
+    drafted_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify and fed[i]]
+    verify_rows = [i for i, r in enumerate(rows) if deciding[i] and r.verify]
+    decisions = {}
+    if threshold_rows:
+        decisions.update(decide_threshold(step, rows, plans, fed, threshold_rows))
+    if drafted_rows:
+        decisions.update(decide_drafts_then_threshold(step, rows, plans, fed, drafted_rows))
+    if verify_rows:
+        decisions.update(decide_verify(step, rows, plans, fed, verify_rows))
+    return decisions
+
+
+def decide_threshold(step: StepLogits, rows, plans, fed, members, anchors: dict | None = None) -> dict[int, Decision]:
+    """Prediction 0 and the masks' predictions; keep while confident (docs/method.md §2).
+
+    ``anchors``: rows that fed a draft model's drafts (§5 with τ) map to ``(kept, token, scores, logits)``:
+    their prediction 0 is the check after the first ``kept`` drafts and is ``token`` (what verification chose
+    there), their masks are the group after that prefix; the kept drafts' checks (``scores``, ``logits``)
+    are recorded before the row's own predictions.
+    """
+    anchors = anchors or {}
+    decisions = {}
+    for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, r.metric)):
+        kept_of = {i: anchors[i][0] if i in anchors else 0 for i in group}
+        raw, scores, spans, chosen_all, values = _threshold_predictions(step, rows, plans, group, kept_of, anchors)
         metric = rows[group[0]].metric
         for i, (start, count) in zip(group, spans):
             row, kept = rows[i], kept_of[i]
             chosen = [int(t) for t in chosen_all[start : start + count]]
             passed = [passes(v, row.tau, metric) for v in values[start : start + count]]
             n = threshold_count(passed, min(count, row.settings.max_new_tokens - row.generated - kept))
-            final, reason = self.step.stops(row, row.drafts[:kept] + chosen[:n])
+            final, reason = step.stops(row, list(fed[i].tokens[:kept]) + chosen[:n])
             own_scores, own_raw = scores[start : start + count], raw[start : start + count]
             if kept:  # the kept drafts' checks come first
-                own_scores = torch.cat([self.anchors[i][2][:kept], own_scores])
-                own_raw = torch.cat([self.anchors[i][3][:kept], own_raw])
-            self.step.record(row, own_scores[: len(final)], own_raw[: len(final)])
-            outcome[i] = (final, len(row.tokens) - row.committed + min(kept, len(final)), min(kept, len(final)), reason)
-
-    def _predictions(self, rows, plans, group, kept_of):
-        """Each row's prediction 0 and its masks' predictions, chosen (an anchored row's prediction 0 is
-        forced to verification's token), with their confidences (calibrated where the model has a
-        calibration): ``(logits, scores, spans, tokens, confidences)``, the last two as host lists."""
-        first = rows[group[0]]
-        processing, metric = first.processing, first.metric
-
-        def columns(i):
-            plan, kept = plans[i], kept_of[i]
-            return plan.check_columns[kept : kept + 1] + (plan.group_columns.get(kept, []) if rows[i].window else [])
-
-        raw, spans = self.step.gather_spans(group, columns)
-        forced = {start: self.anchors[i][1] for i, (start, _) in zip(group, spans) if i in self.anchors}
-        if processing.position_free:
-            scores = processing.free(raw)
-            places = [p for i, (_, count) in zip(group, spans) for p in _places(rows[i], kept_of[i], count)]
-            tokens = choose(scores, places if first.noise is not None else None)
-            for start, token in forced.items():
-                tokens[start] = token
-        else:
-            scores, tokens = self._choose_in_order(rows, group, spans, raw, processing, kept_of, forced)
-        # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
-        chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
-        if self.step.calibration is not None and metric == "probability":
-            for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
-                self.step.calibration.apply_span(values, start + 1, count - 1, first_offset=1)
-        return raw, scores, spans, chosen_all, values
-
-    def _choose_in_order(self, rows, group, spans, raw, processing, kept_of, forced):
-        """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1`` (after the
-        row's kept drafts)."""
-        scores = torch.empty_like(raw)
-        tokens = torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
-        for j in range(max(count for _, count in spans)):
-            active = [(i, start + j) for i, (start, count) in zip(group, spans) if j < count]
-            flat = [k for _, k in active]
-            picked = processing.at_prefixes(
-                raw[flat],
-                [rows[i].batch_index for i, _ in active],
-                [rows[i].column + kept_of[i] + j for i, _ in active],
-            )
-            sampled = rows[group[0]].noise is not None
-            places = [_places(rows[i], kept_of[i] + j, 1)[0] for i, _ in active] if sampled else None
-            chosen = choose(picked, places)
-            for position, k in enumerate(flat):
-                if k in forced:
-                    chosen[position] = forced[k]
-            scores[flat] = picked
-            tokens[flat] = chosen
-            self.step.write(processing, [(rows[i], rows[i].column + kept_of[i] + j) for i, _ in active], chosen.tolist())
-        return scores, tokens
+                own_scores = torch.cat([anchors[i][2][:kept], own_scores])
+                own_raw = torch.cat([anchors[i][3][:kept], own_raw])
+            step.record(row, own_scores[: len(final)], own_raw[: len(final)])
+            kept = min(kept, len(final))
+            decisions[i] = Decision(final, len(row.tokens) - row.committed + kept, kept, reason)
+    return decisions
 
 
-class Verification:
-    """Check last step's drafts against the model's own choices (docs/method.md §6); rows that kept a
-    prefix with a mask group after it get new drafts from ``DraftProposal``."""
+def _threshold_predictions(step, rows, plans, group, kept_of, anchors):
+    """Each row's prediction 0 and its masks' predictions, chosen (an anchored row's prediction 0 is forced to
+    verification's token), with their confidences (calibrated where the model has a calibration):
+    ``(logits, scores, spans, tokens, confidences)``, the last two as host lists."""
+    first = rows[group[0]]
+    processing, metric = first.processing, first.metric
 
-    def __init__(self, step: StepLogits):
-        self.step = step
-        self.proposal = DraftProposal(step)
+    def columns(i):
+        plan, kept = plans[i], kept_of[i]
+        return plan.check_columns[kept : kept + 1] + (plan.group_columns.get(kept, []) if rows[i].window else [])
 
-    def decide(self, rows, plans, members):
-        outcome = {}
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample)):
-            self._decide_group(rows, plans, group, outcome)
-        return outcome
+    raw, spans = step.gather_spans(group, columns)
+    forced = {start: anchors[i][1] for i, (start, _) in zip(group, spans) if i in anchors}
+    if processing.position_free:
+        scores = processing.free(raw)
+        places = [p for i, (_, count) in zip(group, spans) for p in _places(rows[i], kept_of[i], count)]
+        tokens = choose(scores, places if first.noise is not None else None)
+        for start, token in forced.items():
+            tokens[start] = token
+    else:
+        scores, tokens = _choose_in_order(step, rows, group, spans, raw, processing, kept_of, forced)
+    # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
+    chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
+    if step.calibration is not None and metric == "probability":
+        for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
+            step.calibration.apply_span(values, start + 1, count - 1, first_offset=1)
+    return raw, scores, spans, chosen_all, values
 
-    def _decide_group(self, rows, plans, group, outcome):
-        processing = rows[group[0]].processing
-        followers = []
-        for i, (kept, token, scores, raw) in self.check(rows, plans, group).items():
+
+def _choose_in_order(step, rows, group, spans, raw, processing, kept_of, forced):
+    """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1`` (after the row's
+    kept drafts)."""
+    scores = torch.empty_like(raw)
+    tokens = torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
+    sampled = rows[group[0]].noise is not None
+    for j in range(max(count for _, count in spans)):
+        active = [(i, start + j) for i, (start, count) in zip(group, spans) if j < count]
+        flat = [k for _, k in active]
+        picked = processing.at_prefixes(
+            raw[flat],
+            [rows[i].batch_index for i, _ in active],
+            [rows[i].column + kept_of[i] + j for i, _ in active],
+        )
+        places = [_places(rows[i], kept_of[i] + j, 1)[0] for i, _ in active] if sampled else None
+        chosen = choose(picked, places)
+        for position, k in enumerate(flat):
+            if k in forced:
+                chosen[position] = forced[k]
+        scores[flat] = picked
+        tokens[flat] = chosen
+        step.write(processing, [(rows[i], rows[i].column + kept_of[i] + j) for i, _ in active], chosen.tolist())
+    return scores, tokens
+
+
+def decide_verify(step: StepLogits, rows, plans, fed, members) -> dict[int, Decision]:
+    """Check the fed drafts against the model's own choices (docs/method.md §6): keep the longest agreeing
+    prefix and the model's token after it. A row that kept a prefix with a mask group after it (and did not
+    stop) says so in ``proposes_after``: that group holds its next drafts."""
+    decisions = {}
+    for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample)):
+        for i, (kept, token, scores, raw) in check_drafts(step, rows, plans, fed, group).items():
             row = rows[i]
-            new = (row.drafts[:kept] + [token])[: row.settings.max_new_tokens - row.generated]
-            final, reason = self.step.stops(row, new)
-            self.step.record(row, scores[: len(final)], raw[: len(final)])
-            fed = len(row.tokens) - row.committed  # fresh tokens, all verified
-            outcome[i] = (final, fed + min(kept, len(final)), min(kept, len(final)), reason)
-            if reason is None and len(final) == len(new) and kept in plans[i].group_columns:
-                followers.append((i, kept))
-            else:
-                row.drafts, row.draft_confidence = [], []
-        if followers:
-            self.proposal.propose(rows, plans, followers, processing, outcome)
-
-    def check(self, rows, plans, group) -> dict:
-        """``{row: (drafts kept, the model's token after them, checks' scores, checks' logits)}`` for rows
-        that share processors and sampling: the longest prefix of drafts equal to the model's own choices
-        (check ``j`` decides the token at ``len(tokens) + j``: its argmax, or its keyed draw)."""
-        first = rows[group[0]]
-        raw, spans = self.step.gather_spans(group, lambda i: plans[i].check_columns)
-        scores = self._processed(rows, group, spans, raw, first.processing)
-        places = [p for i, (_, count) in zip(group, spans) for p in _places(rows[i], 0, count)]
-        own = choose(scores, places if first.noise is not None else None).tolist()
-        checked = {}
-        for i, (start, count) in zip(group, spans):
-            row = rows[i]
-            kept = verify_drafts(row.drafts, own[start : start + count])
-            checked[i] = (kept, own[start + kept], scores[start : start + count], raw[start : start + count])
-        return checked
-
-    def _processed(self, rows, group, spans, raw, processing):
-        """The checks' scores after the processors; check ``j`` sees the fresh tokens and drafts ``0 … j-1``."""
-        if processing.position_free:
-            return processing.free(raw)
-        for i in group:
-            row = rows[i]
-            self.step.write(processing, [(row, row.column + j) for j in range(len(row.drafts))], row.drafts)
-        batch_rows, lengths = [], []
-        for i, (_, count) in zip(group, spans):
-            batch_rows += [rows[i].batch_index] * count
-            lengths += [rows[i].column + j for j in range(count)]
-        return processing.at_prefixes(raw, batch_rows, lengths)
+            new = (list(fed[i].tokens[:kept]) + [token])[: row.settings.max_new_tokens - row.generated]
+            final, reason = step.stops(row, new)
+            step.record(row, scores[: len(final)], raw[: len(final)])
+            fresh = len(row.tokens) - row.committed  # fresh tokens, all verified
+            follows = reason is None and len(final) == len(new) and kept in plans[i].group_columns
+            kept = min(kept, len(final))
+            decisions[i] = Decision(final, fresh + kept, kept, reason, kept if follows else None)
+    return decisions
 
 
-class DraftsThenThreshold:
+def check_drafts(step: StepLogits, rows, plans, fed, group) -> dict:
+    """``{row: (drafts kept, the model's token after them, checks' scores, checks' logits)}`` for rows that
+    share processors and sampling: the longest prefix of drafts equal to the model's own choices (check ``j``
+    decides the token at ``len(tokens) + j``: its argmax, or its keyed draw)."""
+    first = rows[group[0]]
+    raw, spans = step.gather_spans(group, lambda i: plans[i].check_columns)
+    scores = _checks_processed(step, rows, fed, group, spans, raw, first.processing)
+    places = [p for i, (_, count) in zip(group, spans) for p in _places(rows[i], 0, count)]
+    own = choose(scores, places if first.noise is not None else None).tolist()
+    checked = {}
+    for i, (start, count) in zip(group, spans):
+        kept = verify_drafts(fed[i].tokens, own[start : start + count])
+        checked[i] = (kept, own[start + kept], scores[start : start + count], raw[start : start + count])
+    return checked
+
+
+def _checks_processed(step, rows, fed, group, spans, raw, processing):
+    """The checks' scores after the processors; check ``j`` sees the fresh tokens and drafts ``0 … j-1``."""
+    if processing.position_free:
+        return processing.free(raw)
+    for i in group:
+        row = rows[i]
+        step.write(processing, [(row, row.column + j) for j in range(len(fed[i]))], list(fed[i].tokens))
+    batch_rows, lengths = [], []
+    for i, (_, count) in zip(group, spans):
+        batch_rows += [rows[i].batch_index] * count
+        lengths += [rows[i].column + j for j in range(count)]
+    return processing.at_prefixes(raw, batch_rows, lengths)
+
+
+def decide_drafts_then_threshold(step: StepLogits, rows, plans, fed, members) -> dict[int, Decision]:
     """docs/method.md §5 with τ: a threshold row that fed a draft model's drafts keeps the drafts the model
-    itself would choose there and the model's token after them (``Verification.check``: an exact match of
-    its argmax or keyed draw), then the predictions of the mask group that follows exactly that prefix while they pass τ
-    (``ThresholdRule``) — one forward checks the drafts and extends whatever prefix survives."""
-
-    def __init__(self, step: StepLogits):
-        self.step = step
-
-    def decide(self, rows, plans, members):
-        anchors = {}
-        verification = Verification(self.step)
-        for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample)):
-            anchors.update(verification.check(rows, plans, group))
-        outcome = ThresholdRule(self.step, anchors).decide(rows, plans, members)
-        for i in members:
-            rows[i].drafts, rows[i].draft_confidence = [], []
-        return outcome
-
-
-class DraftProposal:
-    """New drafts from the mask group that follows each row's kept prefix (groups may hold fewer than W
-    masks: the planner sizes them). Each row keeps its drafts' probabilities (``draft_confidence``,
-    calibrated when the model has a calibration): the planner's estimate of their worth."""
-
-    def __init__(self, step: StepLogits):
-        self.step = step
-
-    def propose(self, rows, plans, followers, processing, outcome):
-        """A sampled row's draft for the token at position ``t`` is its mask's keyed draw at ``t`` (the
-        noise the check at ``t`` will use): the closer the mask's distribution is to the model's, the
-        likelier the two draws agree."""
-        kept_of = dict(followers)
-        raw, spans = self.step.gather_spans([i for i, _ in followers], lambda i: plans[i].group_columns[kept_of[i]])
-        scores = processing.for_drafts(raw)
-        if rows[followers[0][0]].noise is not None:
-            # mask j of the group after kept prefix k predicts the token at len(tokens) + k + 1 + j
-            places = [
-                p for (i, kept), (_, width) in zip(followers, spans) for p in _places(rows[i], kept + 1, width)
-            ]
-            tokens = choose(scores, places)
-            confidences = torch.softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(1)
-        else:
-            confidences, tokens = torch.softmax(scores, -1).max(-1)
-        tokens, confidences = tokens.tolist(), confidences.tolist()
-        if self.step.calibration is not None:  # draft j of a group is mask j + 1
-            for start, width in spans:
-                self.step.calibration.apply_span(confidences, start, width, first_offset=1)
-        for (i, _), (start, width) in zip(followers, spans):
-            row = rows[i]
-            room = row.settings.max_new_tokens - row.generated - len(outcome[i][0]) - 1
-            drafts = cut_at_floor(tokens[start : start + width], confidences[start : start + width], row.floor)
-            row.drafts = drafts[: max(room, 0)]
-            row.draft_confidence = confidences[start : start + len(row.drafts)]
+    itself would choose there and the model's token after them (``check_drafts``: an exact match of its argmax
+    or keyed draw), then the predictions of the mask group that follows exactly that prefix while they pass τ
+    (``decide_threshold``): one forward checks the drafts and extends whatever prefix survives."""
+    anchors = {}
+    for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample)):
+        anchors.update(check_drafts(step, rows, plans, fed, group))
+    return decide_threshold(step, rows, plans, fed, members, anchors)
 
 
 def _places(row, first: int, count: int) -> list:

@@ -9,7 +9,7 @@ so the decoder asks this module, which measures the curve where decoding runs:
   to a power of two), on a *scratch* cache: warm-up, a few interleaved rounds over the sizes, the fastest,
   about two seconds at most (fewer sizes, interpolated, when a forward is slow); a smaller bucket that a
   call reaches only as its rows finish is not measured there (``known_only``: the caller borrows the
-  batch's own curve, see ``feeding.StepFeed.cost_table``);
+  batch's own curve, see ``planner.StepPlanner.cost_table``);
 - kept for the process (per model object and everything else the cost depends on), and on disk when
   the environment variable ``MARS_HF_COST_CACHE`` names a folder (the ``mars-hf`` commands that decode
   for a user default it to ``$MARS_HF_HOME/cost-curves``: :func:`disk_cache_by_default`);
@@ -72,7 +72,7 @@ class CostTable:
     sizes: tuple[int, ...]
     costs: tuple[float, ...]
     source: str  # "measured", "disk", "observed" (measured, then corrected by decoding), "given", "flat",
-    # or "borrowed" (a larger batch's curve, for the tail of a call whose rows finish: feeding.StepFeed.cost_table)
+    # or "borrowed" (a larger batch's curve, for the tail of a call whose rows finish: planner.StepPlanner.cost_table)
     batch: int = 1
     unit_seconds: float | None = None  # what one column took when measured (None: not measured here)
     widest: int = MAX_PROBED_WIDTH  # padding never goes past this (``cost_table``: the window's widest plan)

@@ -1,40 +1,48 @@
 """`MARSBatchDecoder`: rows advanced one MARS step at a time; rows join and leave between steps.
 
-The loop is thin; the parts it drives live apart:
+One verify step, from ``generate`` to the kept tokens, runs through five modules:
 
-- ``rows``: a row's settings, its state between steps and what it gains in a step;
-- ``feeding`` (with ``layouts``, ``planner``, ``cost_model``, ``draft_sources``): what each row feeds
-  in a step (fresh tokens, drafts, mask groups) and where its predictions sit;
-- ``acceptance``: how predictions become tokens and which a row keeps (threshold or verify);
-- ``cache``: the per-row KV store and the scheme that says what stays in it (cursor / block / none).
+1. ``generation``: ``generate`` resolves the call's ``MARSDecodingSettings`` once and hands them whole to a
+   decoder, adds one row per prompt and calls ``step`` until every row has ended;
+2. ``decoder`` (here): owns every row's state; ``step`` asks the planner for the step's feed, runs the
+   forward, asks the acceptance rules what each row keeps and applies it;
+3. ``planner``: what each row feeds (``StepPlanner.plan``): which drafts (offered by ``drafts``), how many
+   masks in which layout, the step's width; it learns from what rows kept;
+4. ``drafts``: immutable ``Drafts`` and their sources (the masks', prompt lookup's, a draft model's);
+5. ``acceptance``: pure rules (``decide``): from the forward's logits and the fed drafts, each row's
+   ``Decision`` (tokens kept, drafts kept, whether its mask group proposes the next drafts).
 
-``mars_generate`` (in ``generation``) drives it for ``model.generate``; a server drives it directly
-(``add_row`` / ``step`` / ``drop_row``). Live rows occupy KV slots ``0 … n-1``: a row that leaves is
-replaced by the last one (one row copy), so memory is bounded by ``max_rows`` and reused.
+Helpers they call hold no decisions: ``layouts`` (a plan as columns, and packing a step's tensors),
+``cost_model`` (the measured cost curve), ``stats`` (what the planner has observed), ``sampling`` (keyed
+noise), ``cache`` (the KV store and commit schemes), ``calibration`` (confidence maps), ``settings``.
+
+A server drives the decoder directly (``add_row`` / ``step`` / ``drop_row``). Live rows occupy KV slots
+``0 … n-1``: a row that leaves is replaced by the last one (one row copy), so memory is bounded by
+``max_rows`` and reused.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
-
-from .acceptance import (
-    DraftsThenThreshold,
-    ScoreProcessing,
-    StepLogits,
-    ThresholdRule,
-    Verification,
-    one_token_per_step,
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
+
+from .acceptance import ScoreProcessing, StepLogits, decide, one_token_per_step
 from .cache import MARSBlockCache, make_scheme
 from .calibration import calibration_for
 from .cpu_kernels import packed_linears
-from .draft_sources import MASKS
-from .feeding import StepFeed
+from .drafts import MASKS, NO_DRAFTS, Drafts, MaskDrafts
 from .layouts import pack
-from .rows import RowSettings, RowState, RowUpdate, SourceStats, sampling_processors
-from .settings import check_choice
+from .planner import StepPlan, StepPlanner
+from .sampling import RowNoise, draw_seed
+from .settings import MARSDecodingSettings, check_choice
 
 __all__ = ["MARSBatchDecoder", "RowSettings", "RowUpdate"]
 
@@ -43,75 +51,149 @@ __all__ = ["MARSBatchDecoder", "RowSettings", "RowUpdate"]
 _STEP_CAPACITY = 256
 
 
+@dataclass
+class RowSettings:
+    """How one row decodes.
+
+    Args:
+        threshold: τ for threshold acceptance (``>= 1`` with probability/margin: one token per step).
+            With ``acceptance="verify"``: a proposal floor, masks below it are not proposed (default 0).
+        acceptance: ``"probability"``, ``"entropy"``, ``"margin"`` or ``"verify"``.
+        max_new_tokens: tokens to generate at most.
+        eos_token_ids: tokens that end the row (kept in the output).
+        do_sample / temperature / top_k / top_p: sampling, as in ``GenerationConfig``; ignored when
+            ``logits_processor`` is given.
+        logits_processor: processors for this row alone (position-free ones only; a server's rows).
+        seed / row_key: a sampled row's randomness: the token at position ``t`` of the row (prompt
+            included) is the keyed draw of ``(seed, row_key, t)`` (``sampling.py``), so the same seed gives
+            the same tokens whatever the plan, the timing, the kernels or the rest of the batch. ``seed=None``
+            draws a seed from torch's global generator when the row is added (``torch.manual_seed`` fixes it).
+            ``generate`` gives every row of a call one seed and its batch index as ``row_key``; a server
+            request's ``seed`` with ``row_key`` 0.
+        prompt_lookup_num_tokens / max_matching_ngram_size: verify only: also propose drafts by prompt
+            lookup (transformers' meaning, ``drafts.lookup_drafts``); each step the row feeds the
+            lookup's or the masks' drafts, whichever chain it expects to keep more of.
+    """
+
+    threshold: float | None = None
+    acceptance: str = "probability"
+    max_new_tokens: int = 256
+    eos_token_ids: tuple[int, ...] = ()
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    logits_processor: LogitsProcessorList | None = None
+    seed: int | None = None
+    row_key: int = 0
+    prompt_lookup_num_tokens: int | None = None
+    max_matching_ngram_size: int = 2
+
+
+@dataclass
+class RowUpdate:
+    """What a row gained in one step: tokens now final (verified or accepted), and whether it ended."""
+
+    row_id: int
+    tokens: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS / stop criterion), "length", or None while running
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    draft_source: str = MASKS  # where the checked drafts came from ("masks" or "lookup")
+
+
+class RowState:
+    """One row's decoding state, changed by the decoder alone (the planner and the rules read it)."""
+
+    def __init__(self, row_id, prompt, settings, window, processing, batch_index, lead, buffer_lead, floor):
+        self.row_id = row_id
+        self.tokens = list(prompt)  # real tokens: the prompt, then everything accepted
+        self.prompt_length = len(prompt)
+        self.settings = settings
+        self.verify = settings.acceptance == "verify"
+        self.metric = settings.acceptance
+        tau = settings.threshold
+        self.window = 0 if one_token_per_step(settings.acceptance, tau) else window
+        self.tau = float(tau) if tau is not None else 0.0
+        self.floor = floor  # verify: masks below this confidence are not proposed as drafts
+        self.eos = frozenset(settings.eos_token_ids)
+        self.do_sample = settings.do_sample
+        self.noise = None  # keyed sampling noise (``sampling.RowNoise``); None: greedy
+        if settings.do_sample:
+            seed = settings.seed if settings.seed is not None else draw_seed()
+            self.noise = RowNoise(seed, settings.row_key)
+        self.processing = processing
+        self.batch_index = batch_index  # row of ``processing.sequences`` (the stock ``input_ids`` layout)
+        self.lead = lead  # left-padding columns of the prompt fed to the model (and kept in the cache)
+        self.buffer_lead = buffer_lead  # left-padding columns before the prompt in ``processing.sequences``
+        self.prefilled = False
+        self.committed = 0  # real tokens whose keys/values are in the cache
+        self.drafts: Drafts = NO_DRAFTS  # the masks' proposals from the last step
+        self.finished = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+    @property
+    def cache_offset(self) -> int:
+        return (self.lead if self.prefilled else 0) + self.committed
+
+    @property
+    def column(self) -> int:
+        """Buffer column of the next token (``processing.sequences`` layout)."""
+        return self.buffer_lead + len(self.tokens)
+
+
 class MARSBatchDecoder:
     """Advance a set of rows one MARS step at a time.
 
     Args:
-        model: a causal LM whose ``config.mars`` (or the arguments) give the window and mask token.
+        model: a causal LM.
+        settings: the ``MARSDecodingSettings`` to decode with, whole (window, mask token, cache scheme, layout,
+            planner, cost table, CPU kernels, a draft model's tokens); its per-row τ are the rows' own
+            (``RowSettings``), so a server passes ``thresholds=()``.
         max_rows: KV slots (rows decoded at once).
         max_length: longest row (prompt + generated) the cache is sized for (it grows if exceeded).
-        window: W (default ``config.mars["block_size"]``); mask_token_id likewise.
-        cache: ``"cursor"``, ``"block"`` (with ``cache_block`` = C) or ``"none"``.
-        layout: verify's feed: ``"auto"`` (default: the step planner chooses drafts, masks and groups
-            per step and row from the measured cost curve), or a fixed ``"linear"`` / ``"quadratic"``.
-        planner: also let the planner size threshold (τ) rows' mask groups (default False: the paper's
-            fixed window; with the planner τ can accept no more predictions than the masks fed).
-        cost_table: ``{columns per row: relative cost}`` to use instead of measuring
-            (``cost_model.CostTable.from_mapping``); ``cost_probe=False``: assume a flat curve.
-        cpu_kernels: ``mars_cpu_kernels``: ``"auto"``, ``"packed"`` or ``"stock"`` (``cpu_kernels.py``); the
-            linears run packed only inside ``step`` and ``measure_costs`` (or a caller's enclosing
-            ``cpu_kernels.packed_linears`` block, as ``generate`` opens for its whole call), so the model is
-            untouched between.
+        pad_token_id: what idle and padding columns feed.
         kv_cache: a ``MARSBlockCache`` to use (e.g. the caller's), else one is created.
         stopping_criteria: ``generate``'s non-EOS stopping criteria, checked token by token inside a step
             on the rows' token buffer (``ScoreProcessing.sequences``, indexed by each row's ``batch_index``).
+        assistant_model: a draft model (docs/method.md §5), or None.
 
-    ``forward_widths`` (columns per row of each forward, padding included) and ``plan_counts`` (how
-    often a row fed nothing extra, drafts only, a linear or a quadratic group, a fixed layout, or a plain
-    ``unit`` step that re-times one column)
-    say what the planner chose; ``cost_tables`` the curves it used, per batch bucket.
+    The linears run packed (``settings.cpu_kernels``, opt-in) only inside ``step`` and ``measure_costs`` (or a
+    caller's enclosing ``cpu_kernels.packed_linears`` block, as ``generate`` opens for its whole call), so the
+    model is untouched between. ``forward_widths`` (columns per row of each forward, padding included) and
+    ``plan_counts`` (how often a row fed nothing extra, drafts only, a linear or a quadratic group, a fixed
+    layout, or a plain ``unit`` step that re-times one column) say what the planner chose; ``cost_tables``
+    the curves it used, per batch bucket.
     """
 
     def __init__(
         self,
         model,
+        settings: MARSDecodingSettings,
         *,
         max_rows: int,
         max_length: int,
-        window: int,
-        mask_token_id: int,
         pad_token_id: int,
-        cache: str = "cursor",
-        cache_block: int = 16,
-        layout: str | None = None,
-        planner: bool = False,
-        cost_table: dict | None = None,
-        cost_probe: bool = True,
-        cpu_kernels: str = "stock",
         kv_cache: MARSBlockCache | None = None,
         stopping_criteria=None,
         assistant_model=None,
-        assistant_tokens: int = 5,
     ):
+        if not isinstance(settings, MARSDecodingSettings):
+            raise TypeError(
+                f"`settings` must be a MARSDecodingSettings (mars_hf.decoding.settings), not {type(settings).__name__}."
+            )
         self.model = model
+        self.settings = settings
         self.device = model.device
-        check_choice("mars_cpu_kernels", cpu_kernels)
-        self.cpu_kernels = cpu_kernels
-        self.window = window
+        self.cpu_kernels = settings.cpu_kernels
+        self.window = window = settings.window
         self.pad_token_id = pad_token_id
-        self.scheme = make_scheme(cache, cache_block)
-        self.feed = StepFeed(
-            model,
-            window=window,
-            mask_token_id=mask_token_id,
-            pad_token_id=pad_token_id,
-            layout=layout,
-            planner=planner,
-            cost_table=cost_table,
-            cost_probe=cost_probe,
-            assistant_model=assistant_model,
-            assistant_tokens=assistant_tokens,
-        )
+        self.scheme = make_scheme(settings.decoder_cache, settings.cache_block)
+        self.planner = StepPlanner(model, settings, pad_token_id=pad_token_id, assistant_model=assistant_model)
         self.kv = None
         if self.scheme.uses_cache:
             capacity = max_length + min(window * (window + 2), _STEP_CAPACITY) + 8
@@ -132,27 +214,27 @@ class MARSBatchDecoder:
 
     @property
     def plan_counts(self) -> dict[str, int]:
-        return self.feed.plan_counts
+        return self.planner.plan_counts
 
     @property
     def cost_tables(self) -> dict:
         """The cost curves the planner used, per batch bucket."""
-        return self.feed.cost_tables
+        return self.planner.cost_tables
 
     @property
     def cost_given(self):
         """The cost curve given instead of measuring (``cost_table=``); settable between steps."""
-        return self.feed.cost_given
+        return self.planner.cost_given
 
     @cost_given.setter
     def cost_given(self, table) -> None:
-        self.feed.cost_given = table
+        self.planner.cost_given = table
 
     def measure_costs(self) -> None:
         """Measure the cost curves of every batch bucket up to ``max_rows`` now (a server at start-up),
         instead of at the first step that needs each (about 2 s at most per bucket, once per process)."""
         with packed_linears(self.model, self.cpu_kernels):
-            self.feed.measure_costs(self.max_rows)
+            self.planner.measure_costs(self.max_rows)
 
     # ----------------------------------------------------------------------------- rows in and out
     @property
@@ -197,8 +279,7 @@ class MARSBatchDecoder:
         row = RowState(row_id, prompt, settings, self.window, processing, batch_index, fed_lead, lead, floor)
         if settings.max_new_tokens <= 0:
             row.finished = True
-        if self.feed.drafts.assistant is not None:
-            row.assistant_stats = SourceStats(self.feed.drafts.assistant_tokens)
+        self.planner.add_row(row)
         self.joining.append(row)
         return row_id
 
@@ -208,6 +289,7 @@ class MARSBatchDecoder:
         for i, row in enumerate(self.joining):
             if row.row_id == row_id:
                 del self.joining[i]
+                self.planner.forget(row_id)
                 return
         for slot, row in enumerate(self.rows):
             if row.row_id == row_id:
@@ -216,6 +298,7 @@ class MARSBatchDecoder:
                     self.kv.move_row(last, slot, self.rows[last].cache_offset)
                 self.rows[slot] = self.rows[last]
                 self.rows.pop()
+                self.planner.forget(row_id)
                 return
         raise KeyError(f"no row {row_id}")
 
@@ -263,20 +346,11 @@ class MARSBatchDecoder:
             not row.finished and (not row.prefilled or self.scheme.participates(len(row.tokens) - row.committed))
             for row in rows
         ]
-        plan = self.feed.plan(rows, deciding)
-        checked = [len(r.drafts) if d else 0 for r, d in zip(rows, deciding)]
-        sources = [r.draft_source for r in rows]
-        fed_confidence = [r.draft_confidence for r in rows]  # replaced by the new drafts' below
+        plan = self.planner.plan(rows, deciding)
         started = time.perf_counter()
-        logits, where = self._forward(rows, plan.plans, deciding, first, plan.width)
+        logits, where = self._forward(rows, plan, deciding, first)
         if self._times_forwards and all(r.prefilled for r in rows):  # a decode step, not a prefill
-            self.feed.observe_forward(len(rows), self.forward_widths[-1], time.perf_counter() - started)
-        outcome = self._decide(rows, plan.plans, deciding, logits, where)
-        self.feed.learn(rows, plan.specs, plan.choices, outcome, fed_confidence, plan.cost, checked, sources)
-        return [self._keep(row, outcome.get(i), checked[i], sources[i]) for i, row in enumerate(rows)]
-
-    def _decide(self, rows, plans, deciding, logits, where) -> dict[int, tuple[list[int], int, int, str | None]]:
-        """Each deciding row's ``(tokens kept, fed tokens verified, drafts kept, stop reason)``."""
+            self.planner.observe_forward(len(rows), self.forward_widths[-1], time.perf_counter() - started)
         step = StepLogits(
             logits,
             where,
@@ -284,53 +358,61 @@ class MARSBatchDecoder:
             score_records=self.score_records,
             calibration=self.calibration,
         )
-        threshold_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify and not r.drafts]
-        drafted_rows = [i for i, r in enumerate(rows) if deciding[i] and not r.verify and r.drafts]
-        verify_rows = [i for i, r in enumerate(rows) if deciding[i] and r.verify]
-        outcome = {}
-        if threshold_rows:
-            outcome.update(ThresholdRule(step).decide(rows, plans, threshold_rows))
-        if drafted_rows:  # τ rows that fed a draft model's drafts (docs/method.md §5)
-            outcome.update(DraftsThenThreshold(step).decide(rows, plans, drafted_rows))
-        if verify_rows:
-            outcome.update(Verification(step).decide(rows, plans, verify_rows))
-        for i in verify_rows + drafted_rows:  # any drafts in hand now are the masks' (or none)
-            rows[i].draft_source = MASKS
-        return outcome
+        decisions = decide(step, rows, plan.plans, plan.fed, deciding)
+        proposed = self._mask_drafts(step, rows, plan, decisions)
+        self.planner.learn(rows, plan, decisions, proposed)
+        return [self._keep(row, decisions.get(i), plan.fed[i], proposed.get(i)) for i, row in enumerate(rows)]
 
-    def _keep(self, row: RowState, outcome, checked: int, source: str) -> RowUpdate:
-        """Append a row's kept tokens, commit what its cache scheme keeps, and say whether it ended."""
-        if outcome is None:  # the row took no decision (finished, or waiting for a block commit)
+    def _mask_drafts(self, step, rows, plan: StepPlan, decisions) -> dict[int, Drafts]:
+        """The next drafts of each verify row whose kept prefix had a mask group after it (``MaskDrafts``),
+        for rows sharing processors and sampling at once."""
+        groups: dict = {}
+        for i, decision in decisions.items():
+            if decision.proposes_after is not None:
+                groups.setdefault((id(rows[i].processing), rows[i].do_sample), []).append(i)
+        proposed = {}
+        for members in groups.values():
+            source = MaskDrafts(step, plan.plans, rows[members[0]].processing)
+            rooms = [
+                rows[i].settings.max_new_tokens - rows[i].generated - len(decisions[i].tokens) - 1 for i in members
+            ]
+            found = source.propose([rows[i] for i in members], rooms, [(i, decisions[i].proposes_after) for i in members])
+            proposed.update(zip(members, found))
+        return proposed
+
+    def _keep(self, row: RowState, decision, fed: Drafts, proposed: Drafts | None) -> RowUpdate:
+        """Append a row's kept tokens, commit what its cache scheme keeps, take its next drafts, and say
+        whether it ended."""
+        if decision is None:  # the row took no decision (finished, or waiting for a block commit)
             return RowUpdate(row.row_id, [], row.finished, "length" if row.finished else None)
-        tokens, verified_fed, kept_drafts, reason = outcome
-        row.committed += self.scheme.keep(row.prefilled, verified_fed)
+        row.committed += self.scheme.keep(row.prefilled, decision.verified_fed)
         row.prefilled = True
-        row.tokens += tokens
+        row.tokens += decision.tokens
         if row.noise is not None:
             row.noise.forget_before(len(row.tokens))
+        reason = decision.reason
         if reason is None and row.generated >= row.settings.max_new_tokens:
             reason = "length"
         row.finished = reason is not None
-        if row.finished:
-            row.drafts, row.draft_confidence = [], []
-        return RowUpdate(row.row_id, tokens, row.finished, reason, checked, kept_drafts, source)
+        row.drafts = NO_DRAFTS if row.finished or proposed is None else proposed
+        return RowUpdate(row.row_id, decision.tokens, row.finished, reason, len(fed), decision.drafts_kept, fed.source)
 
     # ------------------------------------------------------------------------------- the forward
-    def _forward(self, rows, plans, deciding, first, width):
-        """Run the model on the packed plans (``width`` columns per row, padding included); return the
+    def _forward(self, rows, plan: StepPlan, deciding, first):
+        """Run the model on the packed plans (``plan.width`` columns per row, padding included); return the
         needed logits and where each column went."""
         offsets = [r.cache_offset for r in rows]
         step = pack(
-            plans,
+            plan.plans,
             offsets,
             [r.lead for r in rows],
-            min_width=width,
+            min_width=plan.width,
             dtype=self._dtype,
             device=self.device,
             pad_token_id=self.pad_token_id,
-            max_position=self.feed.position_limit,
+            max_position=self.planner.position_limit,
         )
-        keep = _logit_columns(plans, deciding, step.width)
+        keep = _logit_columns(plan.plans, deciding, step.width)
         where = {c: i for i, c in enumerate(keep)}
         if keep == list(range(step.width - len(keep), step.width)):
             logits_to_keep = len(keep)
@@ -388,3 +470,16 @@ def _logit_columns(plans, deciding, width: int) -> list[int]:
         # needed one, as the cost probe measured it (fewer rows can take a slower kernel path)
         keep = list(range(keep[0], width))
     return keep
+
+
+def sampling_processors(settings: RowSettings) -> LogitsProcessorList:
+    """The position-free warpers of a row's sampling settings (what a server request asks for)."""
+    processors = LogitsProcessorList()
+    if settings.do_sample:
+        if settings.temperature not in (None, 1.0):
+            processors.append(TemperatureLogitsWarper(settings.temperature))
+        if settings.top_k:
+            processors.append(TopKLogitsWarper(settings.top_k))
+        if settings.top_p is not None and settings.top_p < 1.0:
+            processors.append(TopPLogitsWarper(settings.top_p))
+    return processors

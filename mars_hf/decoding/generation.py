@@ -45,7 +45,7 @@ from .acceptance import ScoreProcessing
 from .cache import MARSBlockCache
 from .cpu_kernels import packed_linears
 from .decoder import MARSBatchDecoder, RowSettings, RowUpdate, check_token_ids  # noqa: F401  (public re-exports)
-from .draft_sources import SOURCES
+from .drafts import SOURCES
 from .sampling import draw_seed
 from .settings import (
     MARS_KEYWORDS,
@@ -353,26 +353,17 @@ def _token_buffer(input_ids, max_new: int, window: int, pad_token_id: int) -> to
 def _make_decoder(
     model, settings: MARSDecodingSettings, input_ids, max_new, pad_token_id, user_cache, criteria, assistant
 ):
-    """The decoder for this call's rows: its window, cache scheme and feed from ``settings``."""
+    """The decoder for this call's rows, given the call's settings whole."""
     batch_size, prompt_length = input_ids.shape
     return MARSBatchDecoder(
         model,
+        settings,
         max_rows=batch_size,
         max_length=prompt_length + max_new,
-        window=settings.window,
-        mask_token_id=settings.mask_token_id,
         pad_token_id=pad_token_id,
-        cache=settings.decoder_cache,
-        cache_block=settings.cache_block,
-        layout=settings.layout,
-        planner=settings.planner,
-        cost_table=settings.cost_table,
-        cost_probe=settings.cost_probe,
-        cpu_kernels=settings.cpu_kernels,
         kv_cache=user_cache,
         stopping_criteria=criteria if len(criteria) else None,
         assistant_model=assistant,
-        assistant_tokens=settings.assistant_tokens,
     )
 
 

@@ -38,8 +38,14 @@ plain steps the planner feeds plain steps only, exploring again at spaced, bound
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
+
+from .cost_model import batch_bucket, observe, unit_due
+from .cost_model import cost_table as curve_for
+from .drafts import CHAINED, MASKS, NO_DRAFTS, AssistantDrafts, DraftChooser, Drafts
+from .layouts import RowPlan, idle_plan, plan_row, position_limit
+from .stats import AcceptanceStats, DraftingFloor, RowStats, SourceStats, probe_spacing
 
 # row kinds
 AUTO = "auto"  # verify rows the planner serves: drafts, linear or quadratic groups, or none
@@ -190,249 +196,287 @@ def _cumulative(rates: list[float], count: int) -> list[float]:
 
 
 # --------------------------------------------------------------------------------------------------
-# What a row has observed
+# Planning a step
 # --------------------------------------------------------------------------------------------------
 
 
-class AcceptanceStats:
-    """A row's running acceptance per draft offset, its recent gain, its re-probe schedule, and what its
-    drafting steps gave (for the :class:`DraftingFloor`).
+@dataclass
+class StepPlan:
+    """One step's feed: each row's plan and the drafts it feeds, the planner's specs and choices, the step's
+    width and its relative cost."""
 
-    What fresh drafts will be worth (``future``) comes from the drafts the row's masks proposed lately
-    (their own probabilities, rescaled by observed ÷ predicted acceptance), so masks whose drafts are
-    never worth checking stop being fed although those drafts were never checked; τ rows, which have
-    no drafts, use their observed pass rates.
+    plans: list[RowPlan]
+    fed: list[Drafts]
+    specs: list[RowSpec]
+    choices: list[RowChoice]
+    width: int
+    cost: float
 
-    Counts decay by ``DECAY`` per observation so that a row whose text changes character (a list, then
-    prose) is re-estimated within a few dozen steps. ``PRIOR`` (weight ``PRIOR_WEIGHT``) is what an
-    unobserved offset is assumed to keep. A row that feeds no masks learns nothing about its drafts, so
-    after ``probe_every`` such steps it is made to feed masks once and then every draft they propose
-    (:meth:`start_probe`; stretched by ``probe_spacing`` where extra columns are dear). The interval
-    doubles with every probe, up to ``MAX_PROBE_EVERY``, and resets only when the row feeds masks of
-    the planner's own choosing *and* its drafting steps have paid (:meth:`drafting_pays`): a probe whose
-    drafts were kept but did not make masks worth their columns (good drafts on a steep curve) found
-    nothing to feed, and neither did masks that only filled columns a companion of a batch paid for (at
-    batch 4 those reset every row's interval after each probe, so re-probes never spread out there).
 
-    Each step but the prompt's leaves ``last_sample``: its tokens, its measured cost relative to a plain
-    step of the same batch, and whether the row drafted (masks fed or mask drafts checked by the
-    planner's choice, not by a forced re-probe), which the batch's :class:`DraftingFloor` pools; the row
-    keeps its drafting steps' as exponential averages with a half-life of ``DraftingFloor.HALF_LIFE``.
+class StepPlanner:
+    """What every row feeds in a step (the module docstring): the drafts (``drafts.DraftChooser`` offers the
+    worthiest chain), how many masks in which layout (fixed, or ``choose`` on the measured ``cost_model``
+    curve), the step padded to the cheapest measured width. Learns from what rows keep; owns each row's
+    statistics (``stats.RowStats``), the batch's ``DraftingFloor``, the cost curves and the plan counts.
+
+    Args:
+        model: the decoded model.
+        settings: the call's ``settings.MARSDecodingSettings`` (window, mask token, layout, planner, cost table,
+            cost probe, draft model's tokens).
+        pad_token_id: padding of idle rows and of a draft model's batched contexts.
+        assistant_model: a draft model (docs/method.md §5), or None.
     """
 
-    DECAY = 0.9
-    PRIOR = 0.5
-    PRIOR_WEIGHT = 1.0
-    GAIN_DECAY = 0.8
-    FIRST_PROBE_EVERY = 8
-    MAX_PROBE_EVERY = 64
+    def __init__(self, model, settings, *, pad_token_id: int, assistant_model=None):
+        self.model = model
+        self.window = settings.window
+        self.mask_token_id = settings.mask_token_id
+        self.pad_token_id = pad_token_id
+        self.layout = settings.layout or "auto"
+        self.threshold_planner = settings.planner
+        self.cost_given, self.cost_probe = settings.cost_table, settings.cost_probe
+        self.cost_tables: dict = {}  # batch bucket -> CostTable, filled at first need
+        self.unknown_buckets: set[int] = set()  # buckets no curve was known for when a fixed plan asked
+        self.position_limit = position_limit(model.config)
+        assistant = None
+        if assistant_model is not None:
+            assistant = AssistantDrafts(assistant_model, settings.assistant_tokens, pad_token_id, model.device)
+        # verify rows may also get prompt lookup's or a draft model's drafts (docs/method.md §5)
+        self.drafts = DraftChooser(
+            cost_table=self.cost_table, positions_left=lambda row: self._room(row)[1], assistant=assistant
+        )
+        self.stats: dict[int, RowStats] = {}  # row id -> what the planner has seen of the row
+        self.plan_counts: dict[str, int] = {}
+        self.floor = DraftingFloor()  # plain steps whenever this batch's drafting stops paying
 
-    def __init__(self, window: int):
-        self.reached = [0.0] * window
-        self.kept = [0.0] * window
-        self.predicted = [0.0] * window  # sum of the drafts' own probabilities where they were reached
-        self.proposed = [0.0] * window  # sum of the own probabilities of the drafts proposed lately
-        self.proposals = [0.0] * window
-        self.gain = 1.0
-        self.idle_steps = 0
-        self.probe_every = self.FIRST_PROBE_EVERY
-        self.probing = False  # masks were forced: their drafts are fed in full next step
-        self.steps = 0  # steps observed (``observe_step``), the prompt's included
-        self.last_sample: tuple[int, float, bool] | None = None  # the last step's (tokens, cost, drafted)
-        self.drafted_tokens = 0.0  # exponential sums over the row's drafting steps
-        self.drafted_cost = 0.0
-        self.drafted_steps = 0
-        self._checked = False  # mask drafts were checked since the last ``observe_step``
-
-    def future(self) -> list[float]:
-        """Chance that a fresh draft (or mask prediction) at each offset is kept, given the earlier ones."""
-        w, prior = self.PRIOR_WEIGHT, self.PRIOR
-        out = []
-        for j, (kept, reached) in enumerate(zip(self.kept, self.reached)):
-            count = self.proposals[j]
-            if count > 0:  # drafts proposed here: their own (rescaled) probabilities
-                scaled = self.calibrated([self.proposed[j] / count], offset=j)[0]
-                out.append((count * scaled + w * prior) / (count + w))
-            else:
-                out.append((kept + w * prior) / (reached + w))
-        return out
-
-    def propose(self, confidences: list[float]) -> None:
-        """The masks proposed drafts with these own probabilities (fed or not later)."""
-        for j in range(len(self.proposed)):
-            self.proposed[j] *= self.DECAY
-            self.proposals[j] *= self.DECAY
-        for j, c in enumerate(confidences[: len(self.proposed)]):
-            self.proposed[j] += c
-            self.proposals[j] += 1.0
-
-    def calibrated(self, confidences: list[float], offset: int = 0) -> list[float]:
-        """The drafts' own probabilities rescaled by observed ÷ predicted acceptance at their offsets
-        (``confidences[i]`` is at offset ``offset + i``)."""
-        w = self.PRIOR_WEIGHT * self.PRIOR
-        out = []
-        for i, c in enumerate(confidences):
-            j = offset + i
-            scale = (self.kept[j] + w) / (self.predicted[j] + w) if j < len(self.kept) else 1.0
-            out.append(min(1.0, max(0.0, c * scale)))
-        return out
-
-    def observe(self, fed: int, kept: int, confidences: list[float] | None = None) -> None:
-        """``fed`` drafts (or mask predictions) were checked; the first ``kept`` were kept."""
-        if fed <= 0:
-            return
-        self._checked = True
-        for j in range(len(self.reached)):
-            self.reached[j] *= self.DECAY
-            self.kept[j] *= self.DECAY
-            self.predicted[j] *= self.DECAY
-        for j in range(min(kept + 1, fed, len(self.reached))):
-            self.reached[j] += 1.0
-            self.kept[j] += 1.0 if j < kept else 0.0
-            if confidences is not None and j < len(confidences):
-                self.predicted[j] += confidences[j]
-
-    def start_probe(self) -> None:
-        """Masks were forced on this row: their drafts are fed in full next step; the next probe waits
-        twice as long unless the planner feeds masks of its own accord, where drafting pays, before it."""
-        self.probing = True
-        self.probe_every = min(2 * self.probe_every, self.MAX_PROBE_EVERY)
-
-    def observe_step(self, tokens: int, cost: float, fed_masks: bool, forced: bool = False) -> None:
-        """The row's gain (tokens per unit cost), its steps without masks and its drafting record
-        (``cost``: the step's measured cost relative to a plain step of the same batch)."""
-        rate = tokens / max(cost, 1e-9)
-        self.gain = self.GAIN_DECAY * self.gain + (1 - self.GAIN_DECAY) * rate
-        self.idle_steps = 0 if fed_masks else self.idle_steps + 1
-        checked, self._checked = self._checked, False
-        self.steps += 1
-        if self.steps == 1:  # the prompt's step: plain decoding pays for the prompt too
-            self.last_sample = None
-            return
-        drafted = bool(fed_masks or checked) and not forced
-        self.last_sample = (tokens, cost, drafted)
-        if not drafted:
-            return
-        decay = DraftingFloor.DECAY
-        self.drafted_tokens = decay * self.drafted_tokens + tokens
-        self.drafted_cost = decay * self.drafted_cost + cost
-        self.drafted_steps += 1
-        if fed_masks and self.drafting_pays():
-            self.probe_every = self.FIRST_PROBE_EVERY
-
-    def drafting_pays(self) -> bool:
-        """The row's own drafting steps (at least ``DraftingFloor.EVIDENCE``) gave more tokens than their
-        cost by ``DraftingFloor.MARGIN``."""
-        return (
-            self.drafted_steps >= DraftingFloor.EVIDENCE
-            and self.drafted_tokens >= (1.0 + DraftingFloor.MARGIN) * self.drafted_cost
+    # ------------------------------------------------------------------------------------- rows
+    def add_row(self, row) -> None:
+        """Start statistics for a new row (its lookup's if it uses prompt lookup, its draft model's if any)."""
+        lookup = row.settings.prompt_lookup_num_tokens if row.verify else None
+        assistant = self.drafts.assistant
+        self.stats[row.row_id] = RowStats(
+            AcceptanceStats(min(self.window, max(row.settings.max_new_tokens, 1))),
+            SourceStats(int(lookup)) if lookup else None,
+            SourceStats(assistant.num_tokens) if assistant is not None else None,
         )
 
-    def probe_due(self, spacing: float = 1.0) -> bool:
-        """Masks are due again (``spacing``: see ``probe_spacing``)."""
-        return self.idle_steps >= self.probe_every * spacing
+    def forget(self, row_id: int) -> None:
+        self.stats.pop(row_id, None)
 
+    # ------------------------------------------------------------------------------------- a step
+    def plan(self, rows, deciding) -> StepPlan:
+        """Each row's plan and fed drafts, the planner's specs and choices, the step's width and its relative cost.
 
-class DraftingFloor:
-    """A batch's floor: plain one-column steps of the same rows, on the same kernels, at the batch size it
-    runs (one per decoder: ``StepFeed.floor``).
-
-    Why: the planner's per-step estimates can be wrong in ways no single step shows (a draft's calibrated
-    probability a little above how often such drafts are kept, future checks that cost more than a row's
-    share of a batch's width), and at batch 4 on a steep CPU curve verify ran below one-token decoding.
-    So the floor keeps what the batch's drafting steps actually gave: over every row-step that drafted
-    (``AcceptanceStats.last_sample``), the tokens and the measured cost ratio of that forward over a plain
-    forward of the same batch (the cost curve of the batch's own bucket), as exponential averages with a
-    half-life of ``HALF_LIFE`` drafting steps, pooled over the rows (a row's own kept drafts swing from 0
-    to W step to step while every row pays the batch's width: judged alone, a row of a batch that paid
-    often looked as if it did not). While it is *open* the planner feeds what its estimates say pays;
-    *closed*, it feeds plain steps only (``choose(..., drafting=False)``) and forces no re-probe.
-
-    The rule (tokens ÷ cost of the drafting steps, ``T/C``):
-
-    - a batch with no evidence *explores*: it drafts as the planner's estimates say; after
-      ``FIRST_LOOK`` drafting steps it closes if ``T < EARLY·C`` (far below plain), and after
-      ``EVIDENCE`` it is *established* if ``T ≥ (1 + MARGIN)·C``, else it closes;
-    - an established batch closes when ``T < C`` (below plain; a ratio near the margin, re-tested
-      every step, would close on estimation noise);
-    - a closed batch re-opens to explore afresh after ``FIRST_WAIT`` to twice that many steps (at a
-      multiple of the wait), and every closing that follows exploration doubles the wait, up to
-      ``MAX_WAIT``; a batch established for ``HALF_LIFE`` drafting steps goes back to ``FIRST_WAIT``.
-
-    The loss this exploration can cost against plain steps is bounded: at most ``EVIDENCE`` drafting
-    steps per exploration (``FIRST_LOOK`` where drafting is far below plain), explorations at least
-    ``MAX_WAIT`` steps apart once they keep failing, so where drafting never pays the loss tends to
-    ``EVIDENCE · (cost(widest) − 1) / MAX_WAIT`` of plain decoding's time (< 2 % where the widest planned
-    step costs 1.5× one column), on top of the first exploration's ``EVIDENCE · (cost(widest) − 1)`` steps.
-    """
-
-    HALF_LIFE = 16  # drafting steps: long enough that runs of kept and rejected drafts average out
-    DECAY = 0.5 ** (1.0 / HALF_LIFE)
-    MARGIN = 0.05  # drafting must beat plain steps by this share of their cost to be established
-    FIRST_LOOK = 8  # drafting steps before a batch far below plain (``EARLY``) is closed
-    EARLY = 0.9
-    EVIDENCE = 16  # drafting steps before it is judged at 1 + MARGIN
-    FIRST_WAIT = 32
-    MAX_WAIT = 512
-
-    def __init__(self):
-        self.tokens = 0.0  # exponential sums over the batch's drafting steps (each row-step's tokens, cost)
-        self.cost = 0.0
-        self.drafting_steps = 0  # batch steps with a drafting row since the floor last opened
-        self.steps = 0  # batch steps observed
-        self.established = False
-        self.closed_until: int | None = None
-        self.wait = self.FIRST_WAIT
-
-    @property
-    def open(self) -> bool:
-        """The planner may feed drafts and masks (else plain steps only)."""
-        return self.closed_until is None
-
-    def observe(self, stats) -> None:
-        """A step ran; ``stats``: the ``AcceptanceStats`` of the rows the planner served in it."""
-        self.steps += 1
-        if not self.open:
-            if self.steps >= self.closed_until:  # explore afresh
-                self.closed_until, self.tokens, self.cost, self.drafting_steps = None, 0.0, 0.0, 0
-            return
-        samples = [s.last_sample for s in stats if s.last_sample is not None]
-        if not any(drafted for _, _, drafted in samples):
-            return
-        # every row of a drafting step counts, drafting or not: a row that rides along pays the width too
-        self.tokens = self.DECAY * self.tokens + sum(tokens for tokens, _, _ in samples) / len(samples)
-        self.cost = self.DECAY * self.cost + sum(cost for _, cost, _ in samples) / len(samples)
-        self.drafting_steps += 1
-        if self.drafting_steps < self.FIRST_LOOK:
-            return
-        if self.established:
-            least = 1.0
-        elif self.drafting_steps < self.EVIDENCE:
-            least = self.EARLY
+        Rows the planner serves (verify with ``layout="auto"``, τ rows with ``planner=True``) get their feed
+        from ``choose``, which needs the cost curve (measured at first need); the others keep a fixed plan and
+        only set a floor on the width. When no row could feed a mask or draft nothing is measured and nothing
+        padded: one-token decoding stays stock decoding, column for column. A step that carries masks runs at
+        the cheapest width of a known curve at least as wide as it needs (the padding replaces a fixed
+        minimum); fixed plans alone never start a probe for it (about two seconds, more than a short call of
+        the paper's fixed window could ever win back by padding).
+        """
+        stats = [self.stats[row.row_id] for row in rows]
+        offered = self.drafts.with_assistant(rows, [row.drafts for row in rows], stats, deciding)
+        plans, fed, specs = self._fixed_plans_and_specs(rows, deciding, offered, stats)
+        plans_steps = any(s.kind != FIXED and (s.max_masks > 0 or s.draft_probs) for s in specs)
+        if not plans_steps:
+            choices = [RowChoice() for _ in rows]
+            width = 1
+            pads = any(p is not None and p.group_columns for p in plans)
+            table = self.cost_table(len(rows), measure=False) if pads else None
         else:
-            least = 1.0 + self.MARGIN
-        if self.tokens < least * self.cost:
-            self.closed_until = (self.steps // self.wait + 2) * self.wait
-            if not self.established:  # an exploration that failed: the next one waits twice as long
-                self.wait = min(2 * self.wait, self.MAX_WAIT)
-            self.established = False
-            return
-        if self.drafting_steps >= self.EVIDENCE:
-            self.established = True
-            if self.drafting_steps >= self.EVIDENCE + self.HALF_LIFE:
-                self.wait = self.FIRST_WAIT
+            table = self.cost_table(len(rows))
+            if all(spec.base <= 1 for spec in specs) and unit_due(self.model, table, len(rows)):
+                return self._unit_step(rows, deciding, plans, fed, specs)
+            # lookup drafts may outnumber the window: the grid then allows that many
+            longest = max((len(s.draft_probs) for s in specs if s.kind == AUTO), default=0)
+            width, choices = choose(specs, table.effective, max(self.window, longest), drafting=self.floor.open)
+        for i, (row, spec) in enumerate(zip(rows, specs)):  # the planner's rows get the plans it chose
+            if spec.kind != FIXED:
+                plans[i], fed[i] = self._chosen_plan(row, offered[i], choices[i])
+            self._count(choices[i].kind if spec.kind != FIXED else "fixed", deciding[i])
+        width = max(width, max(len(p.tokens) for p in plans))
+        if table is not None and any(p.group_columns for p in plans):
+            width = table.padded_width(width)
+        cost = table.cost(width) if table is not None else 1.0
+        return StepPlan(plans, fed, specs, choices, width, cost)
 
+    def _unit_step(self, rows, deciding, plans, fed, specs) -> StepPlan:
+        """A plain step for the planner's rows, to re-time one column where the planner has long run only
+        wider steps (``cost_model.unit_due``); only where every row then feeds one column. Its rows learn
+        nothing from it (fixed specs): a step they did not choose says nothing of their drafts or gain."""
+        for i, (row, spec) in enumerate(zip(rows, specs)):
+            if spec.kind != FIXED:
+                plans[i], fed[i] = self._chosen_plan(row, NO_DRAFTS, RowChoice())
+                specs[i] = RowSpec(FIXED, 1)
+            self._count("unit", deciding[i])
+        return StepPlan(plans, fed, specs, [RowChoice() for _ in rows], 1, 1.0)
 
-PROBE_SHARE = 0.025  # re-probes that find nothing may cost at most this share of decoding time
+    def _count(self, kind: str, decides: bool) -> None:
+        if decides:
+            self.plan_counts[kind] = self.plan_counts.get(kind, 0) + 1
 
+    def _fixed_plans_and_specs(self, rows, deciding, offered, stats):
+        """Fixed rows' plans and fed drafts (None for the planner's rows) and every row's spec; prompt lookup's
+        drafts replace the offer first where they are worth more (``offered`` is updated in place)."""
+        plans, fed, specs = [], [], []
+        known = self.cost_tables.get(batch_bucket(len(rows)))  # none before the first step with masks
+        spacing = probe_spacing(known.effective) if known is not None else 1.0
+        for i, (row, decides) in enumerate(zip(rows, deciding)):
+            if decides and stats[i].lookup is not None:
+                offered[i] = self.drafts.with_lookup(row, offered[i], stats[i], len(rows))
+            kind = self._kind(row, offered[i]) if decides else FIXED
+            if kind == FIXED:
+                plan, feed = self._fixed_plan(row, offered[i]) if decides else (idle_plan(self.pad_token_id), NO_DRAFTS)
+                plans.append(plan)
+                fed.append(feed)
+                specs.append(RowSpec(FIXED, len(plan.tokens)))
+            else:
+                plans.append(None)
+                fed.append(None)
+                specs.append(self._row_spec(row, offered[i], stats[i], kind, spacing))
+        return plans, fed, specs
 
-def probe_spacing(cost) -> float:
-    """How much further apart than ``AcceptanceStats.probe_every`` steps re-probes go on this cost curve.
+    def _kind(self, row, offered: Drafts) -> str:
+        """Verify rows, sampled ones too, may take any feed: what they keep never depends on it (a sampled
+        row's draws are keyed to its seed and positions, ``sampling.py``)."""
+        if row.verify:
+            return AUTO if self.layout == "auto" else FIXED
+        return THRESHOLD if (self.threshold_planner and row.window and not offered) else FIXED
 
-    A probe is two wider steps (one mask, then its draft), ``2·(cost(2) − 1)`` more than two plain
-    steps: free on a flat curve (an accelerator), 1.4 steps' worth where two columns cost 1.7× one
-    (a memory-bound CPU in float32). Spaced so that probes finding nothing never cost more than
-    ``PROBE_SHARE`` of the steps between them, worthless drafts decode at stock speed everywhere.
-    """
-    extra = 2.0 * max(0.0, cost(2) - 1.0)
-    return max(1.0, extra / (PROBE_SHARE * AcceptanceStats.FIRST_PROBE_EVERY))
+    def _room(self, row) -> tuple[int, int]:
+        """``(masks at most, drafts + masks at most)``: the window, the tokens left (a mask past them
+        predicts a token that can never be kept), and the model's positions left (masks and drafts sit
+        past the real tokens; an absolute-position model must never see a position past its table)."""
+        remaining = row.settings.max_new_tokens - row.generated
+        extra = self.position_limit - len(row.tokens) if self.position_limit else remaining + self.window
+        return max(0, min(row.window, remaining - 1, extra)), max(0, extra)
+
+    def _fixed_plan(self, row, offered: Drafts) -> tuple[RowPlan, Drafts]:
+        """The paper's feed: every draft and full groups of W masks, capped by ``_room``. A τ row's
+        drafts are a draft model's (§5): a group of masks after every draft prefix."""
+        max_masks, extra = self._room(row)
+        feed = offered.first(extra)
+        masks = min(max_masks, extra - len(feed))
+        if row.verify:
+            layout = self.layout if self.layout != "auto" else "linear"
+        else:
+            layout = "quadratic" if feed else "linear"
+        return self._row_plan(row, feed, masks, layout), feed
+
+    def _row_spec(self, row, offered: Drafts, stats: RowStats, kind, spacing: float) -> RowSpec:
+        max_masks, extra = self._room(row)
+        masks = stats.masks
+        if masks.probing and not offered:
+            masks.probing = False  # the probe proposed nothing (a floor, a stop): nothing to check
+        return RowSpec(
+            kind,
+            base=len(row.tokens) - row.committed + (0 if row.prefilled else row.lead),
+            draft_probs=self.drafts.draft_probs(offered, stats, row.do_sample) if kind == AUTO else [],
+            future=masks.future(),
+            gain=max(1.0, masks.gain),
+            max_masks=max_masks,
+            max_extra=extra,
+            force_masks=masks.probe_due(spacing),
+            force_drafts=masks.probing and bool(offered),
+        )
+
+    def _chosen_plan(self, row, offered: Drafts, choice: RowChoice) -> tuple[RowPlan, Drafts]:
+        feed = offered.first(choice.drafts)
+        return self._row_plan(row, feed, choice.masks, "quadratic" if choice.quadratic else "linear"), feed
+
+    def _row_plan(self, row, feed: Drafts, masks: int, layout: str) -> RowPlan:
+        return plan_row(
+            row.tokens[row.committed :],
+            list(feed.tokens),  # a τ row's are a draft model's (§5)
+            masks,
+            self.mask_token_id,
+            layout,
+            lead=0 if row.prefilled else row.lead,
+            pad_token_id=self.pad_token_id,
+        )
+
+    # ------------------------------------------------------------------------------------- learning
+    def learn(self, rows, plan: StepPlan, decisions: dict, proposed: dict) -> None:
+        """Update the planner's view of each row it served: acceptance per offset, gain, re-probes (prompt
+        lookup's and a draft model's acceptance apart from the masks', whatever the layout). ``decisions``:
+        ``acceptance.Decision`` per deciding row; ``proposed``: the mask drafts each row now holds."""
+        served = []
+        for i, (row, spec, choice) in enumerate(zip(rows, plan.specs, plan.choices)):
+            if i not in decisions:
+                continue
+            stats, fed, decision = self.stats[row.row_id], plan.fed[i], decisions[i]
+            if fed.source != MASKS:
+                stats.of(fed.source).observe(*self.drafts.source_outcome(fed, decision.drafts_kept))
+            if spec.kind == FIXED:
+                continue
+            masks = stats.masks
+            if spec.kind == AUTO:
+                served.append(masks)
+                confidence = list(fed.confidence)
+                if fed.source == MASKS:  # the other sources' acceptance was counted above
+                    masks.observe(choice.drafts, decision.drafts_kept, confidence)
+                elif fed.source == CHAINED:  # its mask drafts, as the masks' own
+                    head = len(confidence)
+                    masks.observe(min(choice.drafts, head), min(decision.drafts_kept, head), confidence)
+                fresh = proposed.get(i)
+                if choice.masks and fresh and not row.do_sample:
+                    # what this step's masks proposed values fresh drafts, checked or not (greedy only:
+                    # sampled drafts are valued by their observed acceptance, ``DraftChooser.draft_probs``)
+                    masks.propose(list(fresh.confidence))
+            else:  # τ rows: how many mask predictions passed τ
+                masks.observe(choice.masks, max(len(decision.tokens) - 1, 0))
+            if spec.force_drafts:
+                masks.probing = False
+            elif spec.force_masks and choice.masks:
+                masks.start_probe()
+            forced = spec.force_masks or spec.force_drafts
+            masks.observe_step(len(decision.tokens), plan.cost, fed_masks=choice.masks > 0, forced=forced)
+        self.floor.observe(served)
+
+    # ------------------------------------------------------------------------------------- cost curves
+    def measure_costs(self, max_rows: int) -> None:
+        """Measure the cost curves of every batch bucket up to ``max_rows`` now (a server at start-up),
+        instead of at the first step that needs each (about 2 s at most per bucket, once per process)."""
+        for rows in sorted({batch_bucket(n) for n in range(1, max_rows + 1)}):
+            self.cost_table(rows)
+
+    def observe_forward(self, rows: int, width: int, seconds: float) -> None:
+        """A decode step of ``rows`` rows ran ``width`` columns in ``seconds``: the batch's measured curve
+        learns from it (``cost_model.observe``), once one is in use."""
+        bucket = batch_bucket(rows)
+        table = self.cost_tables.get(bucket)
+        if table is not None:
+            self.cost_tables[bucket] = observe(self.model, table, width, seconds, rows)
+
+    def cost_table(self, rows: int, measure: bool = True):
+        """The cost curve of a batch of ``rows`` rows (its bucket's), measured or read at first need
+        (``measure=False``: only one already known to the process or on disk, else None).
+
+        A bucket smaller than one already in use is reached as rows finish: it is not measured then (a
+        probe of about two seconds in the middle of a call, once per bucket, where a batch of four decodes
+        64 tokens in four seconds on a 2-core CPU). It takes the process's curve if one is known, else
+        borrows the smallest larger bucket's (a batch's curve is steeper than a smaller batch's, so the
+        tail of the call feeds no more than pays); a later call that *starts* at that size measures it.
+        """
+        bucket = batch_bucket(rows)
+        table = self.cost_tables.get(bucket)
+        if table is None and (measure or bucket not in self.unknown_buckets):
+            larger = [b for b in self.cost_tables if b > bucket]
+            table = curve_for(
+                self.model,
+                batch_size=rows,
+                window=self.window,
+                mask_token_id=self.mask_token_id,
+                given=self.cost_given,
+                probe=self.cost_probe,
+                known_only=bool(larger) or not measure,
+            )
+            if table is None and larger:
+                lender = self.cost_tables[min(larger)]
+                table = replace(lender, source="borrowed", batch=bucket)
+            if table is None:
+                self.unknown_buckets.add(bucket)  # asked again only by a step that measures
+            else:
+                self.cost_tables[bucket] = table
+        return table

@@ -19,7 +19,7 @@ from .acceptance import ACCEPTANCE_RULES, one_token_per_step
 from .cache import CACHE_SCHEMES
 from .cost_model import CostTable
 from .cpu_kernels import CPU_KERNEL_MODES, DEFAULT_CPU_KERNELS
-from .draft_sources import DEFAULT_MAX_NGRAM
+from .drafts import DEFAULT_MAX_NGRAM
 from .layouts import LAYOUT_CHOICES, position_limit
 
 DEFAULT_CACHE_BLOCK = 16
@@ -52,7 +52,8 @@ class MARSDecodingSettings:
     """The MARS settings of one ``generate`` call, resolved and checked (build with ``resolve``).
 
     Attributes:
-        thresholds: τ per batch row (``mars_threshold``); None for a verify row without a proposal floor.
+        thresholds: τ per batch row (``mars_threshold``); None for a verify row without a proposal floor. Empty
+            for a decoder whose rows bring their own τ (``decoder.RowSettings``: a server's).
         window: W (``mars_block_size``), capped by the tokens to generate (a mask past them is never kept).
         mask_token_id: ``mars_mask_token_id``, else ``config.mars["mask_token_id"]``.
         acceptance: ``mars_acceptance``: ``"probability"``, ``"entropy"``, ``"margin"`` or ``"verify"``.
@@ -65,9 +66,9 @@ class MARSDecodingSettings:
         assistant_tokens: ``num_assistant_tokens`` of a draft model (``assistant_model=``).
     """
 
-    thresholds: tuple[float | None, ...]
     window: int
     mask_token_id: int
+    thresholds: tuple[float | None, ...] = ()
     acceptance: str = "probability"
     cache: str = "cursor"
     cache_block: int = DEFAULT_CACHE_BLOCK
@@ -79,6 +80,28 @@ class MARSDecodingSettings:
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int = DEFAULT_MAX_NGRAM
     assistant_tokens: int = DEFAULT_ASSISTANT_TOKENS
+
+    def __post_init__(self):
+        """Every construction is checked here, once (``resolve`` or a server's own): the decoder, the planner
+        and the rules read the settings without checking them again."""
+        check_choice("mars_acceptance", self.acceptance)
+        check_choice("mars_cache", self.cache)
+        check_layout(self.layout)
+        check_cost_table(self.cost_table)
+        check_choice("mars_cpu_kernels", self.cpu_kernels)
+        check_window(self.window)
+        if not isinstance(self.cache_block, numbers.Integral) or self.cache_block < 1:
+            raise ValueError(f"`mars_cache_block` (C) must be an integer >= 1, got {self.cache_block!r}.")
+        if self.assistant_tokens < 1:
+            raise ValueError(f"`num_assistant_tokens` must be >= 1, got {self.assistant_tokens}.")
+
+    @classmethod
+    def for_model(cls, model, **fields) -> MARSDecodingSettings:
+        """Settings for a decoder driven row by row (a server): W and the mask token from ``config.mars``
+        (or ``enable_mars``), anything else from ``fields``."""
+        fields.setdefault("window", resolve_window(model, None))
+        fields.setdefault("mask_token_id", resolve_mask_token(model, None))
+        return cls(**fields)
 
     @classmethod
     def resolve(
@@ -129,8 +152,9 @@ class MARSDecodingSettings:
 
     @property
     def one_token_per_step(self) -> bool:
-        """Every row keeps exactly one token per step (τ >= 1 with probability or margin): no masks."""
-        return all(one_token_per_step(self.acceptance, tau) for tau in self.thresholds)
+        """Every row keeps exactly one token per step (τ >= 1 with probability or margin): no masks. False
+        without per-row τ (a server's settings: each row brings its own)."""
+        return bool(self.thresholds) and all(one_token_per_step(self.acceptance, tau) for tau in self.thresholds)
 
     @property
     def decoder_cache(self) -> str:

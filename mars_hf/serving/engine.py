@@ -22,10 +22,9 @@ import torch
 
 from mars_hf.decoding.acceptance import POSITION_FREE_PROCESSORS, ScoreProcessing
 from mars_hf.decoding.cpu_kernels import packed_linears
-from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings, RowUpdate
-from mars_hf.decoding.rows import sampling_processors
+from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings, RowUpdate, sampling_processors
 from mars_hf.decoding.sampling import draw_seed
-from mars_hf.decoding.settings import model_defaults
+from mars_hf.decoding.settings import MARSDecodingSettings, model_defaults
 from mars_hf.serving.processors import model_processors, token_buffer, unapplied_settings
 
 logger = logging.getLogger(__name__)
@@ -152,16 +151,17 @@ class DecoderEngine:
                 "sampling fields).",
                 ", ".join(ignored),
             )
+        # every row brings its own τ and acceptance (``RowSettings``): the decoder's settings carry none
+        settings = MARSDecodingSettings(
+            thresholds=(), window=self.window, mask_token_id=self.mask_token_id, cache=cache, cpu_kernels=cpu_kernels
+        )
         self._make_decoder = lambda kv_cache=None: MARSBatchDecoder(
             model,
+            settings,
             max_rows=max_rows,
             max_length=max_length,
-            window=int(mars["block_size"]),
-            mask_token_id=self.mask_token_id,
             pad_token_id=int(pad if pad is not None else 0),
-            cache=cache,
             kv_cache=kv_cache,
-            cpu_kernels=cpu_kernels,
         )
         with torch.inference_mode():
             self.decoder = self._make_decoder()
