@@ -1035,3 +1035,34 @@ def test_the_decoders_floor_sees_every_step_and_a_closed_floor_decodes_plain(tok
     monkeypatch.setattr(DraftingFloor, "open", property(lambda self: False))  # closed for the whole call
     plain = _verify(model, encoded, FLAT, max_new_tokens=24)
     assert torch.equal(plain.sequences, stock) and max(plain.forward_widths[1:].tolist()) == 1
+
+
+def test_the_floor_of_a_measured_curve_is_shared_by_later_calls(tok, monkeypatch):
+    """One floor per model and measured curve, kept across calls: a second call continues the first one's
+    floor (its step count goes on), and a floor that an earlier call closed keeps a later call on plain steps
+    from its first step, where the same model's good masks otherwise draft. A given curve (a reproducible
+    plan) keeps each call's own floor: nothing is shared. The output is stock greedy's throughout."""
+    from mars_hf.decoding import planner
+
+    model = peaked_model("llama")
+    curve = {1: 1.0, 2: 1.05, 9: 1.3, 10: 4.0, 64: 40.0}
+    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(planner, "_FLOORS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(cost_model, "measure", lambda model, *, batch, **_: CostTable.from_mapping(curve, "measured", batch))
+    monkeypatch.setattr(planner, "observe", lambda model, table, width, seconds, rows=None: table)
+    encoded = tok(["the cat sat on the"], return_tensors="pt")
+    stock = model.generate(**encoded, max_new_tokens=24, do_sample=False)
+
+    def wide_steps(table=None):
+        out = _verify(model, encoded, table, max_new_tokens=24)
+        assert torch.equal(out.sequences, stock)
+        return sum(w > 1 for w in out.forward_widths[1:].tolist()), len(out.forward_widths)
+
+    assert wide_steps()[0] > 0  # these masks draft on this curve
+    (floor,) = planner._FLOORS[model].values()
+    before = floor.steps
+    _, forwards = wide_steps()
+    assert floor.steps == before + forwards and list(planner._FLOORS[model].values()) == [floor]
+    floor.closed_until = floor.steps + 10_000  # as if earlier calls had found that drafting does not pay here
+    assert wide_steps()[0] == 0
+    assert wide_steps(curve)[0] > 0 and list(planner._FLOORS[model].values()) == [floor]  # given: its own floor

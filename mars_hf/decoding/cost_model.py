@@ -461,6 +461,13 @@ def _observed(model, table: CostTable, create: bool = False) -> tuple:
     return observed, per_model, key
 
 
+def curve_key(model, table: CostTable) -> tuple | None:
+    """The process's key of ``table`` (device, dtype, threads, batch, sizes, hooks, kernels), or None for a
+    given, flat, borrowed or handed-over curve: what else is learnt of decoding this model on this machine at
+    this batch size may be kept under it for later calls (``planner.StepPlanner``'s drafting floor)."""
+    return _observed(model, table)[2]
+
+
 def observe(model, table: CostTable, width: int, seconds: float, rows: int | None = None) -> CostTable:
     """Record that a forward of ``rows`` rows (default: the table's batch) of ``width`` columns per sequence
     took ``seconds`` where ``table`` was the curve in use; returns the curve to use from now on (the same one

@@ -38,10 +38,11 @@ plain steps the planner feeds plain steps only, exploring again at spaced, bound
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from .cost_model import batch_bucket, observe, unit_due
+from .cost_model import batch_bucket, curve_key, observe, unit_due
 from .cost_model import cost_table as curve_for
 from .drafts import CHAINED, MASKS, NO_DRAFTS, AssistantDrafts, DraftChooser, Drafts
 from .layouts import RowPlan, idle_plan, plan_row, position_limit
@@ -203,7 +204,7 @@ def _cumulative(rates: list[float], count: int) -> list[float]:
 @dataclass
 class StepPlan:
     """One step's feed: each row's plan and the drafts it feeds, the planner's specs and choices, the step's
-    width and its relative cost."""
+    width, its relative cost and the drafting floor it was planned under."""
 
     plans: list[RowPlan]
     fed: list[Drafts]
@@ -211,6 +212,26 @@ class StepPlan:
     choices: list[RowChoice]
     width: int
     cost: float
+    floor: DraftingFloor
+
+
+# model -> {measured curve's key: DraftingFloor}: what drafting gave on this machine, kept across calls
+_FLOORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def drafting_floor(model, table, fallback: DraftingFloor) -> DraftingFloor:
+    """The floor of a batch decoded on ``table``: one per model and measured curve (the batch size, dtype,
+    threads and kernels it was measured for), shared by every call and decoder of the process, so a call
+    starts from what earlier calls found (where drafting did not pay, a short call would otherwise spend its
+    first dozen steps finding that out again). A given or flat curve (``mars_cost_table=``, a reproducible
+    plan) keeps the caller's own ``fallback``."""
+    key = curve_key(model, table) if table is not None else None
+    if key is None:
+        return fallback
+    floors = _FLOORS.setdefault(model, {})
+    if key not in floors:
+        floors[key] = DraftingFloor()
+    return floors[key]
 
 
 class StepPlanner:
@@ -247,7 +268,7 @@ class StepPlanner:
         )
         self.stats: dict[int, RowStats] = {}  # row id -> what the planner has seen of the row
         self.plan_counts: dict[str, int] = {}
-        self.floor = DraftingFloor()  # plain steps whenever this batch's drafting stops paying
+        self.floor = DraftingFloor()  # for given curves; a measured one's is shared (``drafting_floor``)
 
     # ------------------------------------------------------------------------------------- rows
     def add_row(self, row) -> None:
@@ -279,6 +300,7 @@ class StepPlanner:
         offered = self.drafts.with_assistant(rows, [row.drafts for row in rows], stats, deciding)
         plans, fed, specs = self._fixed_plans_and_specs(rows, deciding, offered, stats)
         plans_steps = any(s.kind != FIXED and (s.max_masks > 0 or s.draft_probs) for s in specs)
+        floor = self.floor
         if not plans_steps:
             choices = [RowChoice() for _ in rows]
             width = 1
@@ -286,11 +308,12 @@ class StepPlanner:
             table = self.cost_table(len(rows), measure=False) if pads else None
         else:
             table = self.cost_table(len(rows))
+            floor = drafting_floor(self.model, table, self.floor)
             if all(spec.base <= 1 for spec in specs) and unit_due(self.model, table, len(rows)):
-                return self._unit_step(rows, deciding, plans, fed, specs)
+                return self._unit_step(rows, deciding, plans, fed, specs, floor)
             # lookup drafts may outnumber the window: the grid then allows that many
             longest = max((len(s.draft_probs) for s in specs if s.kind == AUTO), default=0)
-            width, choices = choose(specs, table.effective, max(self.window, longest), drafting=self.floor.open)
+            width, choices = choose(specs, table.effective, max(self.window, longest), drafting=floor.open)
         for i, (row, spec) in enumerate(zip(rows, specs)):  # the planner's rows get the plans it chose
             if spec.kind != FIXED:
                 plans[i], fed[i] = self._chosen_plan(row, offered[i], choices[i])
@@ -299,9 +322,9 @@ class StepPlanner:
         if table is not None and any(p.group_columns for p in plans):
             width = table.padded_width(width)
         cost = table.cost(width) if table is not None else 1.0
-        return StepPlan(plans, fed, specs, choices, width, cost)
+        return StepPlan(plans, fed, specs, choices, width, cost, floor)
 
-    def _unit_step(self, rows, deciding, plans, fed, specs) -> StepPlan:
+    def _unit_step(self, rows, deciding, plans, fed, specs, floor) -> StepPlan:
         """A plain step for the planner's rows, to re-time one column where the planner has long run only
         wider steps (``cost_model.unit_due``); only where every row then feeds one column. Its rows learn
         nothing from it (fixed specs): a step they did not choose says nothing of their drafts or gain."""
@@ -310,7 +333,7 @@ class StepPlanner:
                 plans[i], fed[i] = self._chosen_plan(row, NO_DRAFTS, RowChoice())
                 specs[i] = RowSpec(FIXED, 1)
             self._count("unit", deciding[i])
-        return StepPlan(plans, fed, specs, [RowChoice() for _ in rows], 1, 1.0)
+        return StepPlan(plans, fed, specs, [RowChoice() for _ in rows], 1, 1.0, floor)
 
     def _count(self, kind: str, decides: bool) -> None:
         if decides:
@@ -432,7 +455,7 @@ class StepPlanner:
                 masks.start_probe()
             forced = spec.force_masks or spec.force_drafts
             masks.observe_step(len(decision.tokens), plan.cost, fed_masks=choice.masks > 0, forced=forced)
-        self.floor.observe(served)
+        plan.floor.observe(served)
 
     # ------------------------------------------------------------------------------------- cost curves
     def measure_costs(self, max_rows: int) -> None:
