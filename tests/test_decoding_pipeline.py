@@ -28,7 +28,17 @@ from tests.tiny import tiny_model, tiny_tokenizer
 DECODING = Path(__file__).resolve().parents[1] / "mars_hf" / "decoding"
 PIPELINE = ("generation", "decoder", "planner", "drafts", "acceptance")
 # what the five call: each makes no decision of a step, and calls none of the five
-HELPERS = ("layouts", "cost_model", "stats", "sampling", "cache", "calibration", "settings", "cpu_kernels", "home")
+HELPERS = (
+    "layouts",
+    "cost_model",
+    "stats",
+    "sampling",
+    "cache",
+    "calibration",
+    "settings",
+    "cpu_kernels",
+    "home",
+)
 # a row's state, as the decoder keeps it between steps
 ROW_FIELDS = {"tokens", "drafts", "committed", "prefilled", "finished", "tau", "window", "floor", "noise"}
 

@@ -26,7 +26,16 @@ from transformers import StoppingCriteriaList
 from mars_hf.decoding import cost_model
 from mars_hf.decoding.cost_model import CostTable
 from mars_hf.decoding.generation import enable_mars
-from mars_hf.decoding.planner import AUTO, FIXED, THRESHOLD, RowChoice, RowSpec, StepPlanner, choose, plan_width
+from mars_hf.decoding.planner import (
+    AUTO,
+    FIXED,
+    THRESHOLD,
+    RowChoice,
+    RowSpec,
+    StepPlanner,
+    choose,
+    plan_width,
+)
 from mars_hf.decoding.settings import MARSDecodingSettings
 from mars_hf.decoding.stats import PROBE_SHARE, AcceptanceStats, DraftingFloor, probe_spacing
 from tests.test_generation import StopOnToken, _batch, peaked_model

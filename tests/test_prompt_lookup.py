@@ -20,8 +20,8 @@ from mars_hf.decoding.acceptance import verify_drafts
 from mars_hf.decoding.cost_model import CostTable
 from mars_hf.decoding.drafts import DraftChooser, lookup_drafts
 from mars_hf.decoding.generation import enable_mars
-from mars_hf.decoding.stats import AcceptanceStats, RowStats, SourceStats
 from mars_hf.decoding.sampling import gumbel_noise
+from mars_hf.decoding.stats import AcceptanceStats, RowStats, SourceStats
 from tests.test_generation import peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 

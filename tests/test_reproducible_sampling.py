@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings
-from mars_hf.decoding.settings import MARSDecodingSettings
 from mars_hf.decoding.sampling import gumbel_noise, position_seed
+from mars_hf.decoding.settings import MARSDecodingSettings
 from tests.test_generation import PROMPTS, _batch, peaked_model
 from tests.tiny import tiny_tokenizer
 

@@ -20,8 +20,8 @@ from transformers.generation.logits_process import (
 )
 
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings
-from mars_hf.decoding.settings import MARSDecodingSettings
 from mars_hf.decoding.generation import enable_mars
+from mars_hf.decoding.settings import MARSDecodingSettings
 from tests.bare_venv import run_in_bare_venv
 from tests.test_generation import PEAKED_ARCHS, PROMPTS, SCHEMES, Recorder, StopOnToken, _batch, peaked_model
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer

@@ -102,7 +102,9 @@ class ScoreProcessing:
                 scores = self._by_prefix(processors, scores, rows, lengths)
         return scores
 
-    def _by_prefix(self, processors, scores: torch.Tensor, rows: list[int], lengths: list[int]) -> torch.Tensor:
+    def _by_prefix(
+        self, processors, scores: torch.Tensor, rows: list[int], lengths: list[int]
+    ) -> torch.Tensor:
         """``processors`` applied to each prefix length's predictions, on the token buffer cut to that length
         (rows outside the group hold zeros and are not read back: a processor may keep state per row)."""
         groups: dict[int, list[int]] = {}
@@ -203,7 +205,9 @@ class StepLogits:
     def __init__(self, logits, where, *, stopping_criteria=None, score_records=None, calibration=None):
         self.logits = logits
         self.where = where  # chunk column -> index in ``logits``' second dimension
-        self.calibration = calibration  # calibration.ConfidenceCalibration: mask k's probability -> P(own token)
+        self.calibration = (
+            calibration  # calibration.ConfidenceCalibration: mask k's probability -> P(own token)
+        )
         self.stopping_criteria = stopping_criteria
         self.score_records = score_records
 
@@ -293,7 +297,9 @@ def decide(step: StepLogits, rows, plans, fed, deciding) -> dict[int, Decision]:
     return decisions
 
 
-def decide_threshold(step: StepLogits, rows, plans, fed, members, anchors: dict | None = None) -> dict[int, Decision]:
+def decide_threshold(
+    step: StepLogits, rows, plans, fed, members, anchors: dict | None = None
+) -> dict[int, Decision]:
     """Prediction 0 and the masks' predictions; keep while confident (docs/method.md §2).
 
     ``anchors``: rows that fed a draft model's drafts (§5 with τ) map to ``(kept, token, scores, logits)``:
@@ -305,7 +311,9 @@ def decide_threshold(step: StepLogits, rows, plans, fed, members, anchors: dict 
     decisions = {}
     for group in _groups(rows, members, lambda r: (id(r.processing), r.do_sample, r.metric)):
         kept_of = {i: anchors[i][0] if i in anchors else 0 for i in group}
-        raw, scores, spans, chosen_all, values = _threshold_predictions(step, rows, plans, group, kept_of, anchors)
+        raw, scores, spans, chosen_all, values = _threshold_predictions(
+            step, rows, plans, group, kept_of, anchors
+        )
         metric = rows[group[0]].metric
         for i, (start, count) in zip(group, spans):
             row, kept = rows[i], kept_of[i]
@@ -332,7 +340,9 @@ def _threshold_predictions(step, rows, plans, group, kept_of, anchors):
 
     def columns(i):
         plan, kept = plans[i], kept_of[i]
-        return plan.check_columns[kept : kept + 1] + (plan.group_columns.get(kept, []) if rows[i].window else [])
+        return plan.check_columns[kept : kept + 1] + (
+            plan.group_columns.get(kept, []) if rows[i].window else []
+        )
 
     raw, spans = step.gather_spans(group, columns)
     forced = {start: anchors[i][1] for i, (start, _) in zip(group, spans) if i in anchors}
@@ -373,7 +383,9 @@ def _choose_in_order(step, rows, group, spans, raw, processing, kept_of, forced)
                 chosen[position] = forced[k]
         scores[flat] = picked
         tokens[flat] = chosen
-        step.write(processing, [(rows[i], rows[i].column + kept_of[i] + j) for i, _ in active], chosen.tolist())
+        step.write(
+            processing, [(rows[i], rows[i].column + kept_of[i] + j) for i, _ in active], chosen.tolist()
+        )
     return scores, tokens
 
 

@@ -193,7 +193,9 @@ class MARSBatchDecoder:
         self.window = window = settings.window
         self.pad_token_id = pad_token_id
         self.scheme = make_scheme(settings.decoder_cache, settings.cache_block)
-        self.planner = StepPlanner(model, settings, pad_token_id=pad_token_id, assistant_model=assistant_model)
+        self.planner = StepPlanner(
+            model, settings, pad_token_id=pad_token_id, assistant_model=assistant_model
+        )
         self.kv = None
         if self.scheme.uses_cache:
             capacity = max_length + min(window * (window + 2), _STEP_CAPACITY) + 8
@@ -207,7 +209,9 @@ class MARSBatchDecoder:
         self.score_records: list | None = None  # set to a list to keep (row, start, scores, logits)
         self._next_id = 0
         self._dtype = next(model.parameters()).dtype
-        self.calibration = calibration_for(model, window)  # None: raw confidences (no config.mars calibration)
+        self.calibration = calibration_for(
+            model, window
+        )  # None: raw confidences (no config.mars calibration)
         # A CPU forward ends when its call returns, so its wall time is its cost: the measured curve learns
         # from it. (On an accelerator, timing would need a synchronisation per step; its curve is flat.)
         self._times_forwards = self.device.type == "cpu" and self.kv is not None
@@ -343,7 +347,8 @@ class MARSBatchDecoder:
             return [RowUpdate(r.row_id, [], True, "length") for r in rows]
         self.scheme.begin_step([len(r.tokens) - r.committed for r in live if r.prefilled])
         deciding = [
-            not row.finished and (not row.prefilled or self.scheme.participates(len(row.tokens) - row.committed))
+            not row.finished
+            and (not row.prefilled or self.scheme.participates(len(row.tokens) - row.committed))
             for row in rows
         ]
         plan = self.planner.plan(rows, deciding)
@@ -374,9 +379,12 @@ class MARSBatchDecoder:
         for members in groups.values():
             source = MaskDrafts(step, plan.plans, rows[members[0]].processing)
             rooms = [
-                rows[i].settings.max_new_tokens - rows[i].generated - len(decisions[i].tokens) - 1 for i in members
+                rows[i].settings.max_new_tokens - rows[i].generated - len(decisions[i].tokens) - 1
+                for i in members
             ]
-            found = source.propose([rows[i] for i in members], rooms, [(i, decisions[i].proposes_after) for i in members])
+            found = source.propose(
+                [rows[i] for i in members], rooms, [(i, decisions[i].proposes_after) for i in members]
+            )
             proposed.update(zip(members, found))
         return proposed
 
@@ -395,7 +403,9 @@ class MARSBatchDecoder:
             reason = "length"
         row.finished = reason is not None
         row.drafts = NO_DRAFTS if row.finished or proposed is None else proposed
-        return RowUpdate(row.row_id, decision.tokens, row.finished, reason, len(fed), decision.drafts_kept, fed.source)
+        return RowUpdate(
+            row.row_id, decision.tokens, row.finished, reason, len(fed), decision.drafts_kept, fed.source
+        )
 
     # ------------------------------------------------------------------------------- the forward
     def _forward(self, rows, plan: StepPlan, deciding, first):

@@ -91,7 +91,11 @@ class MaskDrafts:
     name = MASKS
 
     def __init__(self, step, plans, processing):
-        self.step, self.plans, self.processing = step, plans, processing  # acceptance.StepLogits, layouts.RowPlan
+        self.step, self.plans, self.processing = (
+            step,
+            plans,
+            processing,
+        )  # acceptance.StepLogits, layouts.RowPlan
 
     def propose(self, rows, rooms, groups: Sequence[tuple[int, int]] = ()) -> list[Drafts]:
         """``groups[i]``: ``(index in the step, drafts kept)`` of ``rows[i]``: its drafts are the mask group
@@ -99,7 +103,9 @@ class MaskDrafts:
         if not rows:
             return []
         kept, kept_at, plans = [k for _, k in groups], dict(groups), self.plans
-        raw, spans = self.step.gather_spans([s for s, _ in groups], lambda s: plans[s].group_columns[kept_at[s]])
+        raw, spans = self.step.gather_spans(
+            [s for s, _ in groups], lambda s: plans[s].group_columns[kept_at[s]]
+        )
         scores = self.processing.for_drafts(raw)
         if rows[0].noise is not None:
             # mask j of the group after kept prefix k predicts the token at len(tokens) + k + 1 + j
@@ -120,7 +126,9 @@ class MaskDrafts:
         for i, (start, width) in enumerate(spans):
             count = _leading_at_least(confidences[start : start + width], rows[i].floor)
             count = min(count, max(rooms[i], 0))
-            proposals.append(Drafts(tuple(tokens[start : start + count]), tuple(confidences[start : start + count])))
+            proposals.append(
+                Drafts(tuple(tokens[start : start + count]), tuple(confidences[start : start + count]))
+            )
         return proposals
 
 
@@ -144,7 +152,9 @@ class PromptLookup:
         out = []
         for row, room in zip(rows, rooms):
             settings = row.settings
-            found = lookup_drafts(row.tokens, settings.prompt_lookup_num_tokens, settings.max_matching_ngram_size, row.eos)
+            found = lookup_drafts(
+                row.tokens, settings.prompt_lookup_num_tokens, settings.max_matching_ngram_size, row.eos
+            )
             out.append(Drafts(tuple(found[: max(room, 0)]), (), LOOKUP))
         return out
 
@@ -190,12 +200,22 @@ class AssistantDrafts:
     name = ASSISTANT
 
     def __init__(self, model, num_tokens: int, pad_token_id: int, device):
-        self.model, self.num_tokens, self.pad_token_id, self.device = model, int(num_tokens), pad_token_id, device
+        self.model, self.num_tokens, self.pad_token_id, self.device = (
+            model,
+            int(num_tokens),
+            pad_token_id,
+            device,
+        )
 
-    def propose(self, rows, rooms, heads: Sequence[int] | None = None, held: Sequence[Drafts] = ()) -> list[Drafts]:
+    def propose(
+        self, rows, rooms, heads: Sequence[int] | None = None, held: Sequence[Drafts] = ()
+    ) -> list[Drafts]:
         """``heads[i]`` > 0: continue after row ``i``'s first ``heads[i]`` held mask drafts (*chained*)."""
         heads = list(heads) if heads is not None else [0] * len(rows)
-        contexts = [list(row.tokens) + list(held[i].tokens[: heads[i]]) if heads[i] else list(row.tokens) for i, row in enumerate(rows)]
+        contexts = [
+            list(row.tokens) + list(held[i].tokens[: heads[i]] if heads[i] else ())
+            for i, row in enumerate(rows)
+        ]
         noises = [row.noise for row in rows] if rows and rows[0].noise is not None else None
         new = self.generate(contexts, noises)
         out = []
@@ -205,7 +225,9 @@ class AssistantDrafts:
                 if token in row.eos:
                     tokens = tokens[: j + 1]
                     break
-            if heads[i]:  # the mask drafts keep their confidences: they say where the draft model's part starts
+            if heads[
+                i
+            ]:  # the mask drafts keep their confidences: they say where the draft model's part starts
                 mask = held[i].first(heads[i])
                 out.append(Drafts(mask.tokens + tuple(tokens), mask.confidence, CHAINED))
             else:
@@ -321,8 +343,9 @@ class DraftChooser:
             return offers
         # τ rows take the paper's k drafts without valuing them: no cost curve needed for them alone
         table = self.cost_table(len(rows)) if any(rows[i].verify for i in eligible) else None
-        for do_sample in (False, True):
-            picked = [(i, o) for i in eligible if rows[i].do_sample == do_sample for o in [self._option(rows[i], held[i], stats[i], table)] if o]
+        options = {i: self._option(rows[i], held[i], stats[i], table) for i in eligible}
+        for do_sample in (False, True):  # one draft-model call per sampling mode (keyed noise or none)
+            picked = [(i, options[i]) for i in eligible if rows[i].do_sample == do_sample and options[i]]
             if not picked:
                 continue
             chosen = self.assistant.propose(
@@ -368,7 +391,9 @@ class DraftChooser:
             return True
         masks = self.draft_probs(held, stats, False) if held else []
         follow = stats.assistant.future()[: len(offer) - head]
-        return self.draft_value(row, stats, masks[:head] + follow, table) > self.held_value(row, held, stats, table, masks)
+        return self.draft_value(row, stats, masks[:head] + follow, table) > self.held_value(
+            row, held, stats, table, masks
+        )
 
     def room_for_drafts(self, row) -> int:
         """Drafts a row may check this step: the tokens left but one (the step's own token), and its
@@ -402,7 +427,9 @@ class DraftChooser:
         """What ``held`` is worth fed alone (0: no drafts); ``probs``: its ``draft_probs`` when known already."""
         if not held:
             return 0.0
-        return self.draft_value(row, stats, self.draft_probs(held, stats, row.do_sample) if probs is None else probs, table)
+        return self.draft_value(
+            row, stats, self.draft_probs(held, stats, row.do_sample) if probs is None else probs, table
+        )
 
     @staticmethod
     def draft_value(row, stats, probs, table) -> float:

@@ -261,7 +261,9 @@ class StepPlanner:
         self.position_limit = position_limit(model.config)
         assistant = None
         if assistant_model is not None:
-            assistant = AssistantDrafts(assistant_model, settings.assistant_tokens, pad_token_id, model.device)
+            assistant = AssistantDrafts(
+                assistant_model, settings.assistant_tokens, pad_token_id, model.device
+            )
         # verify rows may also get prompt lookup's or a draft model's drafts (docs/method.md §5)
         self.drafts = DraftChooser(
             cost_table=self.cost_table, positions_left=lambda row: self._room(row)[1], assistant=assistant
@@ -350,7 +352,11 @@ class StepPlanner:
                 offered[i] = self.drafts.with_lookup(row, offered[i], stats[i], len(rows))
             kind = self._kind(row, offered[i]) if decides else FIXED
             if kind == FIXED:
-                plan, feed = self._fixed_plan(row, offered[i]) if decides else (idle_plan(self.pad_token_id), NO_DRAFTS)
+                plan, feed = (
+                    self._fixed_plan(row, offered[i])
+                    if decides
+                    else (idle_plan(self.pad_token_id), NO_DRAFTS)
+                )
                 plans.append(plan)
                 fed.append(feed)
                 specs.append(RowSpec(FIXED, len(plan.tokens)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 class AcceptanceStats:
     """A row's running acceptance per draft offset, its recent gain, its re-probe schedule, and what its
     drafting steps gave (for the :class:`DraftingFloor`).
