@@ -18,6 +18,7 @@ import json
 import random
 import time
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -1057,6 +1058,7 @@ def test_the_floor_of_a_measured_curve_is_shared_by_later_calls(tok, monkeypatch
     curve = {1: 1.0, 2: 1.05, 9: 1.3, 10: 4.0, 64: 40.0}
     monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
     monkeypatch.setattr(planner, "_FLOORS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(planner, "_MASK_PRIORS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(cost_model, "measure", lambda model, *, batch, **_: CostTable.from_mapping(curve, "measured", batch))
     monkeypatch.setattr(planner, "observe", lambda model, table, width, seconds, rows=None: table)
     encoded = tok(["the cat sat on the"], return_tensors="pt")
@@ -1075,3 +1077,41 @@ def test_the_floor_of_a_measured_curve_is_shared_by_later_calls(tok, monkeypatch
     floor.closed_until = floor.steps + 10_000  # as if earlier calls had found that drafting does not pay here
     assert wide_steps()[0] == 0
     assert wide_steps(curve)[0] > 0 and list(planner._FLOORS[model].values()) == [floor]  # given: its own floor
+
+
+def test_a_new_verify_row_starts_from_what_the_models_last_row_observed(tok, monkeypatch):
+    """Under a measured curve a new verify row starts from the masks' statistics of the model's last served
+    row (acceptance per offset, gain, re-probe schedule), not from the prior: masks that did not pay on the
+    first call are not tried again in the first steps of the next (they are re-probed on the shared schedule).
+    Under a given curve every row starts from the prior. The output is stock greedy's throughout."""
+    from mars_hf.decoding import planner
+    from mars_hf.decoding.decoder import RowSettings
+
+    model = enable_mars(tiny_model("llama", seed=3), block_size=4)  # random masks: their drafts are never kept
+    curve = {1: 1.0, 2: 1.05, 9: 1.3, 10: 4.0, 64: 40.0}
+    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(planner, "_FLOORS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(planner, "_MASK_PRIORS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(cost_model, "measure", lambda model, *, batch, **_: CostTable.from_mapping(curve, "measured", batch))
+    monkeypatch.setattr(planner, "observe", lambda model, table, width, seconds, rows=None: table)
+    encoded = tok(["the cat sat on the"], return_tensors="pt")
+    stock = model.generate(**encoded, max_new_tokens=24, do_sample=False)
+
+    def early_wide_steps(table=None):
+        out = _verify(model, encoded, table, max_new_tokens=24)
+        assert torch.equal(out.sequences, stock)
+        return sum(w > 1 for w in out.forward_widths[1:6].tolist())
+
+    assert early_wide_steps(curve) > 0 and model not in planner._MASK_PRIORS  # given: nothing kept
+    assert early_wide_steps() > 0  # the first measured call tries the masks from the prior
+    last = planner._MASK_PRIORS[model]
+    assert sum(last.reached) > 0 and last.kept[0] < 0.5 * last.reached[0]
+    assert early_wide_steps() == 0  # the next starts from what the first found
+    row = SimpleNamespace(row_id=7, verify=True, settings=RowSettings(acceptance="verify", max_new_tokens=24))
+    fresh = StepPlanner(model, MARSDecodingSettings.for_model(model), pad_token_id=0)
+    fresh.add_row(row)
+    inherited, last = fresh.stats[7].masks, planner._MASK_PRIORS[model]
+    assert inherited is not last and inherited.kept == last.kept and inherited.probe_every == last.probe_every
+    given = StepPlanner(model, MARSDecodingSettings.for_model(model, cost_table=curve), pad_token_id=0)
+    given.add_row(row)
+    assert given.stats[7].masks.kept == [0.0] * 4 and given.stats[7].masks.gain == 1.0

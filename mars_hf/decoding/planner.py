@@ -217,6 +217,9 @@ class StepPlan:
 
 # model -> {measured curve's key: DraftingFloor}: what drafting gave on this machine, kept across calls
 _FLOORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> the masks' statistics of the verify row the planner served last (measured curves only): where a new
+# verify row of the model starts (``AcceptanceStats.inherit``), instead of the prior
+_MASK_PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def drafting_floor(model, table, fallback: DraftingFloor) -> DraftingFloor:
@@ -271,14 +274,21 @@ class StepPlanner:
         self.stats: dict[int, RowStats] = {}  # row id -> what the planner has seen of the row
         self.plan_counts: dict[str, int] = {}
         self.floor = DraftingFloor()  # for given curves; a measured one's is shared (``drafting_floor``)
+        # under a measured curve, rows start from what earlier rows of the model observed; a given or flat curve
+        # (a reproducible plan) starts every row from the prior
+        self.shares = settings.cost_table is None and settings.cost_probe
 
     # ------------------------------------------------------------------------------------- rows
     def add_row(self, row) -> None:
         """Start statistics for a new row (its lookup's if it uses prompt lookup, its draft model's if any)."""
         lookup = row.settings.prompt_lookup_num_tokens if row.verify else None
         assistant = self.drafts.assistant
+        masks = AcceptanceStats(min(self.window, max(row.settings.max_new_tokens, 1)))
+        earlier = _MASK_PRIORS.get(self.model) if (self.shares and row.verify) else None
+        if earlier is not None:
+            masks.inherit(earlier)
         self.stats[row.row_id] = RowStats(
-            AcceptanceStats(min(self.window, max(row.settings.max_new_tokens, 1))),
+            masks,
             SourceStats(int(lookup)) if lookup else None,
             SourceStats(assistant.num_tokens) if assistant is not None else None,
         )
@@ -302,7 +312,8 @@ class StepPlanner:
         offered = self.drafts.with_assistant(rows, [row.drafts for row in rows], stats, deciding)
         plans, fed, specs = self._fixed_plans_and_specs(rows, deciding, offered, stats)
         plans_steps = any(s.kind != FIXED and (s.max_masks > 0 or s.draft_probs) for s in specs)
-        floor = self.floor
+        known = self.cost_tables.get(batch_bucket(len(rows)))  # a step that plans nothing still counts for the floor
+        floor = drafting_floor(self.model, known, self.floor)
         if not plans_steps:
             choices = [RowChoice() for _ in rows]
             width = 1
@@ -442,6 +453,8 @@ class StepPlanner:
             masks = stats.masks
             if spec.kind == AUTO:
                 served.append(masks)
+                if self.shares:
+                    _MASK_PRIORS[self.model] = masks
                 confidence = list(fed.confidence)
                 if fed.source == MASKS:  # the other sources' acceptance was counted above
                     masks.observe(choice.drafts, decision.drafts_kept, confidence)

@@ -58,6 +58,19 @@ class AcceptanceStats:
         self.drafted_steps = 0
         self._checked = False  # mask drafts were checked since the last ``observe_step``
 
+    def inherit(self, other: AcceptanceStats) -> None:
+        """Start from what ``other`` (the masks of an earlier row of the same model) observed: its acceptance per
+        offset, its gain and its re-probe schedule (how far apart probes had grown, and the plain steps since the
+        last: probes stay due across calls, so masks that start to pay are found again), not its drafting
+        record. Why: a row that starts from the prior drafts in its first steps until its own rejections teach
+        it otherwise, and re-probes every ``FIRST_PROBE_EVERY`` steps, on every call anew."""
+        size = len(self.reached)
+        for name in ("reached", "kept", "predicted", "proposed", "proposals"):
+            values = getattr(other, name)[:size]
+            setattr(self, name, values + [0.0] * (size - len(values)))
+        self.gain = other.gain
+        self.probe_every, self.idle_steps = other.probe_every, other.idle_steps
+
     def future(self) -> list[float]:
         """Chance that a fresh draft (or mask prediction) at each offset is kept, given the earlier ones."""
         w, prior = self.PRIOR_WEIGHT, self.PRIOR
