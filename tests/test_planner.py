@@ -1076,7 +1076,13 @@ def test_the_floor_of_a_measured_curve_is_shared_by_later_calls(tok, monkeypatch
     assert floor.steps == before + forwards and list(planner._FLOORS[model].values()) == [floor]
     floor.closed_until = floor.steps + 10_000  # as if earlier calls had found that drafting does not pay here
     assert wide_steps()[0] == 0
-    assert wide_steps(curve)[0] > 0 and list(planner._FLOORS[model].values()) == [floor]  # given: its own floor
+    repeating = tok(["one two three four one two three four one two"], return_tensors="pt")
+    with_lookup = _verify(model, repeating, None, max_new_tokens=24, prompt_lookup_num_tokens=4)
+    assert torch.equal(with_lookup.sequences, model.generate(**repeating, max_new_tokens=24, do_sample=False))
+    assert with_lookup.drafts_by_source["lookup"]["proposed"] > 0  # prompt lookup's rows: a floor of their own
+    floors = planner._FLOORS[model]
+    assert len(floors) == 2 and floors[next(k for k in floors if not k[1])] is floor
+    assert wide_steps(curve)[0] > 0 and len(planner._FLOORS[model]) == 2  # given: its own floor
 
 
 def test_a_new_verify_row_starts_from_what_the_models_last_row_observed(tok, monkeypatch):

@@ -1,5 +1,9 @@
 """The step planner: what each row feeds in a step, chosen for expected tokens per unit of measured cost.
 
+``StepPlanner`` (bottom of this module) is what the decoder calls: ``plan`` gives every row its feed (the drafts
+``drafts.DraftChooser`` offers, masks, layout) and the step's width; ``learn`` updates what it has observed
+(``stats.py``). ``choose`` (below) is the objective it maximises.
+
 Why: a MARS step that feeds drafts and masks yields more tokens per forward, but a forward of more
 columns costs more (``cost_model``), and on a CPU in float32 often more than the extra tokens are
 worth. Verified decoding's output does not depend on what is fed (a draft is kept only if it is the
@@ -222,19 +226,33 @@ _FLOORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MASK_PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def drafting_floor(model, table, fallback: DraftingFloor) -> DraftingFloor:
-    """The floor of a batch decoded on ``table``: one per model and measured curve (the batch size, dtype,
-    threads and kernels it was measured for), shared by every call and decoder of the process, so a call
-    starts from what earlier calls found (where drafting did not pay, a short call would otherwise spend its
-    first dozen steps finding that out again). A given or flat curve (``mars_cost_table=``, a reproducible
+def drafting_floor(model, table, fallback: DraftingFloor, sources: frozenset = frozenset()) -> DraftingFloor:
+    """The floor of a batch decoded on ``table``: one per model, measured curve (the batch size, dtype, threads
+    and kernels it was measured for) and the draft sources the batch's rows use besides the masks (``sources``:
+    prompt lookup's drafts may pay where the masks' do not), shared by every call and decoder of the process, so
+    a call starts from what earlier calls found (where drafting did not pay, a short call would otherwise spend
+    its first dozen steps finding that out again). A given or flat curve (``mars_cost_table=``, a reproducible
     plan) keeps the caller's own ``fallback``."""
     key = curve_key(model, table) if table is not None else None
     if key is None:
         return fallback
     floors = _FLOORS.setdefault(model, {})
+    key = (key, sources)
     if key not in floors:
         floors[key] = DraftingFloor()
     return floors[key]
+
+
+def _other_sources(stats) -> frozenset:
+    """The draft sources besides the masks that any of these rows (their ``RowStats``) may feed."""
+    return frozenset(
+        name
+        for name, used in (
+            ("lookup", any(s.lookup is not None for s in stats)),
+            ("assistant", any(s.assistant is not None for s in stats)),
+        )
+        if used
+    )
 
 
 class StepPlanner:
@@ -312,8 +330,11 @@ class StepPlanner:
         offered = self.drafts.with_assistant(rows, [row.drafts for row in rows], stats, deciding)
         plans, fed, specs = self._fixed_plans_and_specs(rows, deciding, offered, stats)
         plans_steps = any(s.kind != FIXED and (s.max_masks > 0 or s.draft_probs) for s in specs)
-        known = self.cost_tables.get(batch_bucket(len(rows)))  # a step that plans nothing still counts for the floor
-        floor = drafting_floor(self.model, known, self.floor)
+        known = self.cost_tables.get(
+            batch_bucket(len(rows))
+        )  # a step that plans nothing still counts for the floor
+        sources = _other_sources(stats)
+        floor = drafting_floor(self.model, known, self.floor, sources)
         if not plans_steps:
             choices = [RowChoice() for _ in rows]
             width = 1
@@ -321,7 +342,7 @@ class StepPlanner:
             table = self.cost_table(len(rows), measure=False) if pads else None
         else:
             table = self.cost_table(len(rows))
-            floor = drafting_floor(self.model, table, self.floor)
+            floor = drafting_floor(self.model, table, self.floor, sources)
             if all(spec.base <= 1 for spec in specs) and unit_due(self.model, table, len(rows)):
                 return self._unit_step(rows, deciding, plans, fed, specs, floor)
             # lookup drafts may outnumber the window: the grid then allows that many
