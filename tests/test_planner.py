@@ -1047,6 +1047,22 @@ def test_the_decoders_floor_sees_every_step_and_a_closed_floor_decodes_plain(tok
     assert torch.equal(plain.sequences, stock) and max(plain.forward_widths[1:].tolist()) == 1
 
 
+MILD = {1: 1.0, 2: 1.05, 9: 1.3, 10: 4.0, 64: 40.0}  # a second column is cheap: the prior's masks look worth it
+
+
+def _measured_in_a_fresh_process(monkeypatch, curve: dict) -> dict:
+    """As if the process were new and measured ``curve`` (no curve, floor or row statistics kept yet; observed
+    forwards never refine it); returns ``curve``."""
+    from mars_hf.decoding import planner
+
+    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(planner, "_FLOORS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(planner, "_MASK_PRIORS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(cost_model, "measure", lambda model, *, batch, **_: CostTable.from_mapping(curve, "measured", batch))
+    monkeypatch.setattr(planner, "observe", lambda model, table, width, seconds, rows=None: table)
+    return curve
+
+
 def test_the_floor_of_a_measured_curve_is_shared_by_later_calls(tok, monkeypatch):
     """One floor per model and measured curve, kept across calls: a second call continues the first one's
     floor (its step count goes on), and a floor that an earlier call closed keeps a later call on plain steps
@@ -1055,12 +1071,7 @@ def test_the_floor_of_a_measured_curve_is_shared_by_later_calls(tok, monkeypatch
     from mars_hf.decoding import planner
 
     model = peaked_model("llama")
-    curve = {1: 1.0, 2: 1.05, 9: 1.3, 10: 4.0, 64: 40.0}
-    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(planner, "_FLOORS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(planner, "_MASK_PRIORS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(cost_model, "measure", lambda model, *, batch, **_: CostTable.from_mapping(curve, "measured", batch))
-    monkeypatch.setattr(planner, "observe", lambda model, table, width, seconds, rows=None: table)
+    curve = _measured_in_a_fresh_process(monkeypatch, MILD)
     encoded = tok(["the cat sat on the"], return_tensors="pt")
     stock = model.generate(**encoded, max_new_tokens=24, do_sample=False)
 
@@ -1094,12 +1105,7 @@ def test_a_new_verify_row_starts_from_what_the_models_last_row_observed(tok, mon
     from mars_hf.decoding.decoder import RowSettings
 
     model = enable_mars(tiny_model("llama", seed=3), block_size=4)  # random masks: their drafts are never kept
-    curve = {1: 1.0, 2: 1.05, 9: 1.3, 10: 4.0, 64: 40.0}
-    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(planner, "_FLOORS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(planner, "_MASK_PRIORS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(cost_model, "measure", lambda model, *, batch, **_: CostTable.from_mapping(curve, "measured", batch))
-    monkeypatch.setattr(planner, "observe", lambda model, table, width, seconds, rows=None: table)
+    curve = _measured_in_a_fresh_process(monkeypatch, MILD)
     encoded = tok(["the cat sat on the"], return_tensors="pt")
     stock = model.generate(**encoded, max_new_tokens=24, do_sample=False)
 
