@@ -330,19 +330,17 @@ class StepPlanner:
         offered = self.drafts.with_assistant(rows, [row.drafts for row in rows], stats, deciding)
         plans, fed, specs = self._fixed_plans_and_specs(rows, deciding, offered, stats)
         plans_steps = any(s.kind != FIXED and (s.max_masks > 0 or s.draft_probs) for s in specs)
-        known = self.cost_tables.get(
-            batch_bucket(len(rows))
-        )  # a step that plans nothing still counts for the floor
-        sources = _other_sources(stats)
-        floor = drafting_floor(self.model, known, self.floor, sources)
         if not plans_steps:
-            choices = [RowChoice() for _ in rows]
-            width = 1
             pads = any(p is not None and p.group_columns for p in plans)
             table = self.cost_table(len(rows), measure=False) if pads else None
         else:
             table = self.cost_table(len(rows))
-            floor = drafting_floor(self.model, table, self.floor, sources)
+        # the floor of the batch's curve; a step that plans nothing still counts for it
+        curve = table if table is not None else self.cost_tables.get(batch_bucket(len(rows)))
+        floor = drafting_floor(self.model, curve, self.floor, _other_sources(stats))
+        if not plans_steps:
+            width, choices = 1, [RowChoice() for _ in rows]
+        else:
             if all(spec.base <= 1 for spec in specs) and unit_due(self.model, table, len(rows)):
                 return self._unit_step(rows, deciding, plans, fed, specs, floor)
             # lookup drafts may outnumber the window: the grid then allows that many
