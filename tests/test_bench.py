@@ -104,7 +104,7 @@ def tiny_result():
 
     tokenizer = tiny_tokenizer()
     model = tiny_model("llama", dtype=torch.float32, tokenizer=tokenizer)
-    enable_mars(model)
+    model = enable_mars(model)
     args = BenchArguments(
         batch_sizes=[1, 3],
         taus=[1.0, 0.0],
@@ -367,7 +367,7 @@ def test_synthetic_model_accepts_several_tokens_per_forward(tmp_path):
 
     model, tokenizer = train_synthetic_model(tmp_path / "synthetic")
     assert model.config.mars["block_size"] == 4
-    enable_mars(model)
+    model = enable_mars(model)
     prompts = ["count from 10 to 50", "count down from 90 to 60", "please count from 3 to 20"]
     inputs = prepare_inputs(tokenizer, prompts, len(prompts))
     kwargs = dict(do_sample=False, max_new_tokens=48, pad_token_id=tokenizer.pad_token_id)

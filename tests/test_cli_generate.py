@@ -34,7 +34,7 @@ def _reference(folder, prompts, **generate_kwargs):
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-    enable_mars(model)
+    model = enable_mars(model)
     texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True

@@ -380,7 +380,7 @@ def test_verified_decoding_through_the_kernel_is_the_base_models_greedy_output(
     calls = []
     original = gated_lora.mask_rows_group_delta
     monkeypatch.setattr(gated_lora, "mask_rows_group_delta", lambda *a: (calls.append(1), original(*a))[1])
-    enable_mars(shipped)
+    shipped = enable_mars(shipped)
     inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
     common = dict(max_new_tokens=12, do_sample=False)
     # the loader suppresses the mask token as an output: so does the base model's greedy run here

@@ -24,7 +24,7 @@ from peft.tuners.lora import LoraLayer
 
 from mars_hf import hub
 from mars_hf.decoding import gated_lora
-from mars_hf.decoding.generation import enable_mars
+from mars_hf.decoding.generation import enable_mars, mars_generate
 from mars_hf.models import gated_peft
 from mars_hf.models.modeling import load_mars_model
 from mars_hf.training.attention_mask import build_mars_inputs, mars_attention_mask
@@ -112,8 +112,7 @@ def test_tau_1_decoding_is_the_base_models_greedy_output(arch, tokenizer):
     base = tiny_model(arch)
     with torch.no_grad():
         base.get_output_embeddings().weight.mul_(40.0)  # confident masks, so τ < 1 accepts drafts
-    gated = gated_copy(base, tokenizer.mask_token_id)
-    enable_mars(gated.get_base_model())
+    gated = gated_copy(enable_mars(base), tokenizer.mask_token_id)  # the PEFT model's base has MARS generate
     inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
     common = dict(max_new_tokens=16, do_sample=False)
     expected = base.generate(**inputs, **common)
@@ -470,10 +469,9 @@ def test_custom_generate_applies_the_gated_adapter(trained_gated):
     from transformers import AutoModelForCausalLM
 
     peft_model, tokenizer, base_dir, folder, _ = trained_gated
-    enable_mars(peft_model.get_base_model())
     inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
     common = dict(max_new_tokens=12, do_sample=False, mars_threshold=0.5)
-    expected = peft_model.generate(**inputs, **common)
+    expected = peft_model.generate(**inputs, custom_generate=mars_generate, **common)
     plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64)
     out = plain.generate(
         **inputs, custom_generate=str(folder), trust_remote_code=True, mars_checkpoint=str(folder), **common
@@ -507,10 +505,11 @@ BARE_VENV_GATED = textwrap.dedent(
 def test_gated_checkpoint_through_custom_generate_in_a_bare_venv(trained_gated, tmp_path, bare_venv):
     """torch + transformers only: the base model + custom_generate=<gated checkpoint> decodes like mars_hf."""
     peft_model, tokenizer, base_dir, folder, _ = trained_gated
-    enable_mars(peft_model.get_base_model())
     inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
     common = dict(max_new_tokens=12, do_sample=False)
-    expected_tau = peft_model.generate(**inputs, mars_threshold=0.5, **common).tolist()
+    expected_tau = peft_model.generate(
+        **inputs, custom_generate=mars_generate, mars_threshold=0.5, **common
+    ).tolist()
     base_greedy = peft_model.generate(**inputs, **common).tolist()
     batch = json.dumps({key: value.tolist() for key, value in inputs.items()})
     result = run_in_bare_venv(bare_venv, BARE_VENV_GATED, [folder, base_dir, batch], tmp_path)

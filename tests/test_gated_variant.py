@@ -161,8 +161,11 @@ def test_two_threads_decoding_on_one_gated_model_each_get_their_own_output(
     forward, in two threads at once on one model, with the interpreter switching threads as often as it can:
     each call gives what it gives alone (with the opt-in C kernel too, whose per-group call is locked)."""
     _, shipped, peft_model, folder = shipped_gated(tmp_path, "llama", tokenizer, kernel=kernel)
-    model = load_gated_peft_model(plain_base(tmp_path), folder) if loader == "peft" else shipped
-    enable_mars(model.get_base_model() if loader == "peft" else model)
+    model = (
+        load_gated_peft_model(enable_mars(plain_base(tmp_path)), folder)
+        if loader == "peft"
+        else enable_mars(shipped)
+    )
     jobs = [["hello world the cat", "one two"], ["the dog sat on"], ["red blue", "yes no", "a cat"]]
     inputs = [tokenizer(prompts, return_tensors="pt", padding=True) for prompts in jobs]
     common = dict(max_new_tokens=10, do_sample=False, mars_threshold=0.5)

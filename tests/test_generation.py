@@ -650,7 +650,7 @@ def test_entry_points_agree(tok, tmp_path):
         stock,
     )
     # enable_mars keywords override config.mars
-    enable_mars(plain, block_size=2)
+    plain = enable_mars(plain, block_size=2)
     out = plain.generate(**encoded, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, model.generate(**encoded, mars_block_size=2, **kwargs))
     assert plain.config.mars["block_size"] == 4
@@ -701,7 +701,7 @@ def test_clear_errors(tok):
             **encoded, max_new_tokens=4, custom_generate=mars_generate, mars_threshold=0.5, mars_block_size=4
         )
     with pytest.raises(ValueError, match="mask token|MARS window"):
-        enable_mars(no_mask)
+        no_mask = enable_mars(no_mask)
     with pytest.raises(ValueError, match="mars_threshold"):
         model.generate(**encoded, max_new_tokens=4, custom_generate=mars_generate)
 
@@ -767,7 +767,7 @@ def test_suppressed_tokens_are_never_generated_and_tau_one_stays_stock():
     prompt = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
     stock = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     banned = int(stock[0, prompt["input_ids"].shape[1]])  # the first token stock greedy would pick
-    enable_mars(model)
+    model = enable_mars(model)
     expected = model.generate(**prompt, max_new_tokens=12, do_sample=False, suppress_tokens=[banned])
     for tau in (1.0, 0.0):
         out = model.generate(

@@ -107,15 +107,15 @@ def test_model_wide_window_is_bounded_by_the_position_limit():
         ValueError,
         match=r"`block_size` \(the window W\) = 1000000 must be below the model's position limit \(256\)",
     ):
-        enable_mars(model, block_size=10**6)
+        model = enable_mars(model, block_size=10**6)
     assert not getattr(model, "_mars_overrides", None)  # a refused W is not kept
     with pytest.raises(ValueError, match=r"must be below the model's position limit \(256\)"):
-        enable_mars(model, block_size=256)
+        model = enable_mars(model, block_size=256)
     with pytest.raises(ValueError, match=r"`block_size` \(the window W\) must be an integer >= 1"):
-        enable_mars(model, block_size="8")
+        model = enable_mars(model, block_size="8")
     model.config.mars["block_size"] = 4096
     with pytest.raises(ValueError, match=r"config.mars\['block_size'\]`\) = 4096 must be below"):
-        enable_mars(model)
+        model = enable_mars(model)
     model.config.mars["block_size"] = 4
     assert enable_mars(model, block_size=255)._mars_overrides["block_size"] == 255
 

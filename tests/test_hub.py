@@ -26,6 +26,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM
 
 from mars_hf import hub
+from mars_hf.decoding.generation import enable_mars
 from mars_hf.models.mask_token import add_mask_token, set_mars_config
 from mars_hf.models.modeling import AutoMARSModelForCausalLM, load_mars_model, resolve_block_size
 from tests.bare_venv import run_in_bare_venv
@@ -58,9 +59,7 @@ def batch(tokenizer, prompts=PROMPTS):
 
 def mars_tokens(model, tokenizer, **kwargs):
     """Tokens from mars_hf's own generate (the reference for every other path)."""
-    from mars_hf.decoding.generation import enable_mars
-
-    enable_mars(model)
+    model = enable_mars(model)
     out = model.generate(**batch(tokenizer), max_new_tokens=12, do_sample=False, mars_threshold=0.9, **kwargs)
     return out.tolist()
 
@@ -679,6 +678,7 @@ BARE_VENV_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_custom_generate_in_a_venv_with_only_torch_and_transformers(saved, tokenizer, tmp_path, bare_venv):
     model, folder, _ = saved
+    model = enable_mars(model)
     expected = mars_tokens(model, tokenizer)
     greedy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     greedy_tokens = greedy.generate(**batch(tokenizer), max_new_tokens=12, do_sample=False).tolist()

@@ -66,7 +66,7 @@ def test_a_reduced_gated_checkpoint_holds_the_truncated_updates_and_still_decode
 
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base-llama", dtype=torch.float64)
     assert gated_lora.attach_shipped_adapter(plain, out)
-    enable_mars(plain)
+    plain = enable_mars(plain)
     inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
     stock = AutoModelForCausalLM.from_pretrained(tmp_path / "base-llama", dtype=torch.float64)
     common = dict(max_new_tokens=10, do_sample=False)

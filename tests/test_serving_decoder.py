@@ -129,7 +129,7 @@ def test_synthetic_controller_lowers_tau_under_load_and_keeps_tau_max_at_low_loa
     from mars_hf.tools.synthetic import load_synthetic_model, synthetic_prompts
 
     model, tok = load_synthetic_model()
-    enable_mars(model)
+    model = enable_mars(model)
     controller = ControllerConfig(tau_min=0.5, tau_max=0.95, raise_per_second=50.0)
     app, scheduler = build_server(
         model, tok, ServerConfig(model_id="syn", max_rows=4, max_length=192, controller=controller)

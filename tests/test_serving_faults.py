@@ -202,7 +202,7 @@ def _gpt2(tok):
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
     set_mars_config(model, block_size=4, mask_token_id=add_mask_token(model, tok))
-    enable_mars(model)
+    model = enable_mars(model)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     return model

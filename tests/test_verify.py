@@ -512,7 +512,7 @@ def test_verify_on_the_embedded_model_left_padded_with_stop_strings():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     mask = add_mask_token(model, tokenizer)
     set_mars_config(model, block_size=4, mask_token_id=mask)
-    enable_mars(model)
+    model = enable_mars(model)
     assert tokenizer.pad_token_id == tokenizer.eos_token_id
     chats = [
         [{"role": "user", "content": "List three fruits, one per line."}],

@@ -1,8 +1,9 @@
 """``enable_mars``: MARS ``generate`` for a model object that was built without it.
 
-Kept apart from :mod:`mars_hf.decoding.generation` because it is the one place that changes an existing
-object's class; the loaders and ``generate``'s default path never import it (``AutoMARSModelForCausalLM``
-loads the MARS class itself, ``generation.mars_class``).
+It returns the same model under the MARS class (``generation.mars_class``) and leaves the object it was given
+as it was: no class is swapped and no method assigned (the library rules). The loaders build the MARS class
+from the start (``AutoMARSModelForCausalLM``) and never need it; ``generate(custom_generate=mars_generate,
+...)`` decodes any model with MARS as it is, a PEFT model included.
 """
 
 from __future__ import annotations
@@ -24,17 +25,30 @@ def enable_mars(
     cache_block: int | None = None,
     layout: str | None = None,
 ):
-    """Make ``model.generate(mars_threshold=τ)`` decode with MARS; returns the same model object.
+    """Return ``model`` as a MARS model: ``mars_model.generate(mars_threshold=τ)`` decodes with MARS.
 
-    Reads ``config.mars`` (``block_size``, ``mask_token_id``); keyword arguments override it for this
-    model object only (``config.mars`` is not modified). ``acceptance``, ``cache`` and
-    ``cache_block`` and ``layout`` set defaults for ``mars_acceptance``, ``mars_cache``,
-    ``mars_cache_block`` and ``mars_layout``.
-    This converts a model object you already hold, so it swaps the object's class for
-    ``mars_class(type(model))`` (same name: ``save_pretrained`` still records the original architecture).
-    Loading needs no such change: ``AutoMARSModelForCausalLM.from_pretrained`` builds the model as that class
-    from the start, and ``generate(custom_generate=mars_generate, ...)`` decodes any model with MARS as it is.
+    Use the returned object (``model = enable_mars(model)``, as with ``peft.get_peft_model``): it is the same
+    model — the same modules, weights, config and state, one object's attributes seen through two — under the
+    class ``mars_class(type(model))``, whose ``generate`` routes MARS keywords to MARS. The object passed in
+    keeps its own class and its stock ``generate``. A model that already has MARS ``generate`` is returned
+    itself.
+
+    Reads ``config.mars`` (``block_size``, ``mask_token_id``); keyword arguments override it for this model
+    (``config.mars`` is not modified). ``acceptance``, ``cache``, ``cache_block`` and ``layout`` set
+    defaults for ``mars_acceptance``, ``mars_cache``, ``mars_cache_block`` and ``mars_layout``.
+
+    A PEFT model is refused: give its base model the MARS class before wrapping it
+    (``PeftModel.from_pretrained(enable_mars(base), adapter)``), load it with
+    ``AutoMARSModelForCausalLM.from_pretrained``, or call
+    ``peft_model.generate(custom_generate=mars_generate, ...)``.
     """
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        raise TypeError(
+            "enable_mars got a PEFT model: give its base model MARS generate before wrapping it "
+            "(`PeftModel.from_pretrained(enable_mars(base_model), adapter)`), load the checkpoint with "
+            "`AutoMARSModelForCausalLM.from_pretrained`, or decode with "
+            "`peft_model.generate(custom_generate=mars_hf.mars_generate, ...)`."
+        )
     overrides = {
         key: value
         for key, value in (
@@ -49,9 +63,6 @@ def enable_mars(
     }
     if block_size is not None:
         check_model_window(model, block_size, "`block_size` (the window W)")
-    model._mars_overrides = {**(getattr(model, "_mars_overrides", None) or {}), **overrides}
-    check_model_window(model, resolve_window(model, None), "The window W (`config.mars['block_size']`)")
-    resolve_mask_token(model, None)
     for name, value, allowed in (
         ("acceptance", acceptance, ACCEPTANCE_RULES),
         ("cache", cache, CACHE_SCHEMES),
@@ -59,6 +70,23 @@ def enable_mars(
     ):
         if value is not None:
             check_choice(name, value, allowed=allowed)
-    if not isinstance(model, MARSGenerationMixin):
-        model.__class__ = mars_class(type(model))
-    return model
+    previous = getattr(model, "_mars_overrides", None)
+    model._mars_overrides = {**(previous or {}), **overrides}
+    try:
+        check_model_window(model, resolve_window(model, None), "The window W (`config.mars['block_size']`)")
+        resolve_mask_token(model, None)
+    except Exception:
+        model._mars_overrides = previous
+        raise
+    return model if isinstance(model, MARSGenerationMixin) else same_model_as(mars_class(type(model)), model)
+
+
+def same_model_as(cls: type, model):
+    """``model`` seen as an instance of ``cls`` (a subclass of its class): a new object whose attributes are
+    ``model``'s own (one ``__dict__``: modules, parameters, hooks, config, training flag), so nothing can
+    drift apart between the two, and ``model`` itself is not changed."""
+    if not issubclass(cls, type(model)):
+        raise TypeError(f"{cls.__name__} must subclass {type(model).__name__} to share its state.")
+    view = cls.__new__(cls)
+    view.__dict__ = model.__dict__
+    return view

@@ -9,7 +9,7 @@ Three ways in, one decoder (``decoder.MARSBatchDecoder``):
   ``mars_streamer=`` and ``mars_assistant_model=``, and stop strings as a ``StopStringCriteria`` in
   ``stopping_criteria``.
 - ``AutoMARSModelForCausalLM`` (a class that mixes in ``MARSGenerationMixin``: ``mars_class``), or
-  ``enable_mars(model)`` on a model you already hold: afterwards
+  ``model = enable_mars(model)`` on a model you already hold (the same model under that class): then
   ``model.generate(**inputs, mars_threshold=0.9)`` or ``mars_acceptance="verify"`` routes to MARS;
   without them it is stock ``generate``. The settings may also come from a ``GenerationConfig``
   (``GenerationConfig(mars_threshold=0.9)``, the model's ``generation_config``); keywords win.
@@ -693,7 +693,7 @@ def mars_class(cls: type) -> type:
 
 
 def __getattr__(name):
-    """``enable_mars`` lives in :mod:`mars_hf.decoding.enable` (it converts a model object you already hold);
+    """``enable_mars`` lives in :mod:`mars_hf.decoding.enable` (for a model object you already hold);
     the import from here keeps working without loading that module on the default path."""
     if name == "enable_mars":
         from .enable import enable_mars

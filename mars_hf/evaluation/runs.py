@@ -67,13 +67,6 @@ def run_label(threshold: float | None) -> str:
     return "stock" if threshold is None else f"mars@{threshold:g}"
 
 
-def ensure_mars_enabled(model) -> None:
-    from mars_hf.decoding.generation import enable_mars
-
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model
-    enable_mars(target)
-
-
 def greedy_kwargs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -107,13 +100,21 @@ def greedy_generate(
 ) -> tuple[torch.Tensor, int | None]:
     """Stock ``generate`` (``threshold`` None) or MARS at τ. Returns ``(sequences, forwards)``.
 
+    MARS runs as ``custom_generate=mars_generate``, transformers' own extension point, so any model decodes
+    with it as it is: a MARS model, a plain one, or a PEFT model (whose ``generate`` hands the keywords on).
     ``forwards`` is MARS's own count (the prompt's included) and None for stock, whose count the
     caller knows (one forward per generated column).
     """
+    from mars_hf.decoding.generation import mars_generate
+
     if threshold is None:
         return model.generate(**kwargs), None
     output = model.generate(
-        **kwargs, mars_threshold=float(threshold), return_dict_in_generate=True, **(mars_kwargs or {})
+        **kwargs,
+        custom_generate=mars_generate,
+        mars_threshold=float(threshold),
+        return_dict_in_generate=True,
+        **(mars_kwargs or {}),
     )
     return output.sequences, int(output.num_forwards)
 
@@ -181,8 +182,6 @@ def measure_decoding(
     from tqdm.auto import tqdm
 
     thresholds = list(thresholds)
-    if any(threshold is not None for threshold in thresholds):
-        ensure_mars_enabled(model)
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
     device = next(model.parameters()).device
@@ -232,7 +231,12 @@ class StopOnSequences(StoppingCriteria):
     """
 
     def __init__(
-        self, tokenizer, stop_sequences: Sequence[str], prompt_length: int, *, skip_special_tokens: bool = True
+        self,
+        tokenizer,
+        stop_sequences: Sequence[str],
+        prompt_length: int,
+        *,
+        skip_special_tokens: bool = True,
     ):
         self.tokenizer = tokenizer
         self.stop_sequences = [s for s in stop_sequences if s]

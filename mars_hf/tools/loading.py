@@ -71,8 +71,7 @@ def load_model_and_tokenizer(
         set_mars_config(model, block_size=block_size, mask_token_id=mask_token_id)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    enable_mars(model)
-    return model, tokenizer, trained
+    return enable_mars(model), tokenizer, trained
 
 
 def _is_mars_checkpoint(path: str) -> bool:

@@ -271,7 +271,7 @@ def decode_batch(
     ``threshold`` None is stock ``generate``: one forward per generated column. MARS reports its own
     forward count (the prompt's included).
     """
-    from mars_hf.evaluation.runs import ensure_mars_enabled, greedy_generate, greedy_kwargs
+    from mars_hf.evaluation.runs import greedy_generate, greedy_kwargs
     from mars_hf.models.eos import eos_token_ids, pad_token_id, trim_at_eos
 
     eos_ids = eos_token_ids(model, tokenizer)
@@ -285,8 +285,6 @@ def decode_batch(
     )
     model.eval()
     start = time.perf_counter()
-    if threshold is not None:
-        ensure_mars_enabled(model)
     extra = {"mars_acceptance": "verify"} if verify else {}
     sequences, forwards = greedy_generate(model, kwargs, threshold, extra)
     if forwards is None:  # stock: one forward per generated column
