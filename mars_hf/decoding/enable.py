@@ -82,11 +82,9 @@ def enable_mars(
 
 
 def same_model_as(cls: type, model):
-    """``model`` seen as an instance of ``cls`` (a subclass of its class): a new object whose attributes are
+    """``model`` seen as an instance of ``cls`` (a subclass of its class, here ``mars_class``'s): a new object whose attributes are
     ``model``'s own (one ``__dict__``: modules, parameters, hooks, config, training flag), so nothing can
     drift apart between the two, and ``model`` itself is not changed."""
-    if not issubclass(cls, type(model)):
-        raise TypeError(f"{cls.__name__} must subclass {type(model).__name__} to share its state.")
     view = cls.__new__(cls)
     view.__dict__ = model.__dict__
     return view
