@@ -164,3 +164,44 @@ def test_a_curve_file_with_a_huge_width_decodes_within_the_window(tok, tmp_path,
             None, batch=4, sizes=cost_model.probe_sizes(cost_model.candidate_widths(WINDOW)), mask_token_id=0
         ).as_dict()
     )
+
+
+def _special_file(kind: str, path) -> None:
+    import os
+
+    if kind == "a FIFO":
+        os.mkfifo(path)  # nothing ever writes: a blocking open waits forever
+    elif kind == "a symlink to /dev/zero":
+        os.symlink("/dev/zero", path)  # getsize reads 0; a plain read never ends
+    else:
+        os.mkdir(path)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs and symlinks (POSIX)")
+@pytest.mark.parametrize("kind", ["a FIFO", "a symlink to /dev/zero", "a folder"])
+def test_a_curve_path_that_is_no_regular_file_is_ignored_with_a_warning(kind, tmp_path, monkeypatch, caplog):
+    """Issue 59, fault 1: a FIFO at the curve's path hung ``cost_table`` forever and a symlink to /dev/zero was
+    read without limit (MemoryError). Now only a regular file is read, at most the cap, anything else ignored
+    with a warning and measured again. Run in a thread with a deadline, so that a hang fails the test."""
+    import threading
+
+    monkeypatch.setenv(cost_model.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cost_model, "measure", _fake_measure)
+    mask = tiny_model("qwen2", seed=9).config.mars["mask_token_id"]
+    cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask)
+    (path,) = tmp_path.iterdir()
+    path.unlink()
+    _special_file(kind, path)
+    result = {}
+    model = tiny_model("qwen2", seed=9)
+
+    def read():
+        result["table"] = cost_model.cost_table(model, batch_size=1, window=2, mask_token_id=mask)
+
+    with caplog.at_level(logging.WARNING, logger="mars_hf.decoding.cost_model"):
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=60)
+    assert not reader.is_alive(), f"reading {kind} at the curve's path hung"
+    assert result["table"].source == "measured"
+    assert "Ignoring the MARS cost table" in caplog.text and "not a regular file" in caplog.text

@@ -39,6 +39,7 @@ import logging
 import math
 import numbers
 import os
+import stat
 import statistics
 import time
 import weakref
@@ -331,10 +332,7 @@ def _read(path: str, batch: int, sizes: tuple[int, ...]) -> CostTable | None:
     if not os.path.exists(path):
         return None
     try:
-        if os.path.getsize(path) > MAX_CURVE_FILE_BYTES:
-            raise ValueError(f"larger than {MAX_CURVE_FILE_BYTES} bytes")
-        with open(path, encoding="utf-8") as handle:
-            record = json.load(handle)
+        record = json.loads(_read_capped(path))
         known, costs = record["sizes"], record["costs"]
         if not (isinstance(known, list) and isinstance(costs, list) and len(known) == len(costs)):
             raise ValueError("sizes and costs are not two lists of one length")
@@ -346,6 +344,30 @@ def _read(path: str, batch: int, sizes: tuple[int, ...]) -> CostTable | None:
             "Ignoring the MARS cost table at %s: not a readable curve (%s).", path, _short(error, 200)
         )
         return None
+
+
+def _read_capped(path: str) -> str:
+    """The text of ``path`` when it is a regular file of at most :data:`MAX_CURVE_FILE_BYTES`, else a
+    ValueError. Why opened non-blocking and checked with ``fstat`` on the open descriptor: a FIFO at the
+    path blocked ``open`` forever, and ``getsize`` reads 0 for ``/dev/zero`` (through a symlink), which
+    ``json.load`` then read without end; checking the descriptor, not the name, leaves no gap for the path
+    to be swapped between the check and the read."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file (a FIFO, a device or a folder)")
+        if info.st_size > MAX_CURVE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_CURVE_FILE_BYTES} bytes")
+        with os.fdopen(descriptor, "rb", closefd=False) as handle:
+            data = handle.read(
+                MAX_CURVE_FILE_BYTES + 1
+            )  # the file may grow after fstat: read the cap, no more
+    finally:
+        os.close(descriptor)
+    if len(data) > MAX_CURVE_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_CURVE_FILE_BYTES} bytes")
+    return data.decode("utf-8")
 
 
 def _write(path: str, table: CostTable) -> None:
