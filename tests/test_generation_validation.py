@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 import mars_hf.decoding.generation as generation
 from mars_hf.decoding.generation import enable_mars, generate
-from mars_hf.decoding.settings import MARS_KEYWORDS, MARSDecodingSettings
+from mars_hf.decoding.settings import MARS_KEYWORDS, MAX_DRAFT_TOKENS, MARSDecodingSettings
 from tests.tiny import tiny_model, tiny_tokenizer
 
 MAX_NEW = 8
@@ -79,7 +79,9 @@ def decoder_windows(monkeypatch):
 
     def spy(model, settings, **kwargs):
         windows.append(settings.window)
-        assert settings.window <= MAX_NEW, f"decoder built with W = {settings.window} for {MAX_NEW} new tokens"
+        assert settings.window <= MAX_NEW, (
+            f"decoder built with W = {settings.window} for {MAX_NEW} new tokens"
+        )
         return real(model, settings, **kwargs)
 
     monkeypatch.setattr(generation, "MARSBatchDecoder", spy)
@@ -172,20 +174,37 @@ def test_settings_are_resolved_once_keywords_first_then_generation_config_then_t
     unset = dict.fromkeys(MARS_KEYWORDS)
     config = GenerationConfig(mars_cache="none", mars_threshold=0.7, max_new_tokens=MAX_NEW)
     settings = MARSDecodingSettings.resolve(
-        model, {**unset, "mars_threshold": [0.5, 2.0], "mars_block_size": 50}, config, batch_size=2, max_new_tokens=5
+        model,
+        {**unset, "mars_threshold": [0.5, 2.0], "mars_block_size": 50},
+        config,
+        batch_size=2,
+        max_new_tokens=5,
     )
     assert settings.thresholds == (0.5, 2.0)  # the keyword, not the config's 0.7; entropy allows τ > 1
-    assert (settings.window, settings.acceptance, settings.cache, settings.cache_block) == (5, "entropy", "none", 3)
+    assert (settings.window, settings.acceptance, settings.cache, settings.cache_block) == (
+        5,
+        "entropy",
+        "none",
+        3,
+    )
     assert settings.mask_token_id == model.config.mars["mask_token_id"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.window = 2
     one_token = MARSDecodingSettings.resolve(
-        model, {**unset, "mars_threshold": 1.0, "mars_acceptance": "margin"}, None, batch_size=1, max_new_tokens=4
+        model,
+        {**unset, "mars_threshold": 1.0, "mars_acceptance": "margin"},
+        None,
+        batch_size=1,
+        max_new_tokens=4,
     )
     assert one_token.one_token_per_step and (one_token.cache, one_token.decoder_cache) == ("block", "cursor")
     with pytest.raises(ValueError, match=r"`mars_acceptance` must be one of .*got 'bogus'"):
         MARSDecodingSettings.resolve(
-            model, {**unset, "mars_threshold": 0.5, "mars_acceptance": "bogus"}, None, batch_size=1, max_new_tokens=4
+            model,
+            {**unset, "mars_threshold": 0.5, "mars_acceptance": "bogus"},
+            None,
+            batch_size=1,
+            max_new_tokens=4,
         )
 
 
@@ -209,3 +228,36 @@ def test_token_ids_that_are_not_integers_are_refused(model, inputs, dtype):
         with pytest.raises(TypeError, match="must be integers"):
             decoder.add_row(prompt, settings)
     decoder.add_row(np.array([5, 7]), settings)  # integer ids of any integer type are fine
+
+
+@pytest.mark.parametrize("count", [MAX_DRAFT_TOKENS + 1, 10**9])
+def test_a_draft_count_past_the_limit_is_refused_by_name_before_anything_is_allocated(model, inputs, count):
+    """Issue 59, fault 2: ``prompt_lookup_num_tokens=10**9`` with verify sized each row's statistics at 10**9
+    entries (MemoryError, or minutes of allocation); ``num_assistant_tokens`` too. Now both are refused above
+    :data:`MAX_DRAFT_TOKENS`, naming the keyword and the limit; the limit itself decodes."""
+    limit = rf"`{{}}` = {count} is above the {MAX_DRAFT_TOKENS} drafts .* pass at most {MAX_DRAFT_TOKENS}"
+    with pytest.raises(ValueError, match=limit.format("prompt_lookup_num_tokens")):
+        _generate(model, inputs, mars_acceptance="verify", prompt_lookup_num_tokens=count)
+    assistant = tiny_model("qwen2", seed=1, block_size=None)
+    with pytest.raises(ValueError, match=limit.format("num_assistant_tokens")):
+        _generate(model, inputs, mars_threshold=0.5, assistant_model=assistant, num_assistant_tokens=count)
+    mask = model.config.mars["mask_token_id"]
+    with pytest.raises(ValueError, match=limit.format("prompt_lookup_num_tokens")):  # a server's own settings
+        MARSDecodingSettings(
+            window=4, mask_token_id=mask, acceptance="verify", prompt_lookup_num_tokens=count
+        )
+    stock = _generate(model, inputs)
+    at_limit = _generate(model, inputs, mars_acceptance="verify", prompt_lookup_num_tokens=MAX_DRAFT_TOKENS)
+    assert torch.equal(at_limit, stock)
+
+
+def test_sizes_past_the_models_positions_are_capped_or_refused(model, inputs):
+    """Issue 59, fault 2, the other sizes: a per-call W was capped by ``max_new_tokens`` alone, so
+    ``mars_block_size=10**9, max_new_tokens=10**9`` sized each row's statistics at 10**9; now also by the
+    model's positions (no step feeds more masks than the positions left; a wider W decodes the same, above). A
+    cache block C past the positions (a static cache is sized for it) is refused by name."""
+    keywords = {**dict.fromkeys(MARS_KEYWORDS), "mars_threshold": 0.5, "mars_block_size": 10**9}
+    huge = MARSDecodingSettings.resolve(model, keywords, None, batch_size=2, max_new_tokens=10**9)
+    assert huge.window == 255  # the tiny model has 256 positions
+    with pytest.raises(ValueError, match=r"`mars_cache_block` \(C\) = 1000000000 is above .* limit \(256\)"):
+        _generate(model, inputs, mars_threshold=0.5, mars_cache="block", mars_cache_block=10**9)

@@ -24,6 +24,12 @@ from .layouts import LAYOUT_CHOICES, position_limit
 
 DEFAULT_CACHE_BLOCK = 16
 DEFAULT_ASSISTANT_TOKENS = 5  # transformers' default ``num_assistant_tokens``
+# Drafts one source may propose per step (``prompt_lookup_num_tokens``, ``num_assistant_tokens``), as a server
+# request allows (``serving.protocol.MAX_LOOKUP_TOKENS``). Why a bound: each draft is a column of the step's
+# forward and an entry of the row's statistics, sized at the setting (10**9 allocated lists of that length);
+# the cost curve is measured up to 64 columns (``cost_model.MAX_PROBED_WIDTH``), and transformers' defaults
+# are 10 and 20.
+MAX_DRAFT_TOKENS = 64
 # The keywords that only mean something to MARS decoding (given without τ or verify, they are refused).
 MARS_ONLY_KEYWORDS = (
     "mars_block_size",
@@ -92,8 +98,9 @@ class MARSDecodingSettings:
         check_window(self.window)
         if not isinstance(self.cache_block, numbers.Integral) or self.cache_block < 1:
             raise ValueError(f"`mars_cache_block` (C) must be an integer >= 1, got {self.cache_block!r}.")
-        if self.assistant_tokens < 1:
-            raise ValueError(f"`num_assistant_tokens` must be >= 1, got {self.assistant_tokens}.")
+        check_draft_count("num_assistant_tokens", self.assistant_tokens)
+        if self.prompt_lookup_num_tokens is not None:
+            check_draft_count("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
 
     @classmethod
     def for_model(cls, model, **fields) -> MARSDecodingSettings:
@@ -124,6 +131,13 @@ class MARSDecodingSettings:
         cache_block = DEFAULT_CACHE_BLOCK if cache_block is None else int(cache_block)
         if cache_block < 1:
             raise ValueError(f"`mars_cache_block` (C) must be >= 1, got {cache_block}.")
+        positions = position_limit(model.config)
+        if positions is not None and cache_block > positions:
+            # a static cache is sized for a block of C (``decoder.widest_step``): 10**9 allocated that many
+            raise ValueError(
+                f"`mars_cache_block` (C) = {cache_block} is above the model's position limit ({positions}): no "
+                f"row holds a block that long. Pass at most {positions} (the default is {DEFAULT_CACHE_BLOCK})."
+            )
         lookup, ngram = prompt_lookup(generation_config, acceptance)
         layout = values["mars_layout"] or defaults.get("layout")
         check_layout(layout)
@@ -134,8 +148,9 @@ class MARSDecodingSettings:
             thresholds=tuple(thresholds),
             # Masks past the last token to generate predict nothing that is kept, while the window's
             # buffers and per-step work grow with W (W = 5000 for 8 tokens took 35 s): capped, a wider W
-            # decodes the same.
-            window=min(window, max(1, max_new_tokens)),
+            # decodes the same. So is a W past the model's positions (no step feeds more masks than the
+            # positions left), which a huge `max_new_tokens` left uncapped: the row's statistics are W long.
+            window=min(window, max(1, max_new_tokens), max(1, (positions or window + 1) - 1)),
             mask_token_id=mask_token_id,
             acceptance=acceptance,
             cache=cache,
@@ -147,14 +162,16 @@ class MARSDecodingSettings:
             cpu_kernels=cpu_kernels,
             prompt_lookup_num_tokens=lookup,
             max_matching_ngram_size=ngram,
-            assistant_tokens=int(getattr(generation_config, "num_assistant_tokens", None) or DEFAULT_ASSISTANT_TOKENS),
+            assistant_tokens=assistant_tokens(generation_config),
         )
 
     @property
     def one_token_per_step(self) -> bool:
         """Every row keeps exactly one token per step (τ >= 1 with probability or margin): no masks. False
         without per-row τ (a server's settings: each row brings its own)."""
-        return bool(self.thresholds) and all(one_token_per_step(self.acceptance, tau) for tau in self.thresholds)
+        return bool(self.thresholds) and all(
+            one_token_per_step(self.acceptance, tau) for tau in self.thresholds
+        )
 
     @property
     def decoder_cache(self) -> str:
@@ -209,7 +226,9 @@ def check_generation_config(config, source: str) -> dict:
     if "mars_mask_token_id" in settings:
         token = settings["mars_mask_token_id"]
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
-            raise ValueError(f"`mars_mask_token_id` must be a token id (an integer >= 0), got {token!r}{where}.")
+            raise ValueError(
+                f"`mars_mask_token_id` must be a token id (an integer >= 0), got {token!r}{where}."
+            )
     if "mars_threshold" in settings:
         threshold_values(settings["mars_threshold"])
     return settings
@@ -291,7 +310,9 @@ def resolve_mask_token(model, mask_token_id) -> int:
     return int(mask_token_id)
 
 
-def resolve_thresholds(threshold, acceptance: str, batch_size: int, per_prompt: int = 1) -> list[float | None]:
+def resolve_thresholds(
+    threshold, acceptance: str, batch_size: int, per_prompt: int = 1
+) -> list[float | None]:
     """τ per batch row, in the range ``acceptance`` gives it. With ``per_prompt`` sequences per prompt
     (``num_return_sequences``: transformers repeats each prompt's row that many times, side by side), one value
     per prompt is repeated for each of its sequences."""
@@ -368,7 +389,31 @@ def prompt_lookup(generation_config, acceptance: str) -> tuple[int | None, int]:
             "`mars_acceptance='verify'` (threshold acceptance has no drafts), or drop the MARS settings "
             "for transformers' own prompt lookup."
         )
-    for name, value in (("prompt_lookup_num_tokens", lookup), ("max_matching_ngram_size", ngram)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
-            raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+    check_draft_count("prompt_lookup_num_tokens", lookup)
+    if ngram is not None and (
+        isinstance(ngram, bool) or not isinstance(ngram, numbers.Integral) or ngram < 1
+    ):
+        raise ValueError(f"`max_matching_ngram_size` must be an integer >= 1, got {ngram!r}.")
     return int(lookup), int(ngram) if ngram is not None else DEFAULT_MAX_NGRAM
+
+
+def assistant_tokens(generation_config) -> int:
+    """``num_assistant_tokens`` (transformers' keyword; unset: :data:`DEFAULT_ASSISTANT_TOKENS`), checked."""
+    value = getattr(generation_config, "num_assistant_tokens", None)
+    if value is None:
+        return DEFAULT_ASSISTANT_TOKENS
+    check_draft_count("num_assistant_tokens", value)
+    return int(value)
+
+
+def check_draft_count(name: str, value) -> None:
+    """A draft count is a whole number from 1 to :data:`MAX_DRAFT_TOKENS`: drafts past it are refused, not
+    allocated (``prompt_lookup_num_tokens=10**9`` sized the row's statistics at 10**9 entries)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+    if value > MAX_DRAFT_TOKENS:
+        raise ValueError(
+            f"`{name}` = {value} is above the {MAX_DRAFT_TOKENS} drafts a MARS step checks from one source: "
+            f"pass at most {MAX_DRAFT_TOKENS} (transformers' defaults are 10 for prompt lookup, 20 for a draft "
+            "model); more drafts are more columns per forward, rarely all kept."
+        )
