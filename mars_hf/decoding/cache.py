@@ -25,22 +25,28 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 
 class _WritePlan:
-    """Where the rows of the next forward write: ``offsets`` per row, or one shared ``offset``."""
+    """Where the rows of the next forward write: ``offsets`` per row, or one shared ``offset``.
 
-    __slots__ = ("first", "rows", "width", "offset", "offsets", "index", "end")
+    ``index`` (``[rows, width]`` cache columns) and ``row_index`` are tensors, so a compiled forward reads the
+    write positions as data: a new offset never recompiles it (``indexed=True``, the static cache's form)."""
 
-    def __init__(self, offsets: list[int], width: int, device: torch.device, first_row: int = 0):
+    __slots__ = ("first", "rows", "width", "offset", "offsets", "index", "row_index", "end")
+
+    def __init__(
+        self, offsets: list[int], width: int, device: torch.device, first_row: int = 0, indexed: bool = False
+    ):
         self.first = first_row
         self.rows = len(offsets)
         self.width = width
         first = offsets[0]
-        self.offset = first if all(o == first for o in offsets) else None
+        self.offset = first if all(o == first for o in offsets) and not indexed else None
         self.end = max(offsets) + width
         self.offsets = offsets
-        self.index = None
+        self.index = self.row_index = None
         if self.offset is None:
             start = torch.tensor(offsets, device=device)
             self.index = start[:, None] + torch.arange(width, device=device)[None, :]
+            self.row_index = torch.arange(self.rows, device=device)[:, None]
 
 
 class MARSCacheLayer(DynamicLayer):
@@ -124,9 +130,8 @@ class MARSCacheLayer(DynamicLayer):
             keys[:, :, plan.offset : plan.offset + plan.width].copy_(key_states)
             values[:, :, plan.offset : plan.offset + plan.width].copy_(value_states)
         else:
-            row = torch.arange(plan.rows, device=plan.index.device)[:, None]
-            keys[row, :, plan.index] = key_states.transpose(1, 2)
-            values[row, :, plan.index] = value_states.transpose(1, 2)
+            keys[plan.row_index, :, plan.index] = key_states.transpose(1, 2)
+            values[plan.row_index, :, plan.index] = value_states.transpose(1, 2)
         return keys[:, :, : plan.end], values[:, :, : plan.end]
 
     def move_row(self, source: int, target: int, length: int) -> None:
@@ -244,6 +249,73 @@ class MARSBlockCache(DynamicCache):
     @property
     def num_copied_entries(self) -> int:
         return sum(getattr(layer, "num_copied_entries", 0) for layer in self.layers)
+
+
+class MARSStaticLayer(MARSCacheLayer):
+    """A :class:`MARSCacheLayer` allocated once at its full capacity, for a compiled forward: every forward
+    writes through the plan's index tensors and attends over the whole buffer (the attention mask hides what a
+    row does not hold), so shapes never change between steps and nothing the compiler guards on moves."""
+
+    is_compileable = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+        rows = max(self.max_rows or 0, self.plan.first + key_states.shape[0])
+        self._allocate(rows, self.capacity_hint, key_states, value_states)
+        if not torch.compiler.is_compiling():  # stable addresses let CUDA graphs reuse the buffers
+            torch._dynamo.mark_static_address(self._key_buffer)
+            torch._dynamo.mark_static_address(self._value_buffer)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        plan = self.plan
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        last_row = plan.first + key_states.shape[0]
+        keys = self._key_buffer[plan.first : last_row]
+        values = self._value_buffer[plan.first : last_row]
+        keys[plan.row_index, :, plan.index] = key_states.transpose(1, 2)
+        values[plan.row_index, :, plan.index] = value_states.transpose(1, 2)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity_hint, 0  # every forward attends over the whole buffer
+
+
+class MARSStaticCache(MARSBlockCache):
+    """The MARS cache at a fixed size, for transformers' fast path (``cache_implementation="static"``, a
+    ``compile_config``): ``capacity`` entries per row are allocated at the first forward and never grow;
+    each row writes at its own offset (keeping or dropping entries moves a number the decoder keeps), and
+    every forward attends over all ``capacity`` columns under the decoder's 4D mask. ``is_compileable``,
+    like transformers' ``StaticCache``: a forward compiled once serves every step and every prompt length
+    up to ``capacity``.
+
+    Args:
+        config: the model config.
+        capacity: entries per row (prompt, new tokens and the widest step; the decoder rounds it up).
+        max_rows: rows to allocate (default: the first forward's batch).
+    """
+
+    def __init__(self, config, capacity: int, max_rows: int | None = None):
+        super().__init__(config, capacity, max_rows)
+        self.layers = [MARSStaticLayer(capacity, max_rows) for _ in self.layers]
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def begin_forward(self, offsets: list[int], width: int, device: torch.device, first_row: int = 0) -> None:
+        if max(offsets) + width > self.capacity:
+            raise RuntimeError(
+                f"MARSStaticCache holds {self.capacity} entries per row; this forward needs "
+                f"{max(offsets) + width}. Size it for the prompt, max_new_tokens and the widest step."
+            )
+        self._plan = _WritePlan(list(offsets), width, device, first_row, indexed=True)
+        for layer in self.layers:
+            layer.plan = self._plan
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
 
 
 CACHE_SCHEMES = ("cursor", "block", "none")

@@ -35,7 +35,7 @@ from transformers.generation.logits_process import (
 )
 
 from .acceptance import ScoreProcessing, StepLogits, decide, one_token_per_step
-from .cache import MARSBlockCache, make_scheme
+from .cache import MARSBlockCache, MARSStaticCache, make_scheme
 from .calibration import calibration_for
 from .cpu_kernels import packed_linears
 from .drafts import MASKS, NO_DRAFTS, Drafts, MaskDrafts
@@ -157,7 +157,11 @@ class MARSBatchDecoder:
         max_rows: KV slots (rows decoded at once).
         max_length: longest row (prompt + generated) the cache is sized for (it grows if exceeded).
         pad_token_id: what idle and padding columns feed.
-        kv_cache: a ``MARSBlockCache`` to use (e.g. the caller's), else one is created.
+        kv_cache: a ``MARSBlockCache`` to use (e.g. the caller's), else one is created. A ``MARSStaticCache``
+            puts the decoder on transformers' fast path: every decode step is padded to ``step_width`` columns and
+            attends over the whole cache, so one compiled forward (``compiled_forward``) serves every step.
+        compiled_forward: the model's compiled call (``model.get_compiled_call(compile_config)``), used for
+            decode steps on a static cache (prefills run eager, as transformers does); None: eager.
         stopping_criteria: ``generate``'s non-EOS stopping criteria, checked token by token inside a step
             on the rows' token buffer (``ScoreProcessing.sequences``, indexed by each row's ``batch_index``).
         assistant_model: a draft model (docs/method.md §5), or None.
@@ -181,6 +185,7 @@ class MARSBatchDecoder:
         kv_cache: MARSBlockCache | None = None,
         stopping_criteria=None,
         assistant_model=None,
+        compiled_forward=None,
     ):
         if not isinstance(settings, MARSDecodingSettings):
             raise TypeError(
@@ -200,6 +205,11 @@ class MARSBatchDecoder:
         if self.scheme.uses_cache:
             capacity = max_length + min(window * (window + 2), _STEP_CAPACITY) + 8
             self.kv = kv_cache if kv_cache is not None else MARSBlockCache(model.config, capacity, max_rows)
+        self.static = isinstance(self.kv, MARSStaticCache)
+        if compiled_forward is not None and not self.static:
+            raise ValueError("A compiled forward needs a MARSStaticCache (`cache_implementation='static'`).")
+        self.compiled_forward = compiled_forward
+        self.step_width = widest_step(settings, assistant_model is not None) if self.static else None
         self.max_rows = max_rows
         self.stopping_criteria = stopping_criteria or None
         self.rows: list[RowState] = []  # live rows, in KV slot order
@@ -214,7 +224,8 @@ class MARSBatchDecoder:
         )  # None: raw confidences (no config.mars calibration)
         # A CPU forward ends when its call returns, so its wall time is its cost: the measured curve learns
         # from it. (On an accelerator, timing would need a synchronisation per step; its curve is flat.)
-        self._times_forwards = self.device.type == "cpu" and self.kv is not None
+        # On a static cache the feed is fixed (no cost curve), so nothing is timed.
+        self._times_forwards = self.device.type == "cpu" and self.kv is not None and not self.static
 
     @property
     def plan_counts(self) -> dict[str, int]:
@@ -412,27 +423,35 @@ class MARSBatchDecoder:
         """Run the model on the packed plans (``plan.width`` columns per row, padding included); return the
         needed logits and where each column went."""
         offsets = [r.cache_offset for r in rows]
+        decoding = all(r.prefilled for r in rows)
+        # A static cache's decode steps all have one shape: ``step_width`` columns, the whole cache as keys.
+        fixed_shape = self.static and decoding and max(len(p.tokens) for p in plan.plans) <= self.step_width
         step = pack(
             plan.plans,
             offsets,
             [r.lead for r in rows],
-            min_width=plan.width,
+            min_width=self.step_width if fixed_shape else plan.width,
             dtype=self._dtype,
             device=self.device,
             pad_token_id=self.pad_token_id,
             max_position=self.planner.position_limit,
+            key_length=self.kv.capacity if self.static else None,
         )
         keep = _logit_columns(plan.plans, deciding, step.width)
-        where = {c: i for i, c in enumerate(keep)}
-        if keep == list(range(step.width - len(keep), step.width)):
-            logits_to_keep = len(keep)
+        if fixed_shape:  # every column's logits: the number of columns read varies, the graph must not
+            where, logits_to_keep = {c: c for c in keep}, 0
         else:
-            logits_to_keep = torch.tensor(keep, device=self.device)
+            where = {c: i for i, c in enumerate(keep)}
+            if keep == list(range(step.width - len(keep), step.width)):
+                logits_to_keep = len(keep)
+            else:
+                logits_to_keep = torch.tensor(keep, device=self.device)
         if self.kv is not None:
             self.kv.begin_forward(offsets, step.width, self.device, first_row=first)
         self.num_forwards += 1
         self.forward_widths.append(step.width)
-        outputs = self.model(
+        forward = self.compiled_forward if (fixed_shape and self.compiled_forward is not None) else self.model
+        outputs = forward(
             input_ids=step.input_ids,
             attention_mask=step.attention_mask,
             position_ids=step.position_ids,
@@ -442,6 +461,25 @@ class MARSBatchDecoder:
             return_dict=True,
         )
         return outputs.logits, where
+
+
+def widest_step(settings: MARSDecodingSettings, assistant: bool = False) -> int:
+    """Columns per row of the widest decode step the fixed feed can take (what a static cache pads every
+    decode step to): the real tokens not yet cached (verify: the model's own token; τ: up to W + 1 accepted, or
+    a block of C), the drafts (verify: the masks' W, prompt lookup's or a draft model's), and the mask groups
+    (one after the drafts; quadratic, or τ with a draft model: one after every draft prefix)."""
+    if settings.one_token_per_step and not assistant:
+        return 1  # τ >= 1: stock decoding's one column
+    window = settings.window
+    verify = settings.acceptance == "verify"
+    fresh = 1 if verify else window + 1
+    if settings.cache == "block":
+        fresh = max(fresh, settings.cache_block + window + 1)
+    drafts = max(window, settings.prompt_lookup_num_tokens or 0) if verify else 0
+    if assistant:
+        drafts = max(drafts, settings.assistant_tokens)
+    groups = drafts + 1 if settings.layout == "quadratic" or (assistant and not verify) else 1
+    return fresh + drafts + groups * window
 
 
 def check_token_ids(ids: torch.Tensor, name: str = "input_ids") -> None:

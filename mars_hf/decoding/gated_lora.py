@@ -132,6 +132,11 @@ class MaskGate:
         input_ids = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
         flat = input_ids.reshape(-1)
         is_mask = flat == self.mask_token_id
+        if torch.compiler.is_compiling():
+            # Traced: the gate is a tensor of this forward's graph, read by the adapted layers of the same graph
+            # (``traced``), with no host sync and no thread-local record for the compiler to break on.
+            self.traced = is_mask.unsqueeze(1)
+            return
         gate = None
         # One host sync per forward; without masks every adapted layer is its base layer.
         if bool(is_mask.any()):
@@ -146,7 +151,17 @@ class MaskGate:
 
     def reset(self, *args):
         """Forward pre-hook of the model: a forward without ``input_ids`` finds no stale record."""
+        if torch.compiler.is_compiling():
+            self.traced = None  # a traced forward without input_ids then fails in its first adapted layer
+            return
         self._local.record = None
+
+    def traced_gate(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """(traced forwards) ``(rows, 1)``: 1 at this forward's mask positions, else 0, in ``dtype``."""
+        gate = getattr(self, "traced", None)
+        if gate is None or gate.shape[0] != rows:
+            _require_rows(None, rows)
+        return gate.to(dtype)
 
     def current(self) -> ForwardGate | None:
         """This thread's record of its current forward (``None``: no ``input_ids`` seen)."""
@@ -199,6 +214,11 @@ def gated_lora_forward(gate: MaskGate, x, result, lora_A, lora_B, dropout, scali
     The delta is computed for the mask rows only and added there (``index_add``); every other row keeps
     ``result``'s bits. PEFT's layer calls this through ``MaskGatedLoraVariant.forward``.
     """
+    if torch.compiler.is_compiling():  # traced: the delta at every row, times the gate (0 at real positions)
+        rows = x.reshape(-1, x.shape[-1])
+        delta = lora_B(lora_A(dropout(rows))) * scaling
+        delta = delta * gate.traced_gate(rows.shape[0], delta.dtype)
+        return (result.reshape(-1, result.shape[-1]) + delta.to(result.dtype)).view(result.shape)
     index = gate.require(x.numel() // x.shape[-1]).positions()
     if index is None:
         return result
@@ -221,6 +241,49 @@ def is_gated(model) -> bool:
     """True if ``model`` (or its base) applies an adapter gated to mask positions."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return getattr(base, "_mars_mask_gate", None) is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# The saved form of a mask-gated adapter: a peft_type that plain PEFT refuses, naming mars_hf
+# --------------------------------------------------------------------------------------------------
+# PEFT picks a config class by ``peft_type`` (``PEFT_TYPE_TO_CONFIG_MAPPING[peft_type]``). Saved as "LORA", a gated
+# adapter loads through PeftModel.from_pretrained / AutoPeftModelForCausalLM / transformers' load_adapter as a
+# plain LoRA, applied at every position: every real token changes, without an error. PEFT's aLoRA cannot stand in
+# (it adapts from the *last* occurrence of its invocation tokens onward, not every mask position of a layout), and
+# PEFT cannot register a new peft_type from outside. So a gated adapter is saved under a peft_type PEFT does not
+# know, whose text is the error PEFT's KeyError then shows. mars_hf's readers take any value that starts with
+# MARS_PEFT_TYPE_PREFIX as LoRA gated to mask positions; "LORA" with gate_token_id (the older form) still loads.
+MARS_PEFT_TYPE_PREFIX = "MARS_MASK_GATED_LORA"
+MARS_PEFT_TYPE = (
+    f"{MARS_PEFT_TYPE_PREFIX} -- a mars_hf LoRA gated to mask positions: plain PEFT would apply it at every position "
+    "and change every real token's output, so it refuses this peft_type. Load it with mars_hf (pip install mars-hf): "
+    "mars_hf.AutoMARSModelForCausalLM.from_pretrained(path), or through PEFT with "
+    "mars_hf.models.gated_peft.load_gated_peft_model(base_model, path)"
+)
+
+
+def is_mars_peft_type(peft_type) -> bool:
+    """True for the ``peft_type`` of a mask-gated adapter saved by mars_hf (:data:`MARS_PEFT_TYPE`)."""
+    return isinstance(peft_type, str) and peft_type.startswith(MARS_PEFT_TYPE_PREFIX)
+
+
+def saved_adapter_config(config: dict) -> dict:
+    """``adapter_config.json``'s dict as mars_hf saves it: a gated adapter (``gate_token_id`` set, or already of
+    :data:`MARS_PEFT_TYPE`) gets :data:`MARS_PEFT_TYPE`, so plain PEFT refuses it; any other adapter is unchanged."""
+    if config.get(GATE_TOKEN_KEY) is None and not is_mars_peft_type(config.get("peft_type")):
+        return dict(config)
+    return {**config, "peft_type": MARS_PEFT_TYPE}
+
+
+def write_saved_adapter_config(folder) -> None:
+    """Rewrite ``folder``'s ``adapter_config.json`` in the saved form (:func:`saved_adapter_config`), keys sorted
+    as PEFT writes them."""
+    path = os.path.join(str(folder), ADAPTER_CONFIG_FILE)
+    config = _read_json(path)
+    saved = saved_adapter_config(config)
+    if saved != config:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,8 +313,9 @@ def _read_json(path: str) -> dict:
 def check_adapter_config(config: dict, checkpoint) -> float:
     """Refuse LoRA features this loader does not implement; return the scaling ``alpha / r``."""
     unsupported = []
-    if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        unsupported.append(f"peft_type={config.get('peft_type')!r}")
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA" and not is_mars_peft_type(peft_type):
+        unsupported.append(f"peft_type={peft_type!r}")
     for key in ("use_dora", "fan_in_fan_out", "lora_bias"):
         if config.get(key):
             unsupported.append(f"{key}=True")
@@ -394,8 +458,9 @@ def read_gating_record(
 ) -> dict:
     """The MARS record of an adapter checkpoint (``mars_config.json`` plus what the adapter itself says), checked.
 
-    A mask-gated adapter is recorded in three places: ``gate_token_id`` in ``adapter_config.json`` (written by
-    PEFT from ``MaskGatedLoraConfig``), ``adapter_gating``/``mask_token_id`` in ``mars_config.json``, and the
+    A mask-gated adapter is recorded in three places: ``gate_token_id`` and the peft_type :data:`MARS_PEFT_TYPE`
+    in ``adapter_config.json`` (written from ``MaskGatedLoraConfig``; older adapters: ``gate_token_id`` with
+    peft_type ``LORA``), ``adapter_gating``/``mask_token_id`` in ``mars_config.json``, and the
     metadata of the mask-row file. Without a record a gated adapter would load *ungated* and change every real
     token, so files that disagree, a mask-row file without ``mars_config.json`` and (for an adapter, i.e. a
     folder with ``adapter_config.json``) no record at all are refused with the fix. ``gating``: what the caller
@@ -409,7 +474,16 @@ def read_gating_record(
     mars_path = _resolve(checkpoint, MARS_ADAPTER_CONFIG_FILE, hub_kwargs)
     mars = _read_json(mars_path) if mars_path else {}
     config_path = _resolve(checkpoint, ADAPTER_CONFIG_FILE, hub_kwargs)
-    marker = _read_json(config_path).get(GATE_TOKEN_KEY) if config_path else None
+    adapter_config = _read_json(config_path) if config_path else {}
+    marker = adapter_config.get(GATE_TOKEN_KEY)
+    if marker is None and is_mars_peft_type(adapter_config.get("peft_type")):
+        marker = mars.get("mask_token_id", mask_token_id)
+        if marker is None:
+            raise ValueError(
+                f"{checkpoint}: {ADAPTER_CONFIG_FILE} says peft_type {MARS_PEFT_TYPE_PREFIX} (a LoRA gated to mask "
+                f"positions) but names no {GATE_TOKEN_KEY}, and there is no {MARS_ADAPTER_CONFIG_FILE} with the mask "
+                f'token id. Restore "{GATE_TOKEN_KEY}": <the mask token id> in {ADAPTER_CONFIG_FILE}.'
+            )
     rows_path = _resolve(checkpoint, MARS_MASK_ROWS_FILE, hub_kwargs)
     claimed = None
     if rows_path is not None:
@@ -757,6 +831,8 @@ class AdaptedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapter = self.__dict__["_mars_adapter"]
         gate, group = adapter.gate, adapter.group
+        if torch.compiler.is_compiling():
+            return self._traced_forward(x, adapter, args, kwargs)
         record = None
         if gate is not None:
             record = gate.require()
@@ -773,6 +849,20 @@ class AdaptedLinear(torch.nn.Linear):
         if xa.dtype != y.dtype:  # float32 LoRA arithmetic on a 16-bit model (lora_dtype): add, round once
             return (y2 + torch.mm(xa, bt)).to(y.dtype).view(y.shape)
         return torch.addmm(y2, xa, bt).view(y.shape)
+
+    def _traced_forward(self, x: torch.Tensor, adapter, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The forward a compiler traces: ``y = base(x) + (gate · x Aᵀ) (s·B)ᵀ`` over every row, the gate a tensor
+        of the same graph (exactly 0 at real rows, so they add an exact 0 and keep the base layer's bits); the
+        compiler fuses what the eager form shares by hand (:class:`_SharedInput`)."""
+        group, member = adapter.group, adapter.member
+        start = sum(group.ranks[:member])
+        a = group.leader._buffers["mars_lora_A"][start : start + group.ranks[member]]
+        y = _base_output(self, x, args, kwargs)
+        xa = F.linear(group._rows(x), a)
+        if adapter.gate is not None:
+            xa = xa * adapter.gate.traced_gate(xa.shape[0], xa.dtype)
+        flat = y.reshape(-1, y.shape[-1])
+        return (flat + torch.mm(xa, self._buffers["mars_lora_BT"])).to(y.dtype).view(y.shape)  # rounded once
 
     def _apply(self, fn, recurse=True):
         """``nn.Module._apply`` (``model.to``, ``half``, ``share_memory``), then the group's kernel plan is dropped:

@@ -23,6 +23,7 @@ This module imports only torch, transformers and its sibling modules.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -42,9 +43,15 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import ScoreProcessing
-from .cache import MARSBlockCache
+from .cache import MARSBlockCache, MARSStaticCache
 from .cpu_kernels import packed_linears
-from .decoder import MARSBatchDecoder, RowSettings, RowUpdate, check_token_ids  # noqa: F401  (public re-exports)
+from .decoder import (  # noqa: F401  (public re-exports)
+    MARSBatchDecoder,
+    RowSettings,
+    RowUpdate,
+    check_token_ids,
+    widest_step,
+)
 from .drafts import SOURCES
 from .sampling import draw_seed
 from .settings import (
@@ -201,20 +208,36 @@ def mars_generate(
         max_new_tokens=max_new,
     )
     _check_supported(model, generation_config, model_kwargs, logits_processor)
+    if _static_cache_wanted(generation_config, model_kwargs, settings.cache):
+        # transformers' fast path: a fixed feed (no cost curve, nothing timed), so every decode step has one shape
+        layout = settings.layout if settings.layout in ("linear", "quadratic") else "linear"
+        settings = dataclasses.replace(settings, layout=layout, cost_probe=False, cost_table=None)
     # one seed per call, from torch's global generator; each row's draws are keyed to (seed, row, position)
     seed = draw_seed() if generation_config.do_sample else None
     leads = _prompt_leads(model_kwargs.pop("attention_mask", None), input_ids)
     user_cache = _take_model_inputs(model_kwargs, settings.cache, generation_config)
     pad_token_id = _pad_token(generation_config, eos_ids)
-    processing = ScoreProcessing(logits_processor, _token_buffer(input_ids, max_new, settings.window, pad_token_id))
+    processing = ScoreProcessing(
+        logits_processor, _token_buffer(input_ids, max_new, settings.window, pad_token_id)
+    )
     decoder = _make_decoder(
-        model, settings, input_ids, max_new, pad_token_id, user_cache, other_criteria, mars_assistant_model
+        model,
+        settings,
+        input_ids,
+        max_new,
+        pad_token_id,
+        user_cache,
+        other_criteria,
+        mars_assistant_model,
+        generation_config,
     )
     if _wants_scores(generation_config):
         decoder.score_records = []
     for b in range(batch_size):
         row = _row_settings(settings, b, max_new, eos_ids, generation_config, seed)
-        decoder.add_row(input_ids[b, leads[b] :], row, processing=processing, batch_index=b, lead=leads[b], row_id=b)
+        decoder.add_row(
+            input_ids[b, leads[b] :], row, processing=processing, batch_index=b, lead=leads[b], row_id=b
+        )
     if streamer is not None:
         streamer.put(input_ids.cpu())
     # prefix-dependent processors and stop criteria read the accepted tokens back from the buffer
@@ -298,10 +321,26 @@ def _prompt_leads(attention_mask, input_ids) -> list[int]:
     return leads
 
 
+def _static_cache_wanted(generation_config, model_kwargs, scheme: str) -> bool:
+    """``cache_implementation="static"`` (transformers' fast path), or a ``MARSStaticCache`` passed as ``cache``."""
+    given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    static = generation_config.cache_implementation == "static" or isinstance(given, MARSStaticCache)
+    if static and scheme == "none":
+        raise ValueError(
+            "`mars_cache='none'` recomputes everything and keeps no cache; drop `cache_implementation='static'` "
+            "(or use the default `mars_cache='cursor'`)."
+        )
+    return static
+
+
 def _take_model_inputs(model_kwargs, scheme: str, generation_config) -> MARSBlockCache | None:
     """The caller's cache, if any; the model inputs MARS builds itself are dropped, others named."""
     user_cache = _user_cache(model_kwargs, scheme)
-    if user_cache is None and scheme != "none" and generation_config.cache_implementation is not None:
+    if (
+        user_cache is None
+        and scheme != "none"
+        and generation_config.cache_implementation not in (None, "static")
+    ):
         logger.warning(
             "MARS decoding manages its own cache (`mars_cache=%r`); ignoring cache_implementation=%r.",
             scheme,
@@ -351,10 +390,27 @@ def _token_buffer(input_ids, max_new: int, window: int, pad_token_id: int) -> to
 
 
 def _make_decoder(
-    model, settings: MARSDecodingSettings, input_ids, max_new, pad_token_id, user_cache, criteria, assistant
+    model,
+    settings: MARSDecodingSettings,
+    input_ids,
+    max_new,
+    pad_token_id,
+    user_cache,
+    criteria,
+    assistant,
+    generation_config,
 ):
-    """The decoder for this call's rows, given the call's settings whole."""
+    """The decoder for this call's rows, given the call's settings whole; on transformers' fast path with a
+    ``MARSStaticCache`` and, where transformers would compile, the model's compiled call."""
     batch_size, prompt_length = input_ids.shape
+    compiled = None
+    if _static_cache_wanted(generation_config, {"cache": user_cache}, settings.cache):
+        if user_cache is None:
+            needed = prompt_length + max_new + widest_step(settings, assistant is not None) + 8
+            user_cache = MARSStaticCache(
+                model.config, static_capacity(needed, generation_config.max_cache_len), batch_size
+            )
+        compiled = compiled_forward(model, generation_config)
     return MARSBatchDecoder(
         model,
         settings,
@@ -364,7 +420,44 @@ def _make_decoder(
         kv_cache=user_cache,
         stopping_criteria=criteria if len(criteria) else None,
         assistant_model=assistant,
+        compiled_forward=compiled,
     )
+
+
+# A static cache's size is rounded up to a multiple of this, so that a new prompt length or ``max_new_tokens``
+# mostly finds the shapes a compiled forward was already compiled for (``max_cache_len`` fixes it outright).
+STATIC_CAPACITY_STEP = 256
+
+
+def static_capacity(needed: int, max_cache_len: int | None = None) -> int:
+    """Entries per row of the call's ``MARSStaticCache``: ``max_cache_len`` when it suffices (transformers'
+    meaning: one size for every call), else ``needed`` rounded up to ``STATIC_CAPACITY_STEP``."""
+    if max_cache_len is not None and max_cache_len >= needed:
+        return int(max_cache_len)
+    return -(-needed // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
+
+
+def compiled_forward(model, generation_config):
+    """The model's compiled call for decode steps, or None, by transformers' own criteria: on an accelerator
+    with a static cache (``compile_config`` or the default one); on CPU only when the call gives a
+    ``compile_config`` (transformers needs a private flag for that; giving the config is the request here);
+    never with ``disable_compile``, a quantizer that cannot compile, or CPU/disk offload."""
+    config = generation_config.compile_config
+    if generation_config.disable_compile:
+        return None
+    if model.device.type not in ("cuda", "xpu", "neuron", "tpu") and config is None:
+        return None
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable:
+        logger.warning("This model's quantization cannot be compiled; decoding eager on the static cache.")
+        return None
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    if "disk" in devices or ("cpu" in devices and len(devices) > 1):
+        logger.warning(
+            "Offloaded models are not compiled (as in transformers); decoding eager on the static cache."
+        )
+        return None
+    return model.get_compiled_call(config)
 
 
 def _row_settings(
@@ -417,7 +510,11 @@ class _Transcript:
                 start = self.prompt_length + len(self.generated[b])
                 places += [(b, start + j) for j in range(len(update.tokens))]
             self.generated[b] += update.tokens
-            counts[b], proposed[b], accepted[b] = len(update.tokens), update.drafts_proposed, update.drafts_accepted
+            counts[b], proposed[b], accepted[b] = (
+                len(update.tokens),
+                update.drafts_proposed,
+                update.drafts_accepted,
+            )
             self.by_source[update.draft_source]["proposed"] += update.drafts_proposed
             self.by_source[update.draft_source]["accepted"] += update.drafts_accepted
         if places:
@@ -435,7 +532,9 @@ class _Transcript:
         return torch.tensor([s[k] for s in self.per_step], dtype=torch.long, device=device)
 
 
-def _run(decoder: MARSBatchDecoder, transcript: _Transcript, streamer, pad_token_id: int, max_new: int) -> None:
+def _run(
+    decoder: MARSBatchDecoder, transcript: _Transcript, streamer, pad_token_id: int, max_new: int
+) -> None:
     """Step until every row has finished; finished rows leave the decoder, final tokens are streamed. The
     linears are routed to their kernels once for the whole call, not per step."""
     stream = _FinalTokenStream(streamer, transcript, pad_token_id) if streamer is not None else None
@@ -489,7 +588,9 @@ class _FinalTokenStream:
         if self.transcript.batch_size == 1:
             return
         for j in range(self.sent, columns):
-            column = [tokens[j] if j < len(tokens) else self.pad_token_id for tokens in self.transcript.generated]
+            column = [
+                tokens[j] if j < len(tokens) else self.pad_token_id for tokens in self.transcript.generated
+            ]
             self.streamer.put(torch.tensor(column))
         self.sent = max(self.sent, columns)
 
@@ -499,7 +600,9 @@ class _FinalTokenStream:
 # --------------------------------------------------------------------------------------------------
 
 
-def _output(input_ids, transcript: _Transcript, decoder: MARSBatchDecoder, pad_token_id: int, generation_config):
+def _output(
+    input_ids, transcript: _Transcript, decoder: MARSBatchDecoder, pad_token_id: int, generation_config
+):
     """The sequences (rows padded after their end), or a ``MARSGenerateOutput`` with the statistics."""
     batch_size, prompt_length = input_ids.shape
     longest = max((len(g) for g in transcript.generated), default=0)
@@ -509,7 +612,9 @@ def _output(input_ids, transcript: _Transcript, decoder: MARSBatchDecoder, pad_t
     output[:, :prompt_length] = input_ids
     for b, tokens in enumerate(transcript.generated):
         if tokens:
-            output[b, prompt_length : prompt_length + len(tokens)] = torch.tensor(tokens, device=output.device)
+            output[b, prompt_length : prompt_length + len(tokens)] = torch.tensor(
+                tokens, device=output.device
+            )
     return_dict = bool(generation_config.return_dict_in_generate)
     if not return_dict:
         return output

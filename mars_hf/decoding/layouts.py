@@ -135,6 +135,7 @@ def pack(
     device: torch.device,
     pad_token_id: int,
     max_position: int | None = None,
+    key_length: int | None = None,
 ) -> PackedStep:
     """Stack the rows' plans (left-aligned, padded at the end) on top of their cached entries.
 
@@ -148,24 +149,30 @@ def pack(
     plan lets it see; there, padding columns see the cached entries and themselves only (finite, never
     read; nothing real attends to them). Padding columns' position ids stay below ``max_position`` (their
     value is never read, but an absolute-position embedding would index past its table).
+
+    ``key_length``: a static cache's capacity. Every forward then attends over that many columns, so the
+    additive 4D mask is always built, that wide (the shape a compiled forward was compiled for).
     """
     width = max(min_width, max(len(p.tokens) for p in plans))
     last = max_position - 1 if max_position else None
     ids = [p.tokens + [pad_token_id] * (width - len(p.tokens)) for p in plans]
     positions = [
-        [real + q for q in p.positions] + [_padding_position(real + len(p.positions), last)] * (width - len(p.positions))
+        [real + q for q in p.positions]
+        + [_padding_position(real + len(p.positions), last)] * (width - len(p.positions))
         for p, real in zip(plans, (max(c - lead, 0) for c, lead in zip(cached, leads)))
     ]
     input_ids = torch.tensor(ids, dtype=torch.long, device=device)
     position_ids = torch.tensor(positions, dtype=torch.long, device=device)
     prefix = max(cached)
-    total = prefix + width
+    total = prefix + width if key_length is None else key_length
     key = torch.arange(total, device=device)
     lead_t = torch.tensor(leads, dtype=torch.long, device=device)
     lengths = [len(p.tokens) for p in plans]
     aligned = all(c == prefix for c in cached)
-    if aligned and all(p.causal for p in plans):
-        if not any(leads):  # padding columns come last: the causal mask already hides them from every real query
+    if key_length is None and aligned and all(p.causal for p in plans):
+        if not any(
+            leads
+        ):  # padding columns come last: the causal mask already hides them from every real query
             return PackedStep(input_ids, position_ids, None, width)
         end = torch.tensor(lengths, dtype=torch.long, device=device) + prefix
         mask = ((key[None, :] >= lead_t[:, None]) & (key[None, :] < end[:, None])).long()

@@ -1,0 +1,183 @@
+"""MARS on transformers' fast path: a ``MARSStaticCache`` (``cache_implementation="static"``) and the forward
+compiled as transformers compiles it (``compile_config``).
+
+Every rule against the slow, obviously right computation: stock greedy ``generate`` (τ = 1 and verify must equal
+it token for token, float64), MARS on the dynamic cache (τ < 1 must equal it: the static cache changes where
+entries live, never what a step sees), a gated adapter's real positions (bit-equal to the base model, eager and
+traced). Compiling costs tens of seconds per graph on two cores: one compiled test counts the graphs it made.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from mars_hf.decoding import gated_lora
+from mars_hf.decoding.cache import MARSStaticCache
+from mars_hf.decoding.decoder import widest_step
+from mars_hf.decoding.generation import enable_mars, static_capacity
+from mars_hf.decoding.settings import MARSDecodingSettings
+from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
+
+MODES = [
+    dict(mars_threshold=1.0),
+    dict(mars_acceptance="verify"),
+    dict(mars_acceptance="verify", mars_layout="quadratic"),
+]
+
+
+def left_padded(batch=3, seed=0, lengths=(9, 5, 7), vocab=60, mask=None):
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((batch, width), 2, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    for b, n in enumerate(lengths[:batch]):
+        row = torch.randint(3, vocab, (n,), generator=generator)
+        if mask is not None:
+            row = row.masked_fill(row == mask, 5)
+        ids[b, width - n :] = row
+        attention[b, width - n :] = 1
+    return ids, attention
+
+
+def gated(model, mask_token_id, rank=4, seed=1):
+    """``model`` with a random mask-gated LoRA on every attention and MLP linear (the runtime the loaders attach)."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] != "lm_head":
+            pairs[name] = dict(
+                A=0.5 * torch.randn(rank, module.in_features, generator=generator, dtype=torch.float64),
+                B=0.5 * torch.randn(module.out_features, rank, generator=generator, dtype=torch.float64),
+            )
+    gate = gated_lora.install_mask_gate(model, mask_token_id, reset_per_forward=True)
+    gated_lora._install_adapter(model, pairs, 2.0, gate)
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_static_cache_decodes_as_stock_greedy_and_the_dynamic_cache(arch):
+    tokenizer = tiny_tokenizer()
+    model = enable_mars(tiny_model(arch, tokenizer=tokenizer, block_size=3).eval())
+    ids, attention = left_padded(mask=tokenizer.mask_token_id)
+    common = dict(attention_mask=attention, max_new_tokens=17, do_sample=False)
+    stock = model.generate(ids, **common)
+    for mode in MODES:
+        static = model.generate(ids, cache_implementation="static", **mode, **common)
+        assert torch.equal(static, stock), mode
+    for tau in (0.6, 0.2):  # τ < 1: what the dynamic cache gives, on the same fixed window
+        dynamic = model.generate(ids, mars_threshold=tau, **common)
+        static = model.generate(ids, mars_threshold=tau, cache_implementation="static", **common)
+        assert torch.equal(static, dynamic), tau
+
+
+def test_static_steps_have_one_shape_and_the_cache_never_grows():
+    tokenizer = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tokenizer, block_size=2).eval())
+    ids, attention = left_padded(mask=tokenizer.mask_token_id)
+    cache = MARSStaticCache(model.config, 64, 3)
+    out = model.generate(
+        ids,
+        attention_mask=attention,
+        mars_acceptance="verify",
+        cache=cache,
+        max_new_tokens=20,
+        return_dict_in_generate=True,
+        do_sample=False,
+    )
+    widths = out.forward_widths.tolist()
+    settings = MARSDecodingSettings(
+        window=2, mask_token_id=tokenizer.mask_token_id, acceptance="verify", layout="linear"
+    )
+    assert widths[0] >= ids.shape[1] and set(widths[1:]) == {widest_step(settings)} == {5}
+    assert cache.num_allocations == len(cache.layers)  # allocated once per layer, at the prefill
+    assert all(layer._key_buffer.shape[2] == 64 for layer in cache.layers)
+    assert torch.equal(
+        out.sequences, model.generate(ids, attention_mask=attention, max_new_tokens=20, do_sample=False)
+    )
+
+
+def test_a_static_cache_too_small_says_so():
+    tokenizer = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tokenizer, block_size=2).eval())
+    ids, _ = left_padded(batch=1, lengths=(9,))
+    with pytest.raises(RuntimeError, match="MARSStaticCache holds 16 entries"):
+        model.generate(
+            ids, mars_acceptance="verify", cache=MARSStaticCache(model.config, 16, 1), max_new_tokens=20
+        )
+
+
+def test_static_cache_refuses_no_cache_decoding():
+    tokenizer = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tokenizer, block_size=2).eval())
+    ids, _ = left_padded(batch=1, lengths=(9,))
+    with pytest.raises(ValueError, match="drop `cache_implementation='static'`"):
+        model.generate(
+            ids, mars_threshold=0.9, mars_cache="none", cache_implementation="static", max_new_tokens=4
+        )
+
+
+def test_static_capacity_rounds_up_or_takes_max_cache_len():
+    assert static_capacity(10) == 256 and static_capacity(257) == 512
+    assert static_capacity(100, max_cache_len=300) == 300
+    assert static_capacity(400, max_cache_len=300) == 512  # too small a ceiling is not used
+
+
+def test_gated_adapter_on_the_static_cache_keeps_the_base_model_greedy():
+    tokenizer = tiny_tokenizer()
+    base = tiny_model("llama", tokenizer=tokenizer, block_size=2).eval()
+    ids, attention = left_padded(mask=tokenizer.mask_token_id)
+    stock = base.generate(ids, attention_mask=attention, max_new_tokens=15, do_sample=False)
+    model = enable_mars(
+        gated(tiny_model("llama", tokenizer=tokenizer, block_size=2).eval(), tokenizer.mask_token_id)
+    )
+    for mode in MODES[:2]:
+        out = model.generate(
+            ids,
+            attention_mask=attention,
+            cache_implementation="static",
+            max_new_tokens=15,
+            do_sample=False,
+            **mode,
+        )
+        assert torch.equal(out, stock), mode
+
+
+@pytest.mark.slow
+def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monkeypatch):
+    """τ = 1 and verify through the compiled forward (Inductor, as ``compile_config`` asks) on a gated model equal
+    stock greedy; the traced gate keeps real positions bit-equal to the eager base; two calls with other prompt
+    lengths add no graph (one per step width: 1 column for τ = 1, the fixed feed's for verify)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    tokenizer = tiny_tokenizer()
+    mask = tokenizer.mask_token_id
+    base = tiny_model("llama", tokenizer=tokenizer, block_size=2).eval()
+    model = enable_mars(gated(tiny_model("llama", tokenizer=tokenizer, block_size=2).eval(), mask))
+    config = CompileConfig(fullgraph=True)  # a graph break fails the test
+    # the traced gate: real positions bit-equal to the base model, masks adapted
+    ids = torch.tensor([[5, 9, 11, 7, mask, mask]])
+    traced = torch.compile(model.__call__, fullgraph=True, backend="eager")(input_ids=ids).logits
+    assert torch.equal(traced[:, :4], base(input_ids=ids).logits[:, :4])
+    assert not torch.allclose(traced[:, 4:], base(input_ids=ids).logits[:, 4:])
+    assert torch.equal(traced, model(input_ids=ids).logits)
+    torch._dynamo.reset()
+    counters.clear()
+    for seed, lengths in enumerate([(9, 5, 7), (11, 4, 6)]):
+        ids, attention = left_padded(seed=seed, lengths=lengths, mask=mask)
+        stock = base.generate(ids, attention_mask=attention, max_new_tokens=12, do_sample=False)
+        for mode in MODES[:2]:
+            out = model.generate(
+                ids,
+                attention_mask=attention,
+                cache_implementation="static",
+                compile_config=config,
+                max_new_tokens=12,
+                do_sample=False,
+                **mode,
+            )
+            assert torch.equal(out, stock), (lengths, mode)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
