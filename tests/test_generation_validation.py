@@ -261,3 +261,29 @@ def test_sizes_past_the_models_positions_are_capped_or_refused(model, inputs):
     assert huge.window == 255  # the tiny model has 256 positions
     with pytest.raises(ValueError, match=r"`mars_cache_block` \(C\) = 1000000000 is above .* limit \(256\)"):
         _generate(model, inputs, mars_threshold=0.5, mars_cache="block", mars_cache_block=10**9)
+
+
+@pytest.mark.parametrize("assistant_vocab", [40, 600])
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_the_fix(model, inputs, assistant_vocab):
+    """Issue 59, fault 4: a draft model of another vocabulary raised a raw ``IndexError`` (its ids indexed past
+    the target's embeddings, or the target's past its own) or drafted wrong tokens. Refused as transformers
+    refuses it without ``tokenizer`` / ``assistant_tokenizer``, saying MARS has no universal assisted decoding."""
+    assistant = tiny_model("qwen2", seed=1, block_size=None, vocab_size=assistant_vocab)
+    for kwargs in ({"mars_threshold": 0.5}, {"mars_acceptance": "verify"}):
+        with pytest.raises(
+            ValueError, match=r"`assistant_model` has another vocabulary.*`assistant_tokenizer`"
+        ):
+            _generate(model, inputs, assistant_model=assistant, num_assistant_tokens=3, **kwargs)
+    stock = _generate(model, inputs)
+    same = tiny_model("qwen2", seed=1, block_size=None)  # the target's vocabulary, no mask token
+    assert torch.equal(_generate(model, inputs, assistant_model=same, mars_acceptance="verify"), stock)
+    # a target whose mask token was appended (a row more than the draft model's) still takes the draft model
+    tokenizer = tiny_tokenizer(with_mask=False)
+    base = len(tokenizer)
+    grown = enable_mars(tiny_model("llama", vocab_size=base, tokenizer=tokenizer))
+    draft = tiny_model("qwen2", seed=1, block_size=None, vocab_size=base)
+    assert grown.get_input_embeddings().weight.shape[0] == base + 1
+    ids = {"input_ids": torch.tensor([[5, 6, 7, 5, 6]])}
+    assert torch.equal(
+        _generate(grown, ids, assistant_model=draft, mars_acceptance="verify"), _generate(grown, ids)
+    )

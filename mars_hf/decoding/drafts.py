@@ -199,6 +199,12 @@ class AssistantDrafts:
 
     name = ASSISTANT
 
+    @classmethod
+    def for_target(cls, target, model, num_tokens: int, pad_token_id: int) -> AssistantDrafts:
+        """``model``'s drafts for ``target``, once :func:`check_same_vocabulary` has passed them."""
+        check_same_vocabulary(target, model)
+        return cls(model, num_tokens, pad_token_id, target.device)
+
     def __init__(self, model, num_tokens: int, pad_token_id: int, device):
         self.model, self.num_tokens, self.pad_token_id, self.device = (
             model,
@@ -443,3 +449,34 @@ class DraftChooser:
             chain += reach
             best = max(best, chain - gain * (table.effective(base + k) - start))
         return best
+
+
+def vocabulary_sizes(model) -> set[int]:
+    """The sizes a model's vocabulary goes by: its embedding rows, ``config.vocab_size`` (transformers compares
+    these) and, for a MARS model, the rows before its mask token was added (``config.mars["base_vocab_size"]``)."""
+    sizes = {int(model.get_input_embeddings().weight.shape[0])}
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for size in (
+        getattr(config, "vocab_size", None),
+        (getattr(model.config, "mars", None) or {}).get("base_vocab_size"),
+    ):
+        if isinstance(size, int) and not isinstance(size, bool):
+            sizes.add(size)
+    return sizes
+
+
+def check_same_vocabulary(target, assistant) -> None:
+    """A draft model must share the target's tokenizer: token ids pass both ways unchanged, so another
+    vocabulary indexed past an embedding matrix (a raw ``IndexError``) or drafted the wrong tokens. Compared as
+    transformers compares them (vocabulary sizes), allowing the rows a MARS target added for its mask token."""
+    mine, theirs = vocabulary_sizes(target), vocabulary_sizes(assistant)
+    if mine & theirs:
+        return
+    raise ValueError(
+        f"`assistant_model` has another vocabulary than the model ({sorted(theirs)} tokens against "
+        f"{sorted(mine)}): MARS passes token ids between them unchanged, so it needs a draft model with the "
+        "same tokenizer (e.g. a smaller model of the same family). transformers' universal assisted decoding "
+        "(`tokenizer=` and `assistant_tokenizer=`, translating between vocabularies) is not supported with MARS: "
+        "pass a draft model with the model's tokenizer, or drop the MARS settings and pass `tokenizer` and "
+        "`assistant_tokenizer` for transformers' own assisted decoding."
+    )

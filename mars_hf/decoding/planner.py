@@ -282,8 +282,8 @@ class StepPlanner:
         self.position_limit = position_limit(model.config)
         assistant = None
         if assistant_model is not None:
-            assistant = AssistantDrafts(
-                assistant_model, settings.assistant_tokens, pad_token_id, model.device
+            assistant = AssistantDrafts.for_target(
+                model, assistant_model, settings.assistant_tokens, pad_token_id
             )
         # verify rows may also get prompt lookup's or a draft model's drafts (docs/method.md §5)
         self.drafts = DraftChooser(
