@@ -287,3 +287,22 @@ def test_a_draft_model_with_another_vocabulary_is_refused_naming_the_fix(model, 
     assert torch.equal(
         _generate(grown, ids, assistant_model=draft, mars_acceptance="verify"), _generate(grown, ids)
     )
+
+
+def test_one_dimensional_input_ids_are_refused_naming_the_shape(model, inputs):
+    """Issue 59, fault 5: 1-D ``input_ids`` failed in transformers' preparation with ``IndexError: tuple index
+    out of range`` (stock ``generate`` does too: it does not accept them). MARS names the shape and the fix,
+    whether the ids come as ``input_ids=``, ``inputs=`` or positionally; a row's 1-D prompt stays fine."""
+    row = inputs["input_ids"][1]
+    with pytest.raises(IndexError):  # stock: no 1-D support to mirror
+        model.generate(input_ids=row, max_new_tokens=2, do_sample=False)
+    for kwargs in ({"mars_threshold": 0.5}, {"mars_acceptance": "verify"}):
+        with pytest.raises(
+            ValueError, match=r"input_ids must be \[batch, length\], got shape \[5\].*input_ids\[None\]"
+        ):
+            model.generate(input_ids=row, max_new_tokens=2, **kwargs)
+        with pytest.raises(ValueError, match=r"input_ids must be \[batch, length\], got shape \[\]"):
+            model.generate(row[0], max_new_tokens=2, **kwargs)
+        with pytest.raises(ValueError, match=r"input_ids must be \[batch, length\], got shape \[1, 1, 5\]"):
+            model.generate(inputs=row[None, None], max_new_tokens=2, **kwargs)
+    assert _generate(model, {"input_ids": row[None]}, mars_threshold=0.5).shape == (1, 5 + MAX_NEW)

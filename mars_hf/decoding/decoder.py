@@ -484,7 +484,13 @@ def widest_step(settings: MARSDecodingSettings, assistant: bool = False) -> int:
 
 def check_token_ids(ids: torch.Tensor, name: str = "input_ids") -> None:
     """Token ids must be integers: a float id would be truncated silently (7.9 -> 7), where stock ``generate``
-    raises in the embedding."""
+    raises in the embedding. A call's ``input_ids`` must be ``[batch, length]``: 1-D ids failed in transformers'
+    preparation with ``IndexError: tuple index out of range`` (stock ``generate`` too)."""
+    if name == "input_ids" and ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be [batch, length], got shape {list(ids.shape)}; for one prompt add the batch "
+            "dimension (`input_ids[None]`), or tokenize with `return_tensors='pt'`."
+        )
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(
             f"`{name}` must hold integer token ids (torch.long), not {ids.dtype}; convert it with `.long()`."

@@ -702,6 +702,9 @@ def _route_to_mars(model, args, kwargs, values=None):
     """Call stock ``GenerationMixin.generate`` with ``mars_generate`` as the decoding callable."""
     kwargs = dict(kwargs)
     values = values if values is not None else _call_values(model, args, kwargs)
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if torch.is_tensor(ids):  # before transformers' preparation, which fails on 1-D ids with an IndexError
+        check_token_ids(ids)
     _refuse_rerouting(kwargs, kwargs.get("generation_config"))
     kwargs.pop("custom_generate", None)
     kwargs.pop("trust_remote_code", None)
