@@ -99,7 +99,8 @@ def write_random_gated_adapter(base_dir: Path, folder: Path, rank: int, seed: in
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
-        "peft_type": "LORA",
+        "peft_type": gated_lora.MARS_PEFT_TYPE,  # a gated adapter's own peft_type: plain PEFT refuses it
+        "gate_token_id": vocab,
         "r": rank,
         "lora_alpha": 2 * rank,
         "target_modules": sorted(targets),

@@ -727,9 +727,10 @@ def test_shipped_loader_applies_an_ungated_adapter_everywhere(tmp_path):
 
 
 def drop_gate_marker(folder):
-    """The folder as a checkpoint saved before adapter_config.json carried gate_token_id."""
+    """The folder as a checkpoint saved before adapter_config.json carried gate_token_id (and its own peft_type)."""
     config = json.loads((folder / "adapter_config.json").read_text())
     del config[gated_lora.GATE_TOKEN_KEY]
+    config["peft_type"] = "LORA"
     (folder / "adapter_config.json").write_text(json.dumps(config))
 
 

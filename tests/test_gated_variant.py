@@ -147,7 +147,8 @@ def test_gating_a_plain_lora_makes_its_saved_config_say_so(tokenizer, tmp_path):
     assert type(peft_model.peft_config["default"]) is MaskGatedLoraConfig
     peft_model.save_pretrained(tmp_path / "adapter")
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert saved["peft_type"] == "LORA" and saved[gated_lora.GATE_TOKEN_KEY] == tokenizer.mask_token_id
+    assert saved["peft_type"] == gated_lora.MARS_PEFT_TYPE  # plain PEFT refuses it (test_plain_peft_refusal.py)
+    assert saved[gated_lora.GATE_TOKEN_KEY] == tokenizer.mask_token_id
 
 
 # ---------------------------------------------------------------------------------------------- threads (fault 6)

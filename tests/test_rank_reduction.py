@@ -44,6 +44,8 @@ def test_a_reduced_gated_checkpoint_holds_the_truncated_updates_and_still_decode
     and mask rows are kept, so verified decoding is still the base model's greedy output (float64)."""
     from peft import PeftModel
 
+    from mars_hf.models.gated_peft import MaskGatedLoraConfig
+
     base, _, _, folder = shipped_gated(tmp_path, "llama", tokenizer)
     out = tmp_path / "reduced"
     report = reduce_adapter_rank(folder, out, 2)
@@ -54,8 +56,11 @@ def test_a_reduced_gated_checkpoint_holds_the_truncated_updates_and_still_decode
         truncated, energy = best_rank_k(update, 2)
         torch.testing.assert_close(reduced[path], truncated, rtol=1e-5, atol=1e-6)
         assert report.kept_energy[f"base_model.model.{path}"] == pytest.approx(energy, rel=1e-6)
-    # PEFT reads the new config (r, lora_alpha) into the same update
-    peft_model = PeftModel.from_pretrained(base, str(out))
+    # PEFT reads the new config (r, lora_alpha) into the same update (plain PEFT refuses a gated adapter's
+    # peft_type: the config comes from mars_hf)
+    config = MaskGatedLoraConfig.from_pretrained(out)
+    assert config.r == 2
+    peft_model = PeftModel.from_pretrained(base, str(out), config=config)
     for path, update in reduced.items():
         layer = peft_model.get_submodule(f"base_model.model.{path}")
         torch.testing.assert_close(layer.get_delta_weight("default").double(), update, rtol=1e-5, atol=1e-6)

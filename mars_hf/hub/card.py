@@ -57,7 +57,11 @@ def render_model_card(
         base_model=base_model,
         datasets=datasets or None,
         language=language,
-        library_name="peft" if is_adapter else "transformers",
+        # A gated adapter's peft_type is one plain PEFT refuses (mars_hf.decoding.gated_lora.MARS_PEFT_TYPE), so the
+        # Hub's PEFT snippet would fail on it: the library that loads it is mars_hf.
+        library_name=("mars-hf" if mars.get("adapter_gating") == "mask" else "peft")
+        if is_adapter
+        else "transformers",
         license=license,
         pipeline_tag="text-generation",
         tags=all_tags,

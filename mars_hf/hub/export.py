@@ -28,7 +28,13 @@ from pathlib import Path
 
 import torch
 
-from mars_hf.decoding.gated_lora import MARS_ADAPTER_CONFIG_FILE, read_adapter_weights
+from mars_hf.decoding.gated_lora import (
+    GATE_TOKEN_KEY,
+    MARS_ADAPTER_CONFIG_FILE,
+    is_mars_peft_type,
+    read_adapter_weights,
+    read_gating_record,
+)
 from mars_hf.models.adapters import is_peft_model
 from mars_hf.models.mask_token import get_mars_config
 from mars_hf.models.modeling import load_mars_model, read_checkpoint_json
@@ -76,7 +82,9 @@ def export_for_vllm(
     checkpoint = str(checkpoint)
     adapter_config = read_checkpoint_json(checkpoint, "adapter_config.json", hub_kwargs)
     is_adapter = adapter_config is not None and read_checkpoint_json(checkpoint, "config.json", hub_kwargs) is None
-    gated = is_adapter and _adapter_mars(checkpoint, hub_kwargs).get("adapter_gating") == "mask"
+    gated = (
+        is_adapter and _adapter_mars(checkpoint, adapter_config, hub_kwargs).get("adapter_gating") == "mask"
+    )
     if gated and not drafter_only_merge:
         raise ExportRefusedError(
             f"{checkpoint} is a LoRA adapter gated to mask positions: its delta applies only where the input is "
@@ -256,7 +264,12 @@ def check_target_vocabulary(rows: int, tokenizer, mask_token_id: int, target: st
         )
 
 
-def _adapter_mars(checkpoint: str, hub_kwargs: dict) -> dict:
+def _adapter_mars(checkpoint: str, adapter_config: dict, hub_kwargs: dict) -> dict:
+    """The adapter's MARS record: ``mars_config.json``, or, when ``adapter_config.json`` itself says the adapter is
+    gated (``gate_token_id``, the peft_type ``MARS_PEFT_TYPE``), the checked record, so a gated adapter that lost
+    ``mars_config.json`` is still known as gated here."""
+    if adapter_config.get(GATE_TOKEN_KEY) is not None or is_mars_peft_type(adapter_config.get("peft_type")):
+        return read_gating_record(checkpoint, hub_kwargs)
     return read_checkpoint_json(checkpoint, MARS_ADAPTER_CONFIG_FILE, hub_kwargs) or {}
 
 

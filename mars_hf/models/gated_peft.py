@@ -13,6 +13,9 @@ model, so :func:`gate_peft_model` installs it, once per model::
     gate_peft_model(model)
 
 :func:`load_gated_peft_model` does the three, after writing the trained mask row into the base model.
+The saved ``adapter_config.json`` names a peft_type PEFT does not know
+(:data:`~mars_hf.decoding.gated_lora.MARS_PEFT_TYPE`), so PEFT's loaders without ``config=`` refuse the folder
+with an error naming mars_hf rather than loading the LoRA ungated.
 The name follows the paper that gates LoRA to its mask tokens (arXiv 2507.11851, "gated LoRA").
 """
 
@@ -42,6 +45,7 @@ from mars_hf.decoding.gated_lora import (
     read_gating_record,
     read_mask_rows_file,
     record_gating,
+    write_saved_adapter_config,
 )
 
 logger = logging.getLogger(__name__)
@@ -141,9 +145,19 @@ class MaskGatedLoraConfig(LoraConfig):
             )
         self._register_custom_module({torch.nn.Linear: MaskGatedLoraLinear})
 
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """PEFT's ``adapter_config.json``, with the peft_type :data:`~mars_hf.decoding.gated_lora.MARS_PEFT_TYPE`:
+        plain PEFT (``PeftModel.from_pretrained``, ``AutoPeftModelForCausalLM``, transformers' ``load_adapter``)
+        then refuses the folder with an error that names mars_hf, instead of applying the LoRA at every position.
+        ``PeftModel.save_pretrained`` (and so ``MARSTrainer`` and ``mars_hf.hub.save_pretrained``) calls this."""
+        super().save_pretrained(save_directory, **kwargs)
+        write_saved_adapter_config(save_directory)
+
     @classmethod
     def from_peft_type(cls, **kwargs):
-        """Always this class (PEFT's own picks ``LoraConfig`` by ``peft_type`` and drops ``gate_token_id``)."""
+        """Always this class (PEFT's own picks ``LoraConfig`` by ``peft_type`` and drops ``gate_token_id``); the
+        saved peft_type (``MARS_PEFT_TYPE`` or an older ``LORA``) is LoRA here."""
+        kwargs.pop("peft_type", None)
         known = {entry.name for entry in dataclasses.fields(cls) if entry.init}
         ignored = sorted(set(kwargs) - known)
         if ignored:

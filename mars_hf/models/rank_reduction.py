@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-from mars_hf.decoding.gated_lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, check_adapter_config
+from mars_hf.decoding.gated_lora import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    check_adapter_config,
+    saved_adapter_config,
+)
 
 A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
 
@@ -92,5 +97,6 @@ def reduce_adapter_rank(checkpoint: str | Path, output_dir: str | Path, rank: in
             shutil.copyfile(item, target / item.name)
     save_file(reduced, target / ADAPTER_WEIGHTS_FILE, metadata={"format": "pt"})
     config.update(r=rank, lora_alpha=rank, use_rslora=False)
+    config = saved_adapter_config(config)  # a gated adapter keeps (or gets) the peft_type plain PEFT refuses
     (target / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return RankReduction(old_rank, rank, kept)

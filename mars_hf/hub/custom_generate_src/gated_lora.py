@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+# How a gated adapter's adapter_config.json starts its peft_type (mars_hf.decoding.gated_lora.MARS_PEFT_TYPE):
+# plain PEFT refuses it; this loader reads it as LoRA gated to mask positions.
+MARS_PEFT_TYPE_PREFIX = "MARS_MASK_GATED_LORA"
 MARS_CONFIG_FILE = "mars_config.json"
 MASK_ROWS_FILE = "mars_mask_token.safetensors"
 GATING_METADATA_KEY = (
@@ -67,7 +70,8 @@ def attach_shipped_adapter(model, checkpoint, **hub_kwargs) -> bool:
             f"transformers loaded the adapter of {checkpoint} with PEFT, which would apply a MARS adapter at every "
             "position; load its base model instead and pass `mars_checkpoint=` to generate."
         )
-    scaling = _check_adapter_config(_read_json(config_path), checkpoint)
+    adapter_config = _read_json(config_path)
+    scaling = _check_adapter_config(adapter_config, checkpoint)
     weights_path = _resolve(checkpoint, ADAPTER_WEIGHTS_FILE, hub_kwargs)
     if weights_path is None:
         raise OSError(f"{checkpoint} has {ADAPTER_CONFIG_FILE} but no {ADAPTER_WEIGHTS_FILE}.")
@@ -80,7 +84,7 @@ def attach_shipped_adapter(model, checkpoint, **hub_kwargs) -> bool:
         raise ValueError(
             f"{checkpoint}: the adapter targets no linear layer of this model at {missing[:4]}; load its base model."
         )
-    mars = _read_gating_record(checkpoint, hub_kwargs)
+    mars = _read_gating_record(checkpoint, hub_kwargs, adapter_config)
     rows_path = _resolve(checkpoint, MASK_ROWS_FILE, hub_kwargs)
     if rows_path is not None:
         _apply_mask_rows(model, load_file(rows_path))
@@ -203,9 +207,10 @@ def _read_json(path: str) -> dict:
 
 def _check_adapter_config(config: dict, checkpoint) -> float:
     """Refuse LoRA features this loader does not implement; return the scaling ``alpha / r``."""
+    peft_type = str(config.get("peft_type", "LORA"))
     unsupported = (
-        [f"peft_type={config.get('peft_type')!r}"]
-        if str(config.get("peft_type", "LORA")).upper() != "LORA"
+        [f"peft_type={peft_type!r}"]
+        if peft_type.upper() != "LORA" and not peft_type.startswith(MARS_PEFT_TYPE_PREFIX)
         else []
     )
     unsupported += [f"{key}=True" for key in ("use_dora", "fan_in_fan_out", "lora_bias") if config.get(key)]
@@ -242,11 +247,22 @@ def _adapter_pairs(weights: dict, checkpoint) -> dict:
     return pairs
 
 
-def _read_gating_record(checkpoint, hub_kwargs: dict) -> dict:
-    """``mars_config.json`` (``{}`` if none), checked against the mask-row file: a gated adapter whose record is lost
-    would run ungated and change every real token, so disagreeing or missing records are refused."""
+def _read_gating_record(checkpoint, hub_kwargs: dict, adapter_config: dict) -> dict:
+    """``mars_config.json`` (``{}`` if none), checked against the mask-row file and ``adapter_config.json``
+    (``gate_token_id``, the peft_type of a gated adapter): a gated adapter whose record is lost would run ungated
+    and change every real token, so disagreeing or missing records are refused."""
     mars_path = _resolve(checkpoint, MARS_CONFIG_FILE, hub_kwargs)
     mars = _read_json(mars_path) if mars_path else {}
+    gate_token = adapter_config.get("gate_token_id")
+    if gate_token is not None or str(adapter_config.get("peft_type", "")).startswith(MARS_PEFT_TYPE_PREFIX):
+        if mars_path is None and gate_token is not None:
+            mars = {"adapter_gating": "mask", "mask_token_id": int(gate_token)}
+        if mars.get("adapter_gating") != "mask" or "mask_token_id" not in mars:
+            raise ValueError(
+                f"{checkpoint}: {ADAPTER_CONFIG_FILE} says the adapter is gated to mask positions but "
+                f"{MARS_CONFIG_FILE} does not (adapter_gating={mars.get('adapter_gating')!r}); the files come from "
+                "different checkpoints."
+            )
     rows_path = _resolve(checkpoint, MASK_ROWS_FILE, hub_kwargs)
     claimed = None
     if rows_path is not None:
