@@ -44,7 +44,7 @@ def run(args) -> int:
     import torch
 
     from mars_hf.models.embedded_model import resolve_model_path
-    from mars_hf.models.modeling import load_mars_model
+    from mars_hf.models.modeling import load_mars_model, require_tokenizer
     from mars_hf.training.calibration_fit import (
         calibrate,
         examples_from_records,
@@ -57,6 +57,7 @@ def run(args) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     folder = resolve_model_path(args.checkpoint)
     model, tokenizer = load_mars_model(folder, dtype=getattr(torch, args.dtype))
+    tokenizer = require_tokenizer(tokenizer, folder, "calibration (it tokenizes the examples)")
     model.config._attn_implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
     records = read_jsonl(args.data, limit=args.num_examples)
     if not records:

@@ -175,10 +175,11 @@ def _load_models(args: argparse.Namespace):
 
     from mars_hf.models.embedded_model import resolve_model_path
     from mars_hf.models.mask_token import suppress_mask_token
-    from mars_hf.models.modeling import load_mars_model
+    from mars_hf.models.modeling import load_mars_model, require_tokenizer
 
     dtype = resolve_dtype(args.model, args.dtype)
     model, tokenizer = load_mars_model(args.model, merge_adapter="auto", dtype=dtype)
+    tokenizer = require_tokenizer(tokenizer, args.model, "evaluation (it tokenizes the prompts)")
     model.eval()
     suppress_mask_token(model)
     base = None

@@ -91,7 +91,7 @@ class MARSLM(HFLM):
     def __init__(self, pretrained="embedded", merge_adapter="auto", dtype="float32", **kwargs):
         from mars_hf.models.embedded_model import resolve_model_path
         from mars_hf.models.mask_token import suppress_mask_token
-        from mars_hf.models.modeling import load_mars_model
+        from mars_hf.models.modeling import load_mars_model, require_tokenizer
 
         MARSLM.instances.append(self)  # so that `cli_evaluate` can print their statistics
         self.mars_defaults = {key: kwargs.pop(key) for key in MARS_GENERATE_KWARGS if key in kwargs}
@@ -103,6 +103,7 @@ class MARSLM(HFLM):
             model, tokenizer = load_mars_model(
                 resolve_model_path(pretrained), merge_adapter=merge_adapter, **load_kwargs
             )
+            tokenizer = require_tokenizer(tokenizer, pretrained, "lm_eval (it tokenizes the requests)")
             suppress_mask_token(model)
             self.checkpoint = pretrained
             kwargs.setdefault("tokenizer", tokenizer)

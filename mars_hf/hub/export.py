@@ -37,7 +37,7 @@ from mars_hf.decoding.gated_lora import (
 )
 from mars_hf.models.adapters import is_peft_model
 from mars_hf.models.mask_token import get_mars_config
-from mars_hf.models.modeling import load_mars_model, read_checkpoint_json
+from mars_hf.models.modeling import load_mars_model, read_checkpoint_json, require_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ def export_for_vllm(
         )
     model, tokenizer, mars = _load_merged(checkpoint, gated, block_size, base_model_name_or_path, hub_kwargs)
     mask_token_id = int(mars["mask_token_id"])
+    tokenizer = require_tokenizer(tokenizer, checkpoint, "the vLLM export (the drafter folder holds it)")
     rows = _check_mask_token(model, tokenizer, mask_token_id)
     if target is None and is_adapter:
         target = base_model_name_or_path or adapter_config.get("base_model_name_or_path")

@@ -47,6 +47,9 @@ PAPER_MODEL_TYPES = {"a2d-qwen2": "qwen2", "a2d-qwen3": "qwen3", "a2d-llama": "l
 # Keyword arguments that choose *which files* to read; passed to every file lookup.
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies")
 
+# JSON files one of which a saved tokenizer always has (``save_pretrained`` writes both).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
 _BLOCK_SUFFIX = re.compile(r"(?:^|[-_.])blk(\d+)$", re.IGNORECASE)
 
 
@@ -79,7 +82,9 @@ def load_mars_model(
     adapter_gating: str | None = None,
     **kwargs,
 ):
-    """Load ``(model, tokenizer)`` from any MARS checkpoint format.
+    """Load ``(model, tokenizer)`` from any MARS checkpoint format. ``tokenizer`` is None for a checkpoint saved
+    without one (the model needs none: ``config.mars`` holds the mask token id; :func:`require_tokenizer` says
+    so where one is needed).
 
     Args:
         name_or_path: local folder or Hub id (a cached Hub repo loads offline).
@@ -136,7 +141,11 @@ def load_mars_model(
         )
     else:
         model = _load_backbone(name_or_path, config_dict, hub_kwargs, kwargs, as_mars=enable)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **hub_kwargs)
+        # The model needs no tokenizer: config.mars holds the mask id. A folder saved without one returns None.
+        has_tokenizer = any(_checkpoint_file(name_or_path, name, hub_kwargs) for name in TOKENIZER_FILES)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **hub_kwargs) if has_tokenizer else None
+        if tokenizer is None:
+            logger.info("%s was saved without a tokenizer: the tokenizer returned is None.", name_or_path)
         mars = dict(config_dict.get("mars") or {})
 
     mask_token_id = _ensure_mask_token(tokenizer, mars, name_or_path)
@@ -196,9 +205,9 @@ def _checkpoint_name(name_or_path: str) -> str:
     return path.name
 
 
-def read_checkpoint_json(name_or_path: str, filename: str, hub_kwargs: dict) -> dict | None:
-    """``filename`` of a folder or (cached) Hub repo as a dict; None when the checkpoint has no such file."""
-    resolved = cached_file(
+def _checkpoint_file(name_or_path: str, filename: str, hub_kwargs: dict) -> str | None:
+    """The local path of ``filename`` of a folder or (cached) Hub repo; None when the checkpoint has no such file."""
+    return cached_file(
         name_or_path,
         filename,
         _raise_exceptions_for_missing_entries=False,
@@ -206,6 +215,11 @@ def read_checkpoint_json(name_or_path: str, filename: str, hub_kwargs: dict) -> 
         _raise_exceptions_for_gated_repo=False,
         **hub_kwargs,
     )
+
+
+def read_checkpoint_json(name_or_path: str, filename: str, hub_kwargs: dict) -> dict | None:
+    """``filename`` of a folder or (cached) Hub repo as a dict; None when the checkpoint has no such file."""
+    resolved = _checkpoint_file(name_or_path, filename, hub_kwargs)
     if resolved is None:
         return None
     with open(resolved, encoding="utf-8") as handle:
@@ -270,8 +284,29 @@ def _causal_lm_class(config, name_or_path: str) -> type:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
+def require_tokenizer(tokenizer, name_or_path, purpose: str):
+    """``tokenizer``, or the error that says ``name_or_path`` was saved without one and what needs it."""
+    if tokenizer is None:
+        raise ValueError(
+            f"{str(name_or_path)!r} was saved without a tokenizer, and {purpose} needs one (the model itself loads "
+            "without it: config.mars holds the mask token id). Save the tokenizer the model was trained with into "
+            "the folder (`tokenizer.save_pretrained(folder)`, or `mars_hf.hub.save_pretrained(model, tokenizer, "
+            "folder)`)."
+        )
+    return tokenizer
+
+
 def _ensure_mask_token(tokenizer, mars: dict, name_or_path: str) -> int:
-    """The tokenizer's mask token id; adopts ``<|mask|>`` (the paper's) when it is only an added token."""
+    """The tokenizer's mask token id; adopts ``<|mask|>`` (the paper's) when it is only an added token. Without a
+    tokenizer, ``config.mars``'s ``mask_token_id``."""
+    if tokenizer is None:
+        if mars.get("mask_token_id") is None:
+            raise ValueError(
+                f"{name_or_path!r} has no tokenizer and its config has no `mars.mask_token_id`, so its mask token "
+                "is unknown: save the tokenizer with the model, or record the mask token with "
+                "`mars_hf.set_mars_config(model, block_size=..., mask_token_id=...)` before saving."
+            )
+        return int(mars["mask_token_id"])
     if tokenizer.mask_token is None:
         vocab = tokenizer.get_vocab()
         if DEFAULT_MASK_TOKEN in vocab:

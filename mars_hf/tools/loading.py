@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mars_hf.decoding.generation import enable_mars
 from mars_hf.models.embedded_model import resolve_model_path
 from mars_hf.models.mask_token import add_mask_token, set_mars_config
-from mars_hf.models.modeling import load_mars_model
+from mars_hf.models.modeling import load_mars_model, require_tokenizer
 from mars_hf.models.precision import choose_dtype, log_choice, model_shapes
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ def load_model_and_tokenizer(
         path = resolve_model_path(name_or_path)
         if _is_mars_checkpoint(path):
             model, tokenizer = load_mars_model(path, dtype=torch_dtype)
+            tokenizer = require_tokenizer(tokenizer, path, "decoding text prompts")
         else:
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
