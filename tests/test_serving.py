@@ -311,7 +311,10 @@ BAD_BODIES = [
         json.dumps({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}).encode(),
         "frequency_penalty",
     ),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}).encode(), "logit_bias"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}).encode(),
+        "logit_bias",
+    ),
 ]
 
 
@@ -379,6 +382,9 @@ def test_full_queue_is_429_with_retry_after(tok, counted_submissions):
         assert codes.count(200) in (2, 3) and codes.count(429) == 6 - codes.count(200), codes
         busy = next(r for r in responses if r.status_code == 429)
         assert int(busy.headers["retry-after"]) >= 1 and "Retry later" in busy.json()["error"]["message"]
+        # issue 59: typed as OpenAI types a rate limit (it was an `invalid_request_error`: nothing to fix in it)
+        error = busy.json()["error"]
+        assert error["type"] == "rate_limit_exceeded" and error["code"] == "rate_limit_exceeded", error
         assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
 
 

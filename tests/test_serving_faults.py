@@ -612,3 +612,91 @@ def test_fault_run_every_request_answered_once_and_correctly_memory_flat():
     assert report["answered_correctly"] == report["answerable"]
     assert report["drain"]["bad"] == 0 and report["drain"]["server_stopped"]
     assert not model._forward_hooks and not model._forward_pre_hooks  # the fault hooks are gone
+
+
+# ---------------------------------------------------------------- lone surrogates, and every response counted
+
+
+def _requests_total(base_url: str) -> dict[str, float]:
+    text = httpx.get(base_url + "/metrics").text
+    return {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("mars_requests_total{")
+    }
+
+
+def _raw_post(base_url: str, path: str, body: dict) -> httpx.Response:
+    """JSON as a client that escapes non-ASCII writes it: a lone surrogate travels as ``\\ud800``."""
+    data = json.dumps(body).encode()
+    return httpx.post(base_url + path, content=data, headers={"content-type": "application/json"})
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field_and_every_response_is_counted(monkeypatch):
+    """Issue 59, fault 3: ``{"prompt": "\\ud800 x"}`` (or a chat message holding one) reached the tokenizer and
+    came back a 500 "internal server error" that ``mars_requests_total`` did not count. Now a 400 naming the
+    field; and every response is counted once: a 500 of an unexpected error, a client that goes away while
+    sending its body or in the middle of a stream."""
+    import socket
+
+    import mars_hf.serving.app as app_module
+
+    tok = tiny_tokenizer()
+    model = llama(tok)
+    app, scheduler = _served(model, tok)
+    lone = "\ud800 x"
+    bad = [
+        ("/v1/completions", {"prompt": lone, "max_tokens": 2}, "prompt", "`prompt`"),
+        ("/v1/completions", {"prompt": [lone], "max_tokens": 2}, "prompt", "`prompt`"),
+        ("/v1/completions", {"prompt": "a dog", "stop": ["x", lone], "max_tokens": 2}, "stop", "`stop`"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": lone}],
+                "max_tokens": 2,
+            },
+            "messages",
+            "`messages[1].content`",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": lone}]}], "max_tokens": 2},
+            "messages",
+            "`messages[0].content`",
+        ),
+    ]
+    with BackgroundServer(app) as server:
+        url = server.base_url
+        for path, body, param, named in bad:
+            response = _raw_post(url, path, body)
+            assert response.status_code == 400, (body, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", error
+            assert named in error["message"] and "lone surrogate" in error["message"], error
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "a dog is red", "max_tokens": 2})
+        assert ok.status_code == 200
+        # a client that goes away in the middle of its body (Content-Length promises more than it sends)
+        with socket.create_connection((server.host, server.port), timeout=HANG_GUARD_S) as raw:
+            raw.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 500\r\n\r\n{"prompt": "a dog'
+            )
+        # one that goes away after the first chunk of a stream
+        body = {"prompt": "a dog is red", "max_tokens": 150, "stream": True}
+        with (
+            httpx.Client(timeout=HANG_GUARD_S) as client,
+            client.stream("POST", url + "/v1/completions", json=body) as r,
+        ):
+            next(r.iter_lines())
+        # an unexpected error in a handler: a JSON 500, counted
+        monkeypatch.setattr(app_module, "parse_request", lambda *a, **k: 1 / 0)
+        crashed = httpx.post(url + "/v1/completions", json={"prompt": "a dog", "max_tokens": 2})
+        assert crashed.status_code == 500 and crashed.json()["error"]["type"] == "server_error"
+        sent = len(bad) + 4
+        wait_until(lambda: sum(_requests_total(url).values()) >= sent, what="every response counted")
+        time.sleep(0.5)  # nothing is counted twice later
+        outcomes = _requests_total(url)
+    assert sum(outcomes.values()) == sent, outcomes
+    assert outcomes["bad_request"] == len(bad) and outcomes["error"] == 1 and outcomes["ok"] == 1, outcomes
+    assert outcomes["cancelled"] == 2, outcomes  # the body cut short and the stream left
+    assert scheduler.engine.num_rows == 0

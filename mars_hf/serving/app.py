@@ -111,7 +111,8 @@ def build_app(
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):
-    """An unknown route or method in OpenAI's error shape (FastAPI's own is ``{"detail": ...}``)."""
+    """An unknown route or method in OpenAI's error shape (FastAPI's own is ``{"detail": ...}``), counted."""
+    request.app.state.serving.metrics.requests.labels("bad_request").inc()
     return _error(f"{exc.detail}: {request.method} {request.url.path}", exc.status_code)
 
 
@@ -126,6 +127,7 @@ async def _lifespan(app: FastAPI):
 async def _unexpected(request: Request, exc: Exception):
     """Never a crash, never the body in the log: a JSON 500 and one log line."""
     logger.error("Unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+    request.app.state.serving.metrics.requests.labels("error").inc()  # every response is counted
     return _error("internal server error", 500)
 
 
@@ -190,6 +192,7 @@ async def _complete(http_request: Request, state: ServingState, *, chat: bool):
         raw = await _read_body(http_request, state.limits.max_body_bytes)
         if raw is None:  # the client went away while sending: nobody reads an answer
             logger.info("Client disconnected while sending a request to %s", http_request.url.path)
+            state.metrics.requests.labels("cancelled").inc()  # as one that goes while queued or decoding
             return Response(status_code=499)
         parsed = _parse(raw, state, chat=chat)
     except RequestError as error:

@@ -27,8 +27,29 @@ class RequestError(Exception):
         self.code = code
 
     def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        code = self.code
+        if self.status == 429:  # OpenAI's rate-limit shape: clients retry these, not fix the request
+            kind, code = RATE_LIMIT, code or RATE_LIMIT
+        else:
+            kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
+
+
+RATE_LIMIT = "rate_limit_exceeded"
+
+
+def check_text(text: str, where: str, param: str) -> str:
+    """``text`` when it is Unicode text the tokenizer can read; a lone surrogate (JSON may spell
+    ``"\\ud800"``) is no such text, and reached the tokenizer as a 500 "internal server error"."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(
+            f"`{where}` holds a lone surrogate ({ascii(text[error.start])} at character {error.start}), which "
+            "is not Unicode text: send valid UTF-16 pairs (or the character itself) instead.",
+            param=param,
+        ) from None
+    return text
 
 
 def error_body(message: str, status: int, code: str | None = None) -> dict:
@@ -149,7 +170,7 @@ def _stop(body: dict) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise RequestError("`stop` must be a non-empty string or a list of up to 4 of them.", param="stop")
-    return stop
+    return [check_text(s, "stop", "stop") for s in stop]
 
 
 def _refuse_unsupported(body: dict, *, chat: bool) -> None:
@@ -202,6 +223,7 @@ def _message_text(message, index: int) -> dict:
         content = "".join(parts)
     if not isinstance(content, str):
         raise RequestError(f"`messages[{index}].content` must be a string.", param="messages")
+    check_text(content, f"messages[{index}].content", "messages")
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
@@ -225,7 +247,7 @@ def completion_prompt_ids(body: dict, tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("`prompt` must not be empty.", param="prompt")
-        return list(tokenizer(prompt)["input_ids"])
+        return list(tokenizer(check_text(prompt, "prompt", "prompt"))["input_ids"])
     if (
         isinstance(prompt, list)
         and prompt

@@ -38,7 +38,9 @@ MALFORMED = [
     b'{"messages": [{"role": "user", "content": "x"}], "mars_acceptance": "guess"}',
 ]
 # kind -> weight in the mix. "raises*": the prompt holds a marker token that makes the model raise
-# (see `inject_faults`); "overlong": a prompt past the model's positions; "mask": the mask token in the prompt;
+# (see `inject_faults`); "surrogate": a lone surrogate in a prompt or a chat message (sent escaped, as JSON allows);
+# "disconnect": a stream the client leaves after its first line; "overlong": a prompt past the model's positions;
+# "mask": the mask token in the prompt;
 # "suppressed": a valid request whose usage must count no mask token (the run boosts the mask logit, which the
 # model's suppress_tokens must hold back); then what a server must refuse before decoding: no or a wrong API key,
 # a foreign Host (DNS rebinding), a foreign Origin (a cross-site page), a text/plain body.
@@ -47,6 +49,7 @@ FAULT_MIX = {
     "stream": 3,
     "disconnect": 1,
     "malformed": 1,
+    "surrogate": 1,
     "overlong": 1,
     "mask": 1,
     "suppressed": 1,
@@ -358,6 +361,13 @@ class FaultPlan:
             )
         if kind == "malformed":
             return FaultRequest(kind, "/v1/chat/completions", self.rng.choice(MALFORMED), False)
+        if kind == "surrogate":  # "\ud800" escaped in the JSON: a body any client may send
+            lone = "\ud800 " + self.prompts[p]
+            if i % 2:
+                body = {"messages": [{"role": "user", "content": lone}], "max_tokens": 2}
+                return FaultRequest(kind, "/v1/chat/completions", json.dumps(body).encode(), False)
+            body = {"prompt": lone, "max_tokens": 2}
+            return FaultRequest(kind, "/v1/completions", json.dumps(body).encode(), False)
         if kind == "overlong":
             body = {"prompt": [self.plain_ids[p][0]] * self.too_long, "max_tokens": 2}
             return FaultRequest(kind, "/v1/completions", body, False)
@@ -393,7 +403,7 @@ class FaultPlan:
             status, code = REFUSALS[request.kind]
             ok = is_json_error(answer, status) and answer["json"]["error"].get("code") == code
             return None if ok else f"{request.kind}: status {answer['status']} (want a JSON {status} {code})"
-        if request.kind in ("malformed", "overlong", "mask"):
+        if request.kind in ("malformed", "surrogate", "overlong", "mask"):
             return self._check_refused(request.kind, answer)
         if request.kind == "raises":
             ok = is_json_error(answer, 500) and ROW_FAILED in answer["json"]["error"]["message"]
@@ -438,6 +448,10 @@ class FaultPlan:
             return "overlong: the 400 does not name the prompt length and the model's positions"
         if kind == "mask" and "mask token" not in message:
             return "mask: the 400 does not name the mask token"
+        if kind == "surrogate" and not (
+            "lone surrogate" in message and answer["json"]["error"].get("param") in ("prompt", "messages")
+        ):
+            return "surrogate: the 400 does not name the field and the lone surrogate"
         return None
 
 
@@ -636,6 +650,10 @@ def _fault_report(plan: FaultPlan, served: dict, rows_left: int, drain_report: d
         "problems": problems,
         "server_outcomes": outcomes,
         "server_outcomes_total": sum(outcomes.values()),
+        # every 400 (and the guard's 415) counted as a bad request: a lone surrogate was a 500, answered but not
+        # counted
+        "refused_counted": outcomes.get("bad_request", 0)
+        == sum(plan.count(k) for k in ("malformed", "surrogate", "overlong", "mask", "text-plain")),
         "health": health,
         "rows_left_in_engine": rows_left,
         "rss_mb_after_warmup": round(served["rss_warm"], 1),
@@ -647,6 +665,7 @@ def _fault_report(plan: FaultPlan, served: dict, rows_left: int, drain_report: d
     report["ok"] = (
         not problems
         and report["server_outcomes_total"] == total  # every request counted once, by one outcome
+        and report["refused_counted"]
         and health.get("status") == "ok"
         and health.get("running") == 0
         and rows_left == 0
