@@ -143,3 +143,69 @@ def test_train_drops_rows_that_hold_an_evaluation_prompt(text_model, tmp_path, m
     assert len(seen["rows"]) == 20 and not any(BUILTIN_PROMPTS[0] in row for row in seen["rows"])
     load_example_script().cli(args + ["--exclude_evaluation_prompts", "false"])
     assert len(seen["rows"]) == 21
+
+
+def test_a_null_text_is_named_as_null_not_as_no_field(text_model, tmp_path):
+    """Issue 59, fault 6: ``{"text": null}`` was reported with "its fields: []" although the row has the field."""
+    model_dir, _ = text_model
+    data = tmp_path / "null.jsonl"
+    data.write_text('{"text": "the cat"}\n{"text": null}\n')
+    with pytest.raises(
+        ValueError, match=r"Row 1 of .*null\.jsonl .*its fields: \[\]; null or absent: \['text'\]"
+    ):
+        load_example_script().cli(train_args(model_dir, data, tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        (
+            b'{"text": "the cat"}\n{"text": "a dog"\n{"text": "is red"}\n',
+            r"bad\.jsonl, line 2, column \d+: not JSON",
+        ),
+        (
+            b'{"text": "the cat"}\n{"text": "caf\xe9"}\n',
+            r"bad\.jsonl, line 2: byte 0xe9 at column 14 is not UTF-8",
+        ),
+        (b'[{"text": "the cat"},\n {"text": "a dog"},,\n]\n', r"bad\.jsonl, line 2, column \d+: not JSON"),
+    ],
+    ids=["malformed line", "latin-1", "malformed array"],
+)
+def test_a_file_that_is_not_json_or_not_utf8_is_refused_by_file_and_line(
+    text_model, tmp_path, content, named
+):
+    """Issue 59, fault 6: a malformed JSON line gave a raw ``DatasetGenerationError`` (pyarrow) traceback and a
+    latin-1 file a raw ``UnicodeDecodeError``; both now name the file and the line."""
+    model_dir, _ = text_model
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(content)
+    with pytest.raises(ValueError, match=named):
+        load_example_script().cli(train_args(model_dir, data, tmp_path / "out"))
+
+
+def test_a_document_over_several_lines_and_a_bom_still_load(text_model, tmp_path):
+    """What the ``json`` builder reads is not refused by the line check: a JSON array over several lines."""
+    from mars_hf.scripts.train_mars import check_json_file
+
+    data = tmp_path / "array.json"
+    data.write_text('[\n  {"text": "the cat"},\n  {"text": "a dog"}\n]\n')
+    check_json_file(str(data))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"text": "the cat"}\n')
+    check_json_file(str(bom))
+
+
+def test_rows_of_several_formats_are_refused_with_their_counts(text_model, tmp_path):
+    """Issue 59, fault 6: a jsonl of 5 ``text`` rows and 1 ``messages`` row trained on the one chat alone."""
+    model_dir, _ = text_model
+    data = tmp_path / "mixed.jsonl"
+    rows = [{"text": f"the cat {i}"} for i in range(5)]
+    rows.insert(
+        3, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a dog"}]}
+    )
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(
+        ValueError,
+        match=r"mixed\.jsonl mixes training formats: 5 'text' \(first: row 0\), 1 'messages' \(first: row 3\)",
+    ):
+        load_example_script().cli(train_args(model_dir, data, tmp_path / "out"))

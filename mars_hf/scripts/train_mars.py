@@ -62,6 +62,8 @@ def load_dataset_from_args(script_args):
     local_file = name.endswith((".json", ".jsonl")) or os.path.isfile(name)
     if local_file and os.path.isfile(name) and not _has_content(name):
         raise ValueError(f"{name} is empty: it holds no training rows. {ROW_FORMATS_HINT}")
+    if local_file and os.path.isfile(name):
+        check_json_file(name)
     try:
         if local_file:
             return load_dataset("json", data_files={script_args.dataset_train_split: name})
@@ -74,6 +76,59 @@ ROW_FORMATS_HINT = (
     "Each row needs one of: 'messages' (a chat), 'prompt' and 'completion', 'text' (`--dataset_text_field`), "
     "'conversations' (from/value turns) or tokenized 'input_ids'; e.g. `mars-hf distill` writes such a file."
 )
+
+
+def check_json_file(path: str) -> None:
+    """Refuse a file the `json` builder cannot read, naming the line: not UTF-8 (a latin-1 file raised a bare
+    ``UnicodeDecodeError``), or a line that is not JSON (a pyarrow ``DatasetGenerationError`` traceback).
+
+    JSON lines are read one by one (a file of any size); a file that opens with ``[`` or is one JSON document
+    over several lines is parsed whole, as the builder reads it.
+    """
+    import json
+
+    bad = None  # (line, column, what) of the first line that is not JSON
+    with open(path, "rb") as handle:
+        first = None
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{path}, line {number}: byte {raw[error.start]:#04x} at column {error.start + 1} is not "
+                    "UTF-8 (a latin-1 or Windows-1252 file?). Save the file as UTF-8, e.g. "
+                    f"`iconv -f latin1 -t utf-8 {path} > fixed.jsonl`."
+                ) from None
+            if number == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark: the builder reads past it too
+            if first is None and line.strip():
+                first = line.lstrip()[:1]
+            if bad is None and line.strip():
+                try:
+                    json.loads(line)
+                except (ValueError, RecursionError) as error:
+                    bad = (number, getattr(error, "colno", 1), getattr(error, "msg", str(error)))
+            if bad is not None and first == "[":
+                break  # a JSON document, not JSON lines: parsed whole below
+    if bad is None:
+        return
+    if first in ("[", "{"):
+        with open(path, encoding="utf-8") as handle:
+            try:
+                json.load(handle)  # one document over several lines: what the builder reads
+                return
+            except (ValueError, RecursionError) as error:
+                if first == "[":
+                    bad = (
+                        getattr(error, "lineno", 1),
+                        getattr(error, "colno", 1),
+                        getattr(error, "msg", str(error)),
+                    )
+    line, column, what = bad
+    raise ValueError(
+        f"{path}, line {line}, column {column}: not JSON ({what}). Each line of a .jsonl file is one JSON "
+        f'object, e.g. {{"text": "..."}}. {ROW_FORMATS_HINT}'
+    )
 
 
 def _has_content(path: str) -> bool:
@@ -188,7 +243,9 @@ def drop_evaluation_prompts(dataset, script_args, training_args, logger) -> None
     before = len(dataset[split]) if hasattr(dataset[split], "__len__") else None
     dataset[split] = exclude_evaluation_rows(dataset[split], prompts)
     if before is not None:
-        logger.info(f"Dropped {before - len(dataset[split])} of {before} training rows holding an evaluation prompt.")
+        logger.info(
+            f"Dropped {before - len(dataset[split])} of {before} training rows holding an evaluation prompt."
+        )
 
 
 def hold_out_for_calibration(dataset, script_args, training_args, logger):

@@ -107,18 +107,22 @@ ROW_FORMATS = (
 )
 
 
-def _has_format(row: dict, text_field: str) -> bool:
-    """Whether a row holds one of the formats TRL reads (a column a row lacks reads as None)."""
-    if row.get("input_ids") is not None or row.get("messages") is not None:
-        return True
-    if row.get("conversations") is not None or isinstance(row.get(text_field), str):
-        return True
-    return row.get("prompt") is not None and row.get("completion") is not None
+def _row_format(row: dict, text_field: str) -> str | None:
+    """The format TRL reads a row in (a column a row lacks reads as None), or None for none of them."""
+    for name in ("input_ids", "messages", "conversations"):
+        if row.get(name) is not None:
+            return name
+    if row.get("prompt") is not None and row.get("completion") is not None:
+        return "prompt/completion"
+    return text_field if isinstance(row.get(text_field), str) else None
 
 
 def check_row_formats(dataset, text_field: str, source: str) -> None:
     """Refuse the first row of ``dataset`` in none of TRL's formats, naming ``source`` (a file, a split), the
     row and the formats; TRL would fail on it with a bare ``KeyError: 'text'`` in the middle of tokenizing.
+
+    Rows of several formats are refused too: TRL reads a dataset in the format of its columns, so a file of 5
+    ``text`` rows and 1 ``messages`` row trained on the one chat alone, without a word.
 
     A `datasets.Dataset` is read column-wise, every row; other datasets are left to TRL.
     """
@@ -127,13 +131,26 @@ def check_row_formats(dataset, text_field: str, source: str) -> None:
     names = ("input_ids", "messages", "conversations", "prompt", "completion", text_field)
     columns = [c for c in dict.fromkeys(names) if c in dataset.column_names]
     rows = _column_rows(dataset, columns) if columns else ({} for _ in range(len(dataset)))
+    formats: dict[str, list[int]] = {}  # format -> its rows
     for index, row in enumerate(rows):
-        if not _has_format(row, text_field):
-            fields = sorted(k for k, v in dataset[index].items() if v is not None)
+        found = _row_format(row, text_field)
+        if found is None:
+            values = dataset[index]
+            fields = sorted(k for k, v in values.items() if v is not None)
+            # a file's rows share their columns: a null value and a field the row lacks both read as None
+            empty = sorted(k for k, v in values.items() if v is None and k in names)
+            nulls = f"; null or absent: {empty}" if empty else ""
             raise ValueError(
-                f"Row {index} of {source} has none of the training formats (its fields: {fields}). Each row "
-                f"needs one of: {ROW_FORMATS.format(text=text_field)}."
+                f"Row {index} of {source} has none of the training formats (its fields: {fields}{nulls}). Each "
+                f"row needs one of: {ROW_FORMATS.format(text=text_field)}."
             )
+        formats.setdefault(found, []).append(index)
+    if len(formats) > 1:
+        counts = ", ".join(f"{len(rows)} '{name}' (first: row {rows[0]})" for name, rows in formats.items())
+        raise ValueError(
+            f"{source} mixes training formats: {counts} rows. TRL reads a dataset in one format, so the other "
+            "rows would be dropped or misread; convert them to one format (or train on each file alone)."
+        )
 
 
 def refuse_if_nothing_left(split: str, total: int, counts: dict[str, int], max_length: int | None) -> None:
