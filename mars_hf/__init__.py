@@ -16,6 +16,7 @@ _LAZY = {
     "MARSGenerationMixin": "mars_hf.decoding.generation",
     "MARSGenerateOutput": "mars_hf.decoding.generation",
     "enable_mars": "mars_hf.decoding.enable",
+    "MARSModel": "mars_hf.decoding.enable",
     "mars_class": "mars_hf.decoding.generation",
     "MARSBatchDecoder": "mars_hf.decoding.decoder",
     "RowSettings": "mars_hf.decoding.decoder",

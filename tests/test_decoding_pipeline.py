@@ -39,6 +39,8 @@ HELPERS = (
     "cpu_kernels",
     "home",
 )
+# the entry of a model enable_mars wrapped (MARSModel: its generate, its forward delegating to the model's)
+ENTRIES = ("enable",)
 # a row's state, as the decoder keeps it between steps
 ROW_FIELDS = {"tokens", "drafts", "committed", "prefilled", "finished", "tau", "window", "floor", "noise"}
 
@@ -83,7 +85,8 @@ def test_a_verify_step_runs_through_five_modules():
 
     called = _decoding_modules_called(verify)
     assert set(PIPELINE) <= called, called
-    assert called - set(PIPELINE) <= set(HELPERS), called - set(PIPELINE) - set(HELPERS)
+    others = called - set(PIPELINE) - set(ENTRIES)
+    assert others <= set(HELPERS), others - set(HELPERS)
 
 
 def _imports(module: str) -> set[str]:

@@ -24,14 +24,14 @@ from peft.tuners.lora import LoraLayer
 
 from mars_hf import hub
 from mars_hf.decoding import gated_lora
-from mars_hf.decoding.generation import enable_mars, mars_generate
+from mars_hf.decoding.generation import mars_generate
 from mars_hf.models import gated_peft
 from mars_hf.models.modeling import load_mars_model
 from mars_hf.training.attention_mask import build_mars_inputs, mars_attention_mask
 from mars_hf.training.config import MARSConfig
 from mars_hf.training.trainer import MARSTrainer
 from tests.bare_venv import run_in_bare_venv
-from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
+from tests.tiny import ARCHITECTURES, as_mars_class, tiny_model, tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,7 +112,7 @@ def test_tau_1_decoding_is_the_base_models_greedy_output(arch, tokenizer):
     base = tiny_model(arch)
     with torch.no_grad():
         base.get_output_embeddings().weight.mul_(40.0)  # confident masks, so τ < 1 accepts drafts
-    gated = gated_copy(enable_mars(base), tokenizer.mask_token_id)  # the PEFT model's base has MARS generate
+    gated = gated_copy(as_mars_class(base), tokenizer.mask_token_id)  # the PEFT model's base has MARS generate
     inputs = tokenizer(["hello world the cat", "one two"], return_tensors="pt", padding=True)
     common = dict(max_new_tokens=16, do_sample=False)
     expected = base.generate(**inputs, **common)

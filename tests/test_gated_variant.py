@@ -40,7 +40,7 @@ from tests.test_gated_lora import (  # noqa: F401  (trained_gated, chat_dataset:
     trained_gated,
     window_logits,
 )
-from tests.tiny import tiny_model
+from tests.tiny import as_mars_class, tiny_model
 
 MARS_FILES = ("mars_config.json", "mars_mask_token.safetensors")
 
@@ -163,7 +163,7 @@ def test_two_threads_decoding_on_one_gated_model_each_get_their_own_output(
     each call gives what it gives alone (with the opt-in C kernel too, whose per-group call is locked)."""
     _, shipped, peft_model, folder = shipped_gated(tmp_path, "llama", tokenizer, kernel=kernel)
     model = (
-        load_gated_peft_model(enable_mars(plain_base(tmp_path)), folder)
+        load_gated_peft_model(as_mars_class(plain_base(tmp_path)), folder)
         if loader == "peft"
         else enable_mars(shipped)
     )

@@ -110,7 +110,7 @@ def test_model_wide_window_is_bounded_by_the_position_limit():
         match=r"`block_size` \(the window W\) = 1000000 must be below the model's position limit \(256\)",
     ):
         model = enable_mars(model, block_size=10**6)
-    assert not getattr(model, "_mars_overrides", None)  # a refused W is not kept
+    assert "_mars_overrides" not in model.__dict__  # nothing is written into the model
     with pytest.raises(ValueError, match=r"must be below the model's position limit \(256\)"):
         model = enable_mars(model, block_size=256)
     with pytest.raises(ValueError, match=r"`block_size` \(the window W\) must be an integer >= 1"):
@@ -119,7 +119,7 @@ def test_model_wide_window_is_bounded_by_the_position_limit():
     with pytest.raises(ValueError, match=r"config.mars\['block_size'\]`\) = 4096 must be below"):
         model = enable_mars(model)
     model.config.mars["block_size"] = 4
-    assert enable_mars(model, block_size=255)._mars_overrides["block_size"] == 255
+    assert enable_mars(model, block_size=255).mars_settings["block_size"] == 255
 
 
 @pytest.mark.parametrize(

@@ -521,7 +521,7 @@ def test_paper_checkpoint_loads_by_hub_id_offline_and_decodes(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["mars"]["block_size"] == 4 and result["cls"] == "Qwen2ForCausalLM"
+    assert result["mars"]["block_size"] == 4 and result["cls"] == "MARSQwen2ForCausalLM"
     assert result["mask"] == "<|mask|>" and result["mars"]["mask_token_id"] == result["mask_id"]
     assert "from the 'blk4' suffix" in run.stderr
     assert result["tokens"] == expected
@@ -589,7 +589,7 @@ def test_lora_adapter_loads_onto_base_and_decodes_like_merged(tmp_path, mode):
         gating = {"adapter_gating": "none"} if mode == "peft-only" else {}  # no record: say it is ungated
         loaded = AutoMARSModelForCausalLM.from_pretrained(adapter_dir, merge_adapter=merge, **gating)
         assert loaded.config.mars["block_size"] == 4
-        assert type(loaded).__name__ == ("LlamaForCausalLM" if merge else "PeftModelForCausalLM")
+        assert type(loaded).__name__ == ("MARSLlamaForCausalLM" if merge else "PeftModelForCausalLM")
         assert tuple(loaded.get_input_embeddings().weight.shape) == (len(tokenizer), 32)
         out = loaded.generate(**batch(tokenizer), max_new_tokens=12, do_sample=False, mars_threshold=0.9)
         assert out.tolist() == expected

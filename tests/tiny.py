@@ -87,3 +87,14 @@ def tiny_model(
         mask_token_id = add_mask_token(model, tokenizer)
         set_mars_config(model, block_size=block_size, mask_token_id=mask_token_id)
     return model
+
+
+def as_mars_class(model):
+    """A copy of ``model`` built as its MARS class (``mars_class``): what a base model needs before PEFT wraps it
+    for ``peft_model.generate(mars_threshold=...)`` (a PEFT model wraps a model, not a ``MARSModel``)."""
+    from mars_hf.decoding.generation import mars_class
+
+    copy = mars_class(type(model))(model.config).to(model.dtype).eval()
+    copy.load_state_dict(model.state_dict())
+    copy.generation_config = model.generation_config
+    return copy

@@ -9,7 +9,7 @@ Three ways in, one decoder (``decoder.MARSBatchDecoder``):
   ``mars_streamer=`` and ``mars_assistant_model=``, and stop strings as a ``StopStringCriteria`` in
   ``stopping_criteria``.
 - ``AutoMARSModelForCausalLM`` (a class that mixes in ``MARSGenerationMixin``: ``mars_class``), or
-  ``model = enable_mars(model)`` on a model you already hold (the same model under that class): then
+  ``mars_model = enable_mars(model)`` on a model you already hold (a ``MARSModel`` that owns it): then
   ``model.generate(**inputs, mars_threshold=0.9)`` or ``mars_acceptance="verify"`` routes to MARS;
   without them it is stock ``generate``. The settings may also come from a ``GenerationConfig``
   (``GenerationConfig(mars_threshold=0.9)``, the model's ``generation_config``); keywords win.
@@ -24,7 +24,6 @@ This module imports only torch, transformers and its sibling modules.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -698,8 +697,9 @@ def _refuse_rerouting(kwargs, call_config) -> None:
         )
 
 
-def _route_to_mars(model, args, kwargs, values=None):
-    """Call stock ``GenerationMixin.generate`` with ``mars_generate`` as the decoding callable."""
+def _route_to_mars(model, args, kwargs, values=None, decode=None):
+    """Call stock ``GenerationMixin.generate`` with ``mars_generate`` as the decoding callable (``decode``: another
+    callable of its signature, e.g. ``enable.MARSModel``'s, which decodes with the wrapper's settings)."""
     kwargs = dict(kwargs)
     values = values if values is not None else _call_values(model, args, kwargs)
     ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -713,7 +713,7 @@ def _route_to_mars(model, args, kwargs, values=None):
     kwargs["mars_streamer"] = kwargs.pop("streamer", None)
     # transformers hands a custom decoding function only its own keywords: the draft model travels as one
     kwargs["mars_assistant_model"] = kwargs.pop("assistant_model", None)
-    return GenerationMixin.generate(model, *args, custom_generate=mars_generate, **kwargs)
+    return GenerationMixin.generate(model, *args, custom_generate=decode or mars_generate, **kwargs)
 
 
 def _stop_strings_as_criteria(model, args, kwargs) -> None:
@@ -790,14 +790,14 @@ class MARSGenerationMixin:
         return _stock(self, args, kwargs)
 
 
-@functools.cache
 def mars_class(cls: type) -> type:
-    """``cls`` with ``MARSGenerationMixin`` mixed in before it, under the same name (so ``save_pretrained``
-    records the original architecture): load with ``mars_class(model_class).from_pretrained(...)`` and
-    ``generate(mars_threshold=τ)`` decodes with MARS, with no instance changed after it was built."""
-    if issubclass(cls, MARSGenerationMixin):
-        return cls
-    return type(cls.__name__, (MARSGenerationMixin, cls), {"__module__": cls.__module__})
+    """``cls`` with ``MARSGenerationMixin`` mixed in before it: ``MARS<name>``, importable by that name from
+    :mod:`mars_hf.decoding.mars_classes` (pickle, ``torch.save``, ``copy.deepcopy`` and spawned processes find
+    it). Load with ``mars_class(model_class).from_pretrained(...)``; ``generate(mars_threshold=τ)`` then decodes
+    with MARS, with no instance changed after it was built, and ``save_pretrained`` records ``cls``'s name."""
+    from .mars_classes import mars_class as build
+
+    return build(cls)
 
 
 def __getattr__(name):
