@@ -253,3 +253,21 @@ def test_no_module_of_the_package_swaps_a_class_or_assigns_a_method():
         for hit in forbidden_assignments(path.read_text(), str(path.relative_to(PACKAGE.parent)))
     ]
     assert found == []
+
+
+@pytest.mark.slow
+def test_the_shipped_model_pickles_and_torch_saves(monkeypatch):
+    """``AutoMARSModelForCausalLM.from_pretrained("embedded-mars")``: gated adapter, hooks and all."""
+    from transformers import AutoTokenizer
+
+    from mars_hf import embedded_mars_checkpoint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = AutoMARSModelForCausalLM.from_pretrained("embedded-mars", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_mars_checkpoint())
+    ids = tokenizer(["Name three colours."], return_tensors="pt")
+    settings = dict(mars_acceptance="verify", mars_cost_table={1: 1.0, 9: 1.4, 10: 4.0}, **COMMON)
+    expected = model.generate(**ids, **settings)
+    for copied in (pickle.loads(pickle.dumps(model)), torch_round_trip(model)):
+        assert type(copied) is mars_classes.MARSLlamaForCausalLM
+        assert torch.equal(copied.generate(**ids, **settings), expected)
