@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mars_hf.decoding.generation import enable_mars
+from mars_hf.decoding.generation import MARSGenerationMixin, enable_mars
 from mars_hf.models.embedded_model import resolve_model_path
 from mars_hf.models.mask_token import add_mask_token, set_mars_config
 from mars_hf.models.modeling import load_mars_model, require_tokenizer
@@ -72,7 +72,8 @@ def load_model_and_tokenizer(
         set_mars_config(model, block_size=block_size, mask_token_id=mask_token_id)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return enable_mars(model), tokenizer, trained
+    # a MARS checkpoint loads as its MARS class; a plain model is owned by a MARSModel (enable_mars)
+    return (model if isinstance(model, MARSGenerationMixin) else enable_mars(model)), tokenizer, trained
 
 
 def _is_mars_checkpoint(path: str) -> bool:
