@@ -60,7 +60,9 @@ def test_every_mars_row_runs_once_per_kernel_mode():
         ("cursor", "auto", "auto"),
         ("cursor", "auto", "stock"),
     ]
-    assert grid[3].generate_kwargs("probability")["mars_cpu_kernels"] == "auto"  # named: generate defaults to stock
+    assert (
+        grid[3].generate_kwargs("probability")["mars_cpu_kernels"] == "auto"
+    )  # named: generate defaults to stock
     assert grid[4].generate_kwargs("probability")["mars_cpu_kernels"] == "stock"
     assert grid[4].label.endswith("kernels=stock") and "kernels" not in grid[3].label
 
@@ -746,3 +748,46 @@ def test_bench_cli_dataset_rows_by_category(tmp_path, capsys):
     names = list(dict.fromkeys(c["category"] for c in result["categories"]["1"]))
     assert len(names) == 10 and names[0] == "mt-bench/writing" and names[-1] == f"{data}/numbers"
     assert result["num_prompts"] == 10
+
+
+def test_the_compiled_grid_runs_mars_on_the_fast_path_beside_stock_eager_and_stock_compiled():
+    grid = build_configurations([1.0, 0.9], [2], schemes=["stock", "cursor"], verify_layouts=["auto"],
+                                lookup_tokens=[10], untrained_masks=True, compiled=True)  # fmt: skip
+    labels = [c.label for c in grid]
+    assert labels[:2] == ["stock", "stock compiled"]
+    assert (
+        "stock prompt-lookup=10" in labels
+    )  # transformers' own prompt lookup stays eager (assisted decoding)
+    mars = [c for c in grid if c.scheme != "stock"]
+    assert mars and all(c.compiled for c in mars)
+    assert any(c.untrained and c.compiled for c in mars)
+    stock_compiled = grid[1].generate_kwargs("probability")
+    assert stock_compiled["cache_implementation"] == "static"
+    assert stock_compiled["compile_config"]._compile_all_devices  # stock generate compiles on a CPU only so
+    verify = next(c for c in mars if c.verify and not c.lookup and not c.untrained).generate_kwargs(
+        "probability"
+    )
+    assert verify["cache_implementation"] == "static" and not verify["compile_config"]._compile_all_devices
+
+
+def test_a_compiled_row_is_divided_by_mars_off_on_the_compiled_path():
+    from mars_hf.tools.bench import add_denominators
+    from mars_hf.tools.bench.step_costs import row_kernels
+
+    def row(scheme, tps, compiled, tau=None, layout=None, off=False):
+        row = {
+            "scheme": scheme, "tau": tau, "window": None if scheme == "stock" else 2, "layout": layout,
+            "prompt_lookup_num_tokens": None, "cache_block": None, "cpu_kernels": "auto", "masks": "trained",
+            "acceptance": "verify" if layout else ("stock" if scheme == "stock" else None), "compiled": compiled,
+            "mars_off": off, "tokens_per_s": tps,
+        }  # fmt: skip
+        row["kernels"] = row_kernels(None, row) if compiled else "stock"
+        return row
+
+    stock = row("stock", 100.0, False, off=True)
+    stock_compiled = row("stock", 250.0, True, off=True)
+    tau1 = row("cursor", 240.0, True, tau=1.0, off=True)
+    verify = row("cursor", 500.0, True, layout="auto")
+    add_denominators([stock, stock_compiled, tau1, verify])
+    assert (verify["vs_off"], verify["off_reference"]) == (pytest.approx(500 / 250), "stock compiled")
+    assert (tau1["vs_off"], tau1["off_reference"]) == (pytest.approx(240 / 250), "stock compiled")

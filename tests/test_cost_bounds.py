@@ -177,7 +177,6 @@ def _special_file(kind: str, path) -> None:
         os.mkdir(path)
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs and symlinks (POSIX)")
 @pytest.mark.parametrize("kind", ["a FIFO", "a symlink to /dev/zero", "a folder"])
 def test_a_curve_path_that_is_no_regular_file_is_ignored_with_a_warning(kind, tmp_path, monkeypatch, caplog):
     """Issue 59, fault 1: a FIFO at the curve's path hung ``cost_table`` forever and a symlink to /dev/zero was

@@ -73,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stock generate also runs on the packed kernels (row stock+packed).",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="Every MARS row on transformers' fast path (cache_implementation='static' + a compile_config: the "
+        "forward compiled by Inductor, the fixed feed), plus stock generate there (stock compiled: their MARS-off) "
+        "beside stock generate eager. The first call of each step width compiles (about a minute per graph on two "
+        "cores; Inductor's cache makes a later process faster).",
+    )
+    parser.add_argument(
         "--prompt-lookup",
         type=ints,
         default=None,
@@ -195,6 +203,7 @@ def run(args) -> int:
         cost_repeats=args.cost_repeats,
         cpu_kernels=args.cpu_kernels,
         untrained_masks=untrained_model is not None,
+        compiled=args.compile,
     )
     name = args.model or "SmolLM2-135M-Instruct (embedded)"
     if not trained:

@@ -23,6 +23,7 @@ A server drives the decoder directly (``add_row`` / ``step`` / ``drop_row``). Li
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ from .sampling import RowNoise, draw_seed
 from .settings import MARSDecodingSettings, check_choice
 
 __all__ = ["MARSBatchDecoder", "RowSettings", "RowUpdate"]
+
+logger = logging.getLogger(__name__)
 
 # The cache is sized for the prompt, the new tokens and one step's columns; a step wider than this
 # (a huge W with the quadratic layout) grows it geometrically instead of allocating W² up front.
@@ -450,7 +453,9 @@ class MARSBatchDecoder:
             self.kv.begin_forward(offsets, step.width, self.device, first_row=first)
         self.num_forwards += 1
         self.forward_widths.append(step.width)
-        forward = self.compiled_forward if (fixed_shape and self.compiled_forward is not None) else self.model
+        compiled = fixed_shape and self.compiled_forward is not None
+        forward = self.compiled_forward if compiled else self.model
+        graphs, started = (compiled_graphs(), time.perf_counter()) if compiled else (None, None)
         outputs = forward(
             input_ids=step.input_ids,
             attention_mask=step.attention_mask,
@@ -460,7 +465,22 @@ class MARSBatchDecoder:
             logits_to_keep=logits_to_keep,
             return_dict=True,
         )
+        if compiled and compiled_graphs() != graphs:
+            logger.info(
+                "Compiled the decode step for %d rows x %d columns in %.0f s (once per process and shape; "
+                "Inductor's cache, TORCHINDUCTOR_CACHE_DIR, shortens it in a later process).",
+                len(rows),
+                step.width,
+                time.perf_counter() - started,
+            )
         return outputs.logits, where
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process (its own counter): a new one means a step compiled."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def widest_step(settings: MARSDecodingSettings, assistant: bool = False) -> int:

@@ -23,6 +23,9 @@ class BenchConfiguration:
     lookup: int | None = None
     cpu_kernels: str = "auto"  # mars_cpu_kernels of a MARS row; "packed" on a stock row: the kernels' share
     masks: str = "trained"  # "untrained": the base model with a mean-initialized mask row (untrained.py)
+    compiled: bool = (
+        False  # transformers' fast path: a static cache and the compiled forward (compile_config)
+    )
 
     @property
     def verify(self) -> bool:
@@ -39,6 +42,7 @@ class BenchConfiguration:
             label += f" W={self.window}" + (f" prompt-lookup={self.lookup}" if self.lookup else "")
             label += f" C={self.cache_block}" if self.cache_block is not None else ""
         label += f" kernels={self.cpu_kernels}" if self.cpu_kernels != "auto" else ""
+        label += " compiled" if self.compiled else ""
         return label + (" masks=untrained" if self.untrained else "")
 
     @property
@@ -46,9 +50,10 @@ class BenchConfiguration:
         return self.masks == "untrained"
 
     def generate_kwargs(self, acceptance: str) -> dict:
+        path = compiled_path(stock=self.scheme == "stock") if self.compiled else {}
         if self.scheme == "stock":
-            return {"prompt_lookup_num_tokens": self.lookup} if self.lookup else {}
-        kwargs = {"mars_block_size": self.window, "mars_cache": self.scheme}
+            return {**path, **({"prompt_lookup_num_tokens": self.lookup} if self.lookup else {})}
+        kwargs = {"mars_block_size": self.window, "mars_cache": self.scheme, **path}
         if self.lookup:
             kwargs["prompt_lookup_num_tokens"] = self.lookup
         if self.verify:
@@ -59,6 +64,19 @@ class BenchConfiguration:
             kwargs["mars_cache_block"] = self.cache_block
         kwargs["mars_cpu_kernels"] = self.cpu_kernels  # named always: generate's own default is "stock"
         return kwargs
+
+
+def compiled_path(stock: bool = False) -> dict:
+    """``generate`` keywords of transformers' fast path: a static cache and a ``compile_config`` (Inductor,
+    fullgraph: a graph break would fail loudly, not fall back). MARS compiles on any device when given one;
+    stock ``generate`` on a CPU only with the config's own switch for that (``_compile_all_devices``), which is
+    what makes it the same path."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True)
+    if stock:
+        config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
 
 
 def build_configurations(
@@ -72,6 +90,7 @@ def build_configurations(
     lookup_tokens=(),
     cpu_kernels=("auto",),
     untrained_masks: bool = False,
+    compiled: bool = False,
 ) -> list[BenchConfiguration]:
     """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
     (τ ≥ 1 with the probability or margin metric: ``one_token_per_step``) the schemes all do the same
@@ -79,7 +98,9 @@ def build_configurations(
     (cursor scheme) for every window. Each k of ``lookup_tokens`` adds transformers' prompt lookup
     (stock ``generate``, batch 1 only) and every verify row again with prompt-lookup drafts. Every MARS row
     runs once per ``cpu_kernels`` mode (``mars_cpu_kernels``). With ``untrained_masks``, every verify row of
-    the planner (layout ``auto``, no prompt lookup) runs again on the untrained-mask model (``masks``)."""
+    the planner (layout ``auto``, no prompt lookup) runs again on the untrained-mask model (``masks``). With
+    ``compiled``, every MARS row runs on transformers' fast path (static cache, compiled forward: the fixed feed)
+    and stock ``generate`` runs there too (``stock compiled``, their MARS-off) besides the eager stock row."""
     unknown = set(schemes) - set(SCHEMES)
     if unknown:
         raise ValueError(f"Unknown scheme(s) {sorted(unknown)}; choose from {list(SCHEMES)}.")
@@ -111,6 +132,12 @@ def build_configurations(
         for c in configurations
         for mode in (cpu_kernels if c.scheme != "stock" else ("auto",))
     ]
+    if compiled:
+        configurations = [
+            c if c.scheme == "stock" else dataclasses.replace(c, compiled=True) for c in configurations
+        ]
+        if "stock" in schemes:
+            configurations.insert(1, BenchConfiguration("stock", compiled=True))
     if untrained_masks:
         configurations += [
             dataclasses.replace(c, masks="untrained")

@@ -18,7 +18,16 @@ from __future__ import annotations
 from mars_hf.decoding.acceptance import one_token_per_step
 from mars_hf.tools.bench.step_costs import row_kernels
 
-IDENTITY = ("scheme", "tau", "window", "layout", "prompt_lookup_num_tokens", "cache_block", "cpu_kernels")
+IDENTITY = (
+    "scheme",
+    "tau",
+    "window",
+    "layout",
+    "prompt_lookup_num_tokens",
+    "cache_block",
+    "cpu_kernels",
+    "compiled",
+)
 
 
 def label_rows(model, rows: list[dict], acceptance: str) -> None:
@@ -45,9 +54,10 @@ def is_mars_off(row: dict, acceptance: str) -> bool:
 def off_label(row: dict) -> str:
     """A MARS-off row's short name: ``stock``, ``stock+packed``, ``tau=1 W=4`` (with a forced kernel mode)."""
     mode = row.get("cpu_kernels") or "auto"
+    compiled = " compiled" if row.get("compiled") else ""
     if row["scheme"] == "stock":
-        return "stock" + ("+packed" if mode == "packed" else "")
-    return f"tau={row['tau']:g} W={row['window']}" + ("" if mode == "auto" else f" {mode}")
+        return "stock" + ("+packed" if mode == "packed" else "") + compiled
+    return f"tau={row['tau']:g} W={row['window']}" + ("" if mode == "auto" else f" {mode}") + compiled
 
 
 def add_denominators(rows: list[dict], rate: str = "tokens_per_s") -> None:

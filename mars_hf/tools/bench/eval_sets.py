@@ -216,7 +216,9 @@ def without_evaluation_prompts(prompts, what: str) -> list[str]:
     kept = exclude_evaluation_rows(list(prompts), evaluation)
     if len(kept) < len(prompts):
         left_out = len(prompts) - len(kept)
-        logger.warning("%d of %d %s hold a benchmark's prompt and are left out.", left_out, len(prompts), what)
+        logger.warning(
+            "%d of %d %s hold a benchmark's prompt and are left out.", left_out, len(prompts), what
+        )
     return kept
 
 

@@ -65,6 +65,13 @@ class BenchArguments:
         default_factory=lambda: ["auto"],
         metadata={"help": "mars_cpu_kernels modes: every MARS row runs once per mode (auto, packed, stock)."},
     )
+    compiled: bool = field(
+        default=False,
+        metadata={
+            "help": "Run every MARS row on transformers' fast path (static cache + compiled forward), and stock "
+            "generate there too (its MARS-off), besides stock generate eager."
+        },
+    )
     untrained_masks: bool = field(
         default=False,
         metadata={
@@ -105,6 +112,7 @@ def run_benchmark(
         args.lookup_tokens,
         args.cpu_kernels,
         untrained_masks=args.untrained_masks,
+        compiled=args.compiled,
     )
     if "stock" not in args.schemes:
         raise ValueError(
@@ -115,6 +123,8 @@ def run_benchmark(
             "untrained_masks=True needs untrained_model= (the base model with an untrained mask row: "
             "mars_hf.tools.bench.untrained.with_untrained_mask), or set untrained_masks=False."
         )
+    if args.compiled:
+        room_for_compiled_shapes()
     # Where some MARS row runs on packed kernels, stock `generate` runs on them too: that row's MARS-off.
     kernels = {mode: "packed" if use_packed(model, mode) else "stock" for mode in args.cpu_kernels}
     if "packed" in kernels.values():
@@ -175,6 +185,16 @@ def run_benchmark(
         if untrained is not None:
             untrained.counter.remove()
     return result
+
+
+def room_for_compiled_shapes(graphs: int = 64) -> None:
+    """Let one process keep a graph per compiled shape of the model's call (each step width, batch size, stock's
+    own and the untrained-mask model's): past dynamo's default of 8 per function it would run the rest eager,
+    silently; it fails loudly instead (`fail_on_recompile_limit_hit`), so no row is timed eager by mistake."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 def bench_environment(model) -> dict:

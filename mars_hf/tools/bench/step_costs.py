@@ -137,8 +137,11 @@ def add_cost_model(model, inputs, rows, args) -> dict:
 
 
 def row_kernels(model, row: dict) -> str:
-    """``"packed"`` or ``"stock"``: the kernels a bench row's forwards ran on (stock `generate` on stock ones
+    """``"packed"``, ``"stock"`` or ``"compiled"``: the kernels a bench row's forwards ran on (``compiled``: the
+    Inductor graph of transformers' fast path) (stock `generate` on stock ones
     unless it is the stock+packed row; a MARS row on what its ``mars_cpu_kernels`` mode picks)."""
+    if row.get("compiled"):
+        return "compiled"
     mode = row.get("cpu_kernels") or "auto"
     if row["scheme"] == "stock":
         return "packed" if mode == "packed" else "stock"

@@ -32,6 +32,7 @@ def summarise_measurements(batch_size, batches, measurements, model_name) -> lis
             "cache_block": configuration.cache_block,
             "cpu_kernels": configuration.cpu_kernels,
             "masks": getattr(configuration, "masks", "trained"),
+            "compiled": configuration.compiled,
             "num_batches": len(batches),
             "prompt_tokens": prompt_tokens,
             "generated_tokens": generated,

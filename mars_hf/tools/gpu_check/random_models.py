@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from mars_hf.decoding.generation import enable_mars
+from mars_hf.decoding.generation import mars_class
 from mars_hf.models.mask_token import set_mars_config, suppress_mask_token
 
 # Shapes of the Qwen2.5 family (their config.json values; the weights are random). The mask token is the
@@ -81,14 +81,16 @@ def build_model(shape: str, *, dtype: torch.dtype, device, seed: int, attn_imple
     mask_token_id = values.pop("mask_token_id")
     config = Qwen2Config(bos_token_id=None, use_sliding_window=False, **values)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    with torch.device(device):  # built as its MARS class: generate(mars_threshold=...) decodes with MARS
+        model = mars_class(Qwen2ForCausalLM)._from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
     model.eval()
     set_mars_config(model, block_size=4, mask_token_id=mask_token_id)
     model.generation_config.eos_token_id = values["eos_token_id"]
     model.generation_config.pad_token_id = values["pad_token_id"]
     suppress_mask_token(model)  # as every MARS checkpoint does (MARSTrainer writes it)
-    return enable_mars(model)
+    return model
 
 
 def ordinary_token_ids(model) -> torch.Tensor:
