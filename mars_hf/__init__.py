@@ -21,6 +21,7 @@ _LAZY = {
     "MARSBatchDecoder": "mars_hf.decoding.decoder",
     "RowSettings": "mars_hf.decoding.decoder",
     "MARSBlockCache": "mars_hf.decoding.cache",
+    "MARSStaticCache": "mars_hf.decoding.cache",
     "AutoMARSModelForCausalLM": "mars_hf.models.modeling",
     "add_mask_token": "mars_hf.models.mask_token",
     "get_mars_config": "mars_hf.models.mask_token",

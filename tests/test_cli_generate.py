@@ -249,7 +249,16 @@ def test_generate_keeps_its_cost_curve_under_the_home_folder(saved_model, capsys
     probes = []
     measure = cost_model.measure
     monkeypatch.setattr(cost_model, "measure", lambda *a, **k: probes.append(1) or measure(*a, **k))
-    args = ["generate", "hello world", "--model", str(saved_model), "--max-new-tokens", "10", "--dtype", "float64"]
+    args = [
+        "generate",
+        "hello world",
+        "--model",
+        str(saved_model),
+        "--max-new-tokens",
+        "10",
+        "--dtype",
+        "float64",
+    ]
     args += ["--acceptance", "verify"]
     assert main(args) == 0
     first = capsys.readouterr().out
@@ -262,3 +271,19 @@ def test_generate_keeps_its_cost_curve_under_the_home_folder(saved_model, capsys
     assert main(args) == 0
     assert capsys.readouterr().out == first and len(probes) == 2
     assert list((tmp_path / "cost-curves").iterdir()) == curves
+
+
+@pytest.mark.slow
+def test_compile_prints_what_eager_prints_and_says_which_path(saved_model, capsys):
+    """`--compile`: transformers' fast path (static cache, compiled forward) prints the eager path's text."""
+    argv = ["generate", "the cat sat", "a dog", "--model", str(saved_model), "--acceptance", "verify"]
+    argv += ["--max-new-tokens", "9", "--dtype", "float64"]
+    assert main(argv) == 0
+    eager = capsys.readouterr()
+    assert main(argv + ["--compile"]) == 0
+    compiled = capsys.readouterr()
+    assert compiled.out == eager.out
+    stock, _, _ = _reference(saved_model, ["the cat sat", "a dog"], do_sample=False, max_new_tokens=9)
+    assert compiled.out == "".join(f"### {p}\n{text}\n" for p, text in zip(["the cat sat", "a dog"], stock))
+    assert "[path: static cache, compiled forward (--compile); float64]" in compiled.err
+    assert "[path: eager; float64;" in eager.err

@@ -480,5 +480,6 @@ def test_the_generate_command_takes_cpu_kernels_and_says_which_ran(
     captured = capsys.readouterr()
     assert captured.out == stock_text
     expected = ran or "stock"  # the default, auto, asks the (forced) measurement
-    assert f"[linear layers: {expected} (--cpu-kernels {choice or 'auto'})]" in captured.err
+    assert f"linear layers: {expected} (--cpu-kernels {choice or 'auto'})]" in captured.err
+    assert "[path: eager; float32;" in captured.err
     assert bool(decided) == (choice is None)

@@ -181,3 +181,96 @@ def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monke
             )
             assert torch.equal(out, stock), (lengths, mode)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+# ------------------------------------------------------------------------------ everything that works elsewhere
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny float64 model trained briefly (its masks are often right, so drafts are really kept), with a
+    left-padded batch of prompts that repeat themselves (prompt lookup finds drafts)."""
+    from tests.test_generation import peaked_model
+    from tests.test_prompt_lookup import REPEATING
+
+    model = enable_mars(peaked_model("llama", window=2, steps=120).eval())
+    tokenizer = tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    return model, tokenizer, tokenizer(REPEATING, return_tensors="pt", padding=True)
+
+
+def test_sampling_prompt_lookup_and_a_draft_model_on_the_static_cache(trained):
+    model, tokenizer, encoded = trained
+    greedy = dict(max_new_tokens=14, do_sample=False, return_dict_in_generate=True)
+    stock = model.generate(**encoded, max_new_tokens=14, do_sample=False)
+    out = model.generate(
+        **encoded,
+        mars_acceptance="verify",
+        prompt_lookup_num_tokens=4,
+        cache_implementation="static",
+        **greedy,
+    )
+    assert torch.equal(out.sequences, stock) and out.drafts_accepted.sum() > 0
+    assert set(out.forward_widths.tolist()[1:]) == {
+        1 + 4 + 2
+    }  # one shape: the token, lookup's 4 drafts, W masks
+    draft = tiny_model("qwen2", seed=3, block_size=None).eval()
+    out = model.generate(
+        **encoded, mars_acceptance="verify", assistant_model=draft, num_assistant_tokens=3,
+        cache_implementation="static", **greedy,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, stock)
+    for mode in (
+        dict(mars_acceptance="verify"),
+        dict(mars_threshold=0.7),
+    ):  # the keyed draws: the same tokens
+        sampled = dict(max_new_tokens=14, do_sample=True, top_k=20, **mode)
+        torch.manual_seed(5)
+        dynamic = model.generate(**encoded, **sampled)
+        torch.manual_seed(5)
+        static = model.generate(**encoded, cache_implementation="static", **sampled)
+        assert torch.equal(static, dynamic), mode
+
+
+def test_stopping_criteria_and_streamers_on_the_static_cache(trained):
+    """A stopping criterion checked token by token inside a step (here: a token of stock's answer; stop strings
+    take the same path) and a streamer get on the static cache what they get on the dynamic one."""
+    from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.clone())
+
+        def end(self):
+            self.ended = True
+
+    class StopAt(StoppingCriteria):
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == self.token
+
+    model, tokenizer, encoded = trained
+    first = {k: v[:1] for k, v in encoded.items()}
+    free = model.generate(**first, max_new_tokens=20, do_sample=False)
+    stop = StopAt(int(free[0, first["input_ids"].shape[1] + 6]))
+    common = dict(max_new_tokens=20, do_sample=False)
+    stock = model.generate(**first, stopping_criteria=StoppingCriteriaList([stop]), **common)
+    assert stock.shape[1] < free.shape[1]  # it did stop early
+    recorders = {}
+    for path in ("dynamic", "static"):
+        recorders[path] = Recorder()
+        out = model.generate(
+            **first, mars_acceptance="verify", streamer=recorders[path],
+            stopping_criteria=StoppingCriteriaList([stop]),
+            **(dict(cache_implementation="static") if path == "static" else {}), **common,
+        )  # fmt: skip
+        assert torch.equal(out, stock), path
+    assert recorders["static"].ended
+    chunks = {path: torch.cat([c.flatten() for c in r.chunks]) for path, r in recorders.items()}
+    assert torch.equal(chunks["static"], chunks["dynamic"])

@@ -82,6 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "torch's default kernels (generate's own default). Which ran is printed to stderr.",
     )
     parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="transformers' fast path: a static cache and the forward compiled by Inductor "
+        "(cache_implementation='static' + compile_config). Each step width compiles once per process (about a "
+        "minute on two cores; Inductor's on-disk cache shortens it later), so it pays for long or repeated "
+        "generation, not for one short answer (default: off, eager). Which path ran is printed to stderr.",
+    )
+    parser.add_argument(
         "--show-chunks",
         action="store_true",
         help="Colour the text by forward pass (tokens accepted together share a colour) and end with the "
@@ -182,12 +191,26 @@ def run(args) -> int:
     ):
         if value is not None:
             generate_kwargs[name] = value
+    if args.compile:
+        from mars_hf.tools.bench.configurations import compiled_path
+
+        generate_kwargs.update(compiled_path(device=str(model.device)))
+        generate_kwargs.pop("mars_cpu_kernels")  # the compiler chooses the kernels
     with torch.no_grad():
         output = model.generate(**inputs, **generate_kwargs)
-    print(f"[linear layers: {last_kernels(model)} (--cpu-kernels {args.cpu_kernels})]", file=sys.stderr)
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    if args.compile:
+        print(f"[path: static cache, compiled forward (--compile); {dtype}]", file=sys.stderr)
+    else:
+        print(
+            f"[path: eager; {dtype}; linear layers: {last_kernels(model)} (--cpu-kernels {args.cpu_kernels})]",
+            file=sys.stderr,
+        )
     prompt_length = inputs["input_ids"].shape[1]
     eos_ids = eos_token_ids(model, tokenizer)
-    rows = [trim_at_eos(output.sequences[i, prompt_length:].tolist(), eos_ids) for i in range(len(args.prompt))]
+    rows = [
+        trim_at_eos(output.sequences[i, prompt_length:].tolist(), eos_ids) for i in range(len(args.prompt))
+    ]
     for index, tokens in enumerate(rows):
         if len(rows) > 1:
             print(f"### {args.prompt[index]}")

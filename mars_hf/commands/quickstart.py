@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bf16 autocast in training (default: chosen by a one-second measurement at start-up).",
     )
     parser.add_argument(
+        "--bench-compile",
+        dest="bench_compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"{help_of['bench_compile']} (default: on)",
+    )
+    parser.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",

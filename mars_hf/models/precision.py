@@ -4,8 +4,9 @@
 (``mars-hf generate``, ``bench``, ``serve``, ``eval``, the quickstart's evaluation) choose, through
 :func:`choose_dtype`. ``auto`` is bfloat16 only where the CPU computes bf16 natively (AVX-512 BF16 or
 AMX; elsewhere it is emulated, several times slower) *and* a short probe at the model's own layer
-shapes measures bf16 matmuls faster than float32; float32 everywhere else (GPUs included: the
-project's exactness guarantees are stated in float32). Every speed ratio is then measured against
+shapes measures bf16 matmuls faster than float32; bfloat16 on a GPU that computes it (CUDA's
+``is_bf16_supported``); float32 everywhere else. Lossless rows in bf16 are identical to stock greedy up to
+near-ties (the bench counts the flips); the project's exactness guarantees are stated in float32. Every speed ratio is then measured against
 stock ``generate`` on the same model, in the same dtype.
 """
 
@@ -69,8 +70,11 @@ def choose_dtype(
         if requested not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {requested!r}.")
         return getattr(torch, requested), f"--dtype {requested}"
-    if str(device).split(":")[0] != "cpu":
-        return torch.float32, f"auto: float32 on {device}"
+    kind = str(device).split(":")[0]
+    if kind == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16, f"auto: bfloat16 (native on {device})"
+    if kind != "cpu":
+        return torch.float32, f"auto: float32 on {device} (no native bf16 known there)"
     if not cpu_has_native_bf16():
         return torch.float32, "auto: float32 (this CPU has no native bf16: no AVX-512 BF16 / AMX)"
     if not hidden_size or hidden_size < MIN_AUTO_HIDDEN_SIZE:

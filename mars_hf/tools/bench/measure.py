@@ -56,6 +56,10 @@ class ForwardCounter:
         self.widths = []
 
     def _hook(self, module, args, kwargs):
+        if torch.compiler.is_compiling():
+            # traced into a compiled forward it would run once, at tracing, and guard every step on the list's
+            # length (a recompile per step): compiled steps are counted from what the call reports instead
+            return
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None:
             input_ids = kwargs["inputs_embeds"]
@@ -109,7 +113,9 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
         start = time.perf_counter()
         with _stock_kernels(model, configuration):
             output = model.generate(
-                **inputs, generation_config=generation_config, **configuration.generate_kwargs(acceptance)
+                **inputs,
+                generation_config=generation_config,
+                **configuration.generate_kwargs(acceptance, str(model.device)),
             )
         batch_seconds.append(time.perf_counter() - start)
         seconds += batch_seconds[-1]
@@ -123,8 +129,13 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
             forwards.append(new.shape[1])
         else:
             forwards.append(int(output.num_forwards))
-        counted += counter.count
-        widths.extend(counter.widths[1:])
+        if configuration.compiled:  # the counter sees the eager prefill only (``ForwardCounter._hook``)
+            counted += forwards[-1]
+            reported = getattr(output, "forward_widths", None)
+            widths.extend(reported.tolist()[1:] if reported is not None else [1] * (forwards[-1] - 1))
+        else:
+            counted += counter.count
+            widths.extend(counter.widths[1:])
         accepted_counts = getattr(output, "accepted_counts", None)
         if accepted_counts is not None:
             accepted.extend(accepted_counts.sum(dim=0).tolist())

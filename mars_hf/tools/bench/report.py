@@ -97,7 +97,8 @@ def format_categories(result: dict) -> list[str]:
 def _label(row) -> str:
     """A row's name under the table: its batch, rule and scheme cells (and its masks where untrained)."""
     label = " ".join(column.cell(row) for column in TABLE_COLUMNS[:2] + TABLE_COLUMNS[3:4])
-    return label.rstrip() + (" untrained masks" if row.get("masks") == "untrained" else "")
+    label = label.rstrip() + (" compiled" if row.get("compiled") else "")
+    return label + (" untrained masks" if row.get("masks") == "untrained" else "")
 
 
 def _rule(row) -> str:

@@ -96,12 +96,20 @@ class QuickstartConfig:
             "as `mars-hf bench --per-category`."
         },
     )
-    bench_minutes: float | None = dataclasses.field(
-        default=2.0,
+    bench_compile: bool = dataclasses.field(
+        default=True,
         metadata={
-            "help": "Time budget of the short benchmark: every chosen prompt is decoded, with answers cut to fit "
-            "it on this machine (never below 16 tokens; a warning where even that overruns). None: "
-            "max_new_tokens."
+            "help": "Run the short benchmark's MARS rows on transformers' fast path (static cache, compiled "
+            "forward) beside stock generate eager and compiled, as `mars-hf bench --compile` (the first call of "
+            "each step width compiles: a few minutes on two cores, counted in bench_minutes)."
+        },
+    )
+    bench_minutes: float | None = dataclasses.field(
+        default=6.0,
+        metadata={
+            "help": "Time budget of the short benchmark, its compiles included: every chosen prompt is decoded, "
+            "with answers cut to fit it on this machine (never below 64 tokens; a warning where even that "
+            "overruns). None: max_new_tokens."
         },
     )
     max_new_tokens: int = dataclasses.field(

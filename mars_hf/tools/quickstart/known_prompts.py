@@ -4,7 +4,10 @@ After this run's model has been evaluated on held-out template prompts, the same
 decodes the first ``bench_per_category`` prompts of each category of ``bench_datasets`` (by default one
 MT-Bench first turn per category and one HumanEval problem) with the configurations `mars-hf bench
 --dataset` compares: stock ``generate``, τ = 1 through the MARS decoder (MARS-off on the same kernels), the
-quickstart's other τ, verify, transformers' prompt lookup, and verify with prompt-lookup drafts.
+quickstart's other τ, verify, transformers' prompt lookup, and verify with prompt-lookup drafts. With
+``bench_compile`` (default) the MARS rows run on transformers' fast path (static cache, compiled forward), beside
+stock ``generate`` eager and compiled (their MARS-off), as `mars-hf bench --compile`; answers are at least
+:data:`BENCH_MIN_NEW_TOKENS` long (shorter ones show no gain).
 
 The measuring is the bench package's own (:func:`mars_hf.tools.bench.run_benchmark`, per category
 :mod:`mars_hf.tools.bench.categories`), so each category row means what it means in `mars-hf bench`: tokens
@@ -38,8 +41,10 @@ logger = logging.getLogger(__name__)
 
 # prompt_lookup_num_tokens of the prompt-lookup rows, as `mars-hf bench --dataset` by default.
 LOOKUP_TOKENS = 10
-# New tokens of the untimed first decode that pays one-off costs and measures the pace.
+# New tokens of the untimed first decode that pays one-off costs (the compiles) and measures the pace.
 PACE_TOKENS = 8
+# Shortest answers of the timed run: a few dozen tokens are mostly the prompt's forward and show no MARS gain.
+BENCH_MIN_NEW_TOKENS = 64
 # The bench's per-category columns, less those about untrained-mask rows (the quickstart runs none).
 COLUMNS = [column for column in CATEGORY_COLUMNS if column.header not in ("masks", "masks' own")]
 
@@ -87,6 +92,7 @@ def bench_arguments(config: QuickstartConfig, max_new_tokens: int) -> BenchArgum
         warmup=0,
         cost_repeats=0,
         cpu_kernels=["auto"],
+        compiled=config.bench_compile,
     )
 
 
@@ -115,7 +121,9 @@ def short_benchmark(
         # so the pace errs on the slow side), times the prompts.
         per_prompt = sum(row["seconds"] / max(1, row["generated_tokens"]) for row in paced["rows"])
         per_token = per_prompt * len(messages)
-        length = answer_length_that_fits(deadline.left(), per_token, config.max_new_tokens)
+        length = answer_length_that_fits(
+            deadline.left(), per_token, config.max_new_tokens, floor=BENCH_MIN_NEW_TOKENS
+        )
         predicted = length * per_token
         if predicted > deadline.left():
             logger.warning(
