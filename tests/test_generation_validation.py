@@ -246,6 +246,10 @@ def test_a_draft_count_past_the_limit_is_refused_by_name_before_anything_is_allo
         MARSDecodingSettings(
             window=4, mask_token_id=mask, acceptance="verify", prompt_lookup_num_tokens=count
         )
+    from mars_hf.decoding.decoder import RowSettings
+
+    with pytest.raises(ValueError, match=limit.format("prompt_lookup_num_tokens")):  # a row built directly
+        RowSettings(acceptance="verify", prompt_lookup_num_tokens=count)
     stock = _generate(model, inputs)
     at_limit = _generate(model, inputs, mars_acceptance="verify", prompt_lookup_num_tokens=MAX_DRAFT_TOKENS)
     assert torch.equal(at_limit, stock)

@@ -43,7 +43,7 @@ from .drafts import MASKS, NO_DRAFTS, Drafts, MaskDrafts
 from .layouts import pack
 from .planner import StepPlan, StepPlanner
 from .sampling import RowNoise, draw_seed
-from .settings import MARSDecodingSettings, check_choice
+from .settings import MARSDecodingSettings, check_choice, check_draft_count
 
 __all__ = ["MARSBatchDecoder", "RowSettings", "RowUpdate"]
 
@@ -91,6 +91,11 @@ class RowSettings:
     row_key: int = 0
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int = 2
+
+    def __post_init__(self):
+        """A row built directly (a server's, a caller driving the decoder) is held to ``generate``'s limits."""
+        if self.prompt_lookup_num_tokens is not None:
+            check_draft_count("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
 
 
 @dataclass

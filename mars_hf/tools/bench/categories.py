@@ -26,6 +26,7 @@ ROW_KEYS = (
     "masks",
     "acceptance",
     "kernels",
+    "compiled",
     "mars_off",
 )
 
