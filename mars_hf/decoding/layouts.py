@@ -170,9 +170,8 @@ def pack(
     lengths = [len(p.tokens) for p in plans]
     aligned = all(c == prefix for c in cached)
     if key_length is None and aligned and all(p.causal for p in plans):
-        if not any(
-            leads
-        ):  # padding columns come last: the causal mask already hides them from every real query
+        # padding columns come last: the causal mask already hides them from every real query
+        if not any(leads):
             return PackedStep(input_ids, position_ids, None, width)
         end = torch.tensor(lengths, dtype=torch.long, device=device) + prefix
         mask = ((key[None, :] >= lead_t[:, None]) & (key[None, :] < end[:, None])).long()
