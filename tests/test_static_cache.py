@@ -274,3 +274,18 @@ def test_stopping_criteria_and_streamers_on_the_static_cache(trained):
     assert recorders["static"].ended
     chunks = {path: torch.cat([c.flatten() for c in r.chunks]) for path, r in recorders.items()}
     assert torch.equal(chunks["static"], chunks["dynamic"])
+
+
+def test_the_static_cache_leaves_the_kernels_to_the_compiler():
+    """``mars_cpu_kernels="packed"`` packs the eager path's linears; on the fast path the compiler picks the
+    kernels (Inductor's weight freezing refuses linears already packed), so the linears stay stock there."""
+    from mars_hf.decoding.cpu_kernels import last_kernels
+
+    tokenizer = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tokenizer, block_size=2, dtype=torch.float32).eval())
+    ids, attention = left_padded(mask=tokenizer.mask_token_id)
+    common = dict(attention_mask=attention, max_new_tokens=8, do_sample=False, mars_acceptance="verify")
+    model.generate(ids, mars_cpu_kernels="packed", **common)
+    assert last_kernels(model) == "packed oneDNN"  # the eager path packs as asked
+    model.generate(ids, mars_cpu_kernels="packed", cache_implementation="static", **common)
+    assert last_kernels(model) == "stock"

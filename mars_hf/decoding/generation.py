@@ -208,9 +208,12 @@ def mars_generate(
     )
     _check_supported(model, generation_config, model_kwargs, logits_processor)
     if _static_cache_wanted(generation_config, model_kwargs, settings.cache):
-        # transformers' fast path: a fixed feed (no cost curve, nothing timed), so every decode step has one shape
+        # transformers' fast path: a fixed feed (no cost curve, nothing timed), so every decode step has one shape;
+        # the compiler picks the kernels (Inductor's freezing refuses linears already packed by cpu_kernels)
         layout = settings.layout if settings.layout in ("linear", "quadratic") else "linear"
-        settings = dataclasses.replace(settings, layout=layout, cost_probe=False, cost_table=None)
+        settings = dataclasses.replace(
+            settings, layout=layout, cost_probe=False, cost_table=None, cpu_kernels="stock"
+        )
     # one seed per call, from torch's global generator; each row's draws are keyed to (seed, row, position)
     seed = draw_seed() if generation_config.do_sample else None
     leads = _prompt_leads(model_kwargs.pop("attention_mask", None), input_ids)

@@ -102,6 +102,13 @@ def _stock_kernels(model, configuration):
     return contextlib.nullcontext()
 
 
+def _generate_kwargs(configuration, acceptance, model) -> dict:
+    """The configuration's ``generate`` keywords; a compiled one's compile config is the model device's."""
+    if getattr(configuration, "compiled", False):
+        return configuration.generate_kwargs(acceptance, str(model.device))
+    return configuration.generate_kwargs(acceptance)
+
+
 def run_once(model, batches, generation_config, configuration, acceptance, counter) -> RunMeasurement:
     """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``."""
     seconds, new_tokens, forwards, widths, accepted, batch_seconds = 0.0, [], [], [], [], []
@@ -115,7 +122,7 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
             output = model.generate(
                 **inputs,
                 generation_config=generation_config,
-                **configuration.generate_kwargs(acceptance, str(model.device)),
+                **_generate_kwargs(configuration, acceptance, model),
             )
         batch_seconds.append(time.perf_counter() - start)
         seconds += batch_seconds[-1]
