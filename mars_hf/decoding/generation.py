@@ -207,7 +207,8 @@ def mars_generate(
         max_new_tokens=max_new,
     )
     _check_supported(model, generation_config, model_kwargs, logits_processor)
-    if _static_cache_wanted(generation_config, model_kwargs, settings.cache):
+    static = _static_cache_wanted(generation_config, model_kwargs, settings.cache)
+    if static:
         # transformers' fast path: a fixed feed (no cost curve, nothing timed), so every decode step has one shape;
         # the compiler picks the kernels (Inductor's freezing refuses linears already packed by cpu_kernels)
         layout = settings.layout if settings.layout in ("linear", "quadratic") else "linear"
@@ -231,7 +232,7 @@ def mars_generate(
         user_cache,
         other_criteria,
         mars_assistant_model,
-        generation_config,
+        generation_config if static else None,
     )
     if _wants_scores(generation_config):
         decoder.score_records = []
@@ -400,19 +401,20 @@ def _make_decoder(
     user_cache,
     criteria,
     assistant,
-    generation_config,
+    static_config=None,
 ):
-    """The decoder for this call's rows, given the call's settings whole; on transformers' fast path with a
-    ``MARSStaticCache`` and, where transformers would compile, the model's compiled call."""
+    """The decoder for this call's rows, given the call's settings whole. ``static_config``: the call's generation
+    config when it asked for transformers' fast path: then a ``MARSStaticCache`` (unless the caller passed one) and,
+    where transformers would compile, the model's compiled call."""
     batch_size, prompt_length = input_ids.shape
     compiled = None
-    if _static_cache_wanted(generation_config, {"cache": user_cache}, settings.cache):
+    if static_config is not None:
         if user_cache is None:
             needed = prompt_length + max_new + widest_step(settings, assistant is not None) + 8
             user_cache = MARSStaticCache(
-                model.config, static_capacity(needed, generation_config.max_cache_len), batch_size
+                model.config, static_capacity(needed, static_config.max_cache_len), batch_size
             )
-        compiled = compiled_forward(model, generation_config)
+        compiled = compiled_forward(model, static_config)
     return MARSBatchDecoder(
         model,
         settings,
