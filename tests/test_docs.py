@@ -1,4 +1,5 @@
-"""Guide pages tell what is, not how it came to be: no issue numbers, "waves" or commit hashes.
+"""Guide pages tell what is, not how it came to be: no issue numbers, "waves" or commit hashes; and every speed
+figure they quote is one docs/numbers.md holds (with its command, revision and machine there).
 
 The guide pages are README.md and docs/*.md; the lab notebook (docs/lab/) and docs/numbers.md (each figure with
 the revision it was measured on) keep their history. A link's target is an address, not prose, so an anchor
@@ -54,3 +55,38 @@ def test_stale_speed_claims_are_gone():
     assert "extraction at batch 4: 1.8×" not in (ROOT / "docs" / "embedded_mars.md").read_text(
         encoding="utf-8"
     )
+
+
+# A measured ratio as the guide pages write it: "1.27×", or a range "0.95–1.04×". Rules with a space before the
+# sign ("1.05 × their cost") are thresholds, not measurements. The paper's own figures (method.md, paragraphs
+# marked *Paper*) are cited from the paper, not measured here.
+SPEED_FIGURE = re.compile(r"(?<![\d.])(\d+\.\d+)(?:–(\d+\.\d+))?×")
+NUMBERS = ROOT / "docs" / "numbers.md"
+
+
+def unsourced_figures(text: str, numbers: str) -> list[str]:
+    """Speed figures of ``text`` (outside *Paper* paragraphs) that ``numbers`` does not hold."""
+    missing = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        if "*Paper" in paragraph:
+            continue
+        for match in SPEED_FIGURE.finditer(paragraph):
+            for value in filter(None, match.groups()):
+                if not re.search(rf"(?<![\d.]){re.escape(value)}(?![\d])", numbers):
+                    missing.append(match.group(0))
+    return missing
+
+
+def test_the_check_finds_unsourced_figures():
+    numbers = "| verify | 1.43 | 1.27× |\nran 0.95–1.04× stock"
+    assert unsourced_figures("verify ran 1.27× stock, 0.95–1.04× at batch 4", numbers) == []
+    assert unsourced_figures("verify ran 2.1× stock", numbers) == ["2.1×"]
+    assert unsourced_figures("verify ran 1.27–1.9× stock", numbers) == ["1.27–1.9×"]
+    assert unsourced_figures("a 11.27× gain", numbers) == ["11.27×"]
+    assert unsourced_figures("*Paper*: 1.71× at batch 4,\n1.60× at batch 8", numbers) == []
+    assert unsourced_figures("*Paper*: 1.71×\n\nours: 1.60×", numbers) == ["1.60×"]
+
+
+@pytest.mark.parametrize("page", GUIDE_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_speed_figure_comes_from_numbers_md(page):
+    assert unsourced_figures(page.read_text(encoding="utf-8"), NUMBERS.read_text(encoding="utf-8")) == []
