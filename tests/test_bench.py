@@ -4,6 +4,7 @@ No timing thresholds (speed is the benchmark's job, not a unit test's); only tha
 table claims is consistent with the outputs and with an independent count of model calls.
 """
 
+import dataclasses
 import json
 import math
 import random
@@ -792,3 +793,42 @@ def test_a_compiled_row_is_divided_by_mars_off_on_the_compiled_path():
     add_denominators([stock, stock_compiled, tau1, verify])
     assert (verify["vs_off"], verify["off_reference"]) == (pytest.approx(500 / 250), "stock compiled")
     assert (tau1["vs_off"], tau1["off_reference"]) == (pytest.approx(240 / 250), "stock compiled")
+
+
+def test_a_compiled_benchmark_compiles_in_its_warmup_run_only(monkeypatch):
+    """The quickstart's pattern: a pace run of the first (short) prompt with one untimed warm-up, then every
+    prompt timed without one. Given one static cache size for both (``max_cache_len``: the longest prompt's;
+    the short prompt's own cache would be 256 entries, the long one's 512), the warm-up compiles every graph
+    and the timed run compiles none. The graphs are dynamo's (backend ``eager``: Inductor's guards and shapes,
+    without its minutes)."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from mars_hf.decoding.generation import enable_mars
+    from mars_hf.tools.bench import configurations, prepare_batches
+    from mars_hf.tools.bench.configurations import STEP_ROOM, one_cache_length
+
+    def eager_config(device="cpu", stock=False):
+        config = CompileConfig(fullgraph=True, backend="eager")
+        config._compile_all_devices = stock
+        return config
+
+    monkeypatch.setattr(configurations, "fast_compile_config", eager_config)
+    tokenizer = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", dtype=torch.float32, tokenizer=tokenizer).eval())
+    prompts = [PROMPTS[0], " ".join(PROMPTS * 14)]
+    size = one_cache_length(prepare_batches(tokenizer, prompts, 1), 6)
+    assert size == 512 > len(tokenizer(prompts[1])["input_ids"]) + 6 + STEP_ROOM
+    args = BenchArguments(
+        batch_sizes=[1], taus=[1.0], windows=[2], schemes=["stock", "cursor"], verify_layouts=["linear"],
+        max_new_tokens=6, repeats=1, warmup=0, cost_repeats=0, cpu_kernels=["stock"], compiled=True,
+        max_cache_len=size,
+    )  # fmt: skip
+    torch._dynamo.reset()
+    counters.clear()
+    pace = dataclasses.replace(args, max_new_tokens=2, warmup=1)
+    run_benchmark(model, tokenizer, prompts[:1], pace, model_name="tiny-llama", progress=False)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0
+    run_benchmark(model, tokenizer, prompts, args, model_name="tiny-llama", progress=False)
+    assert counters["stats"]["unique_graphs"] == compiled  # nothing compiled while timing

@@ -16,6 +16,7 @@ from transformers import CompileConfig
 from mars_hf.decoding import gated_lora
 from mars_hf.decoding.cache import MARSStaticCache
 from mars_hf.decoding.decoder import widest_step
+from mars_hf.decoding.gated_lora import AdaptedLinear
 from mars_hf.decoding.generation import enable_mars, static_capacity
 from mars_hf.decoding.settings import MARSDecodingSettings
 from tests.tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
@@ -160,7 +161,19 @@ def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monke
     config = CompileConfig(fullgraph=True)  # a graph break fails the test
     # the traced gate: real positions bit-equal to the base model, masks adapted
     ids = torch.tensor([[5, 9, 11, 7, mask, mask]])
-    traced = torch.compile(model.__call__, fullgraph=True, backend="eager")(input_ids=ids).logits
+    graphs = []
+
+    def keep_graph(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    traced = torch.compile(model.__call__, fullgraph=True, backend=keep_graph)(input_ids=ids).logits
+    # siblings reading one input (q/k/v, gate/up) share one x Aᵀ: one linear per adapted layer, one per group
+    adapted = [m for m in model.modules() if isinstance(m, AdaptedLinear)]
+    groups = {id(m.__dict__["_mars_adapter"].group) for m in adapted}
+    assert len(groups) < len(adapted)
+    linears = [n for n in graphs[0].graph.nodes if n.target is torch._C._nn.linear]
+    assert len(linears) == len(adapted) + len(groups) + 1  # + the LM head
     assert torch.equal(traced[:, :4], base(input_ids=ids).logits[:, :4])
     assert not torch.allclose(traced[:, 4:], base(input_ids=ids).logits[:, 4:])
     assert torch.equal(traced, model(input_ids=ids).logits)

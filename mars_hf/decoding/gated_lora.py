@@ -700,13 +700,15 @@ class _SharedInput:
     calls hold ``lock``.
     """
 
-    __slots__ = ("leader", "members", "ranks", "kernel_dtype", "plan", "lock")
+    __slots__ = ("leader", "members", "ranks", "kernel_dtype", "plan", "lock", "traced")
 
     def __init__(self, members: list, ranks: list[int], kernel_dtype: torch.dtype | None = None):
         self.leader, self.members, self.ranks = members[0], list(members), list(ranks)
         self.kernel_dtype = kernel_dtype  # the model dtype the C kernel serves (None: torch form only)
         self.plan = None
         self.lock = threading.Lock()
+        # (traced forwards) (input, every member's gated x Aᵀ, takes left) until every sibling took its block
+        self.traced = None
 
     def __getstate__(self) -> dict:
         """No plan (a C struct of this process's addresses) and no lock: a copy builds its own."""
@@ -742,6 +744,21 @@ class _SharedInput:
             parts = self._products(x, record)
             if len(parts) > 1:
                 self._keep(record, x, parts, "torch")
+        return parts[member]
+
+    def traced_part(self, x: torch.Tensor, gate, member: int) -> torch.Tensor:
+        """(traced forwards) Member ``member``'s block of ``gate · (x Aᵀ)``: the first sibling to see ``x`` computes
+        every member's block in one matmul, the others take theirs (the graph then holds one product per group,
+        as the eager form does); the tracer records the hand-over, so nothing outlives the traced forward."""
+        kept = self.traced
+        if kept is None or kept[0] is not x:
+            xa = F.linear(self._rows(x), self.leader._buffers["mars_lora_A"])
+            if gate is not None:
+                xa = xa * gate.traced_gate(xa.shape[0], xa.dtype)
+            parts, left = xa.split(self.ranks, dim=1), len(self.ranks)
+        else:
+            parts, left = kept[1], kept[2]
+        self.traced = None if left <= 1 else (x, parts, left - 1)
         return parts[member]
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -852,15 +869,10 @@ class AdaptedLinear(torch.nn.Linear):
 
     def _traced_forward(self, x: torch.Tensor, adapter, args: tuple, kwargs: dict) -> torch.Tensor:
         """The forward a compiler traces: ``y = base(x) + (gate · x Aᵀ) (s·B)ᵀ`` over every row, the gate a tensor
-        of the same graph (exactly 0 at real rows, so they add an exact 0 and keep the base layer's bits); the
-        compiler fuses what the eager form shares by hand (:class:`_SharedInput`)."""
-        group, member = adapter.group, adapter.member
-        start = sum(group.ranks[:member])
-        a = group.leader._buffers["mars_lora_A"][start : start + group.ranks[member]]
+        of the same graph (exactly 0 at real rows, so they add an exact 0 and keep the base layer's bits);
+        siblings share one ``x Aᵀ`` (:meth:`_SharedInput.traced_part`)."""
         y = _base_output(self, x, args, kwargs)
-        xa = F.linear(group._rows(x), a)
-        if adapter.gate is not None:
-            xa = xa * adapter.gate.traced_gate(xa.shape[0], xa.dtype)
+        xa = adapter.group.traced_part(x, adapter.gate, adapter.member)
         flat = y.reshape(-1, y.shape[-1])
         return (flat + torch.mm(xa, self._buffers["mars_lora_BT"])).to(y.dtype).view(y.shape)  # rounded once
 

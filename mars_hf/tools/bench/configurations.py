@@ -88,6 +88,21 @@ def compiled_path(stock: bool = False, device: str = "cpu") -> dict:
     return {"cache_implementation": "static", "compile_config": fast_compile_config(device, stock)}
 
 
+# Room for a compiled MARS row's widest step (``decoder.widest_step``: the fresh token, drafts, mask groups) on
+# top of the prompt and its new tokens; a row that needs more gets a larger cache (and one more compile).
+STEP_ROOM = 128
+
+
+def one_cache_length(batches, max_new_tokens: int) -> int:
+    """One static cache size (``generation_config.max_cache_len``) for every compiled call of a benchmark: the
+    longest prompt, its new tokens and :data:`STEP_ROOM`, rounded up to the cache's step. Each prompt sized its
+    own cache otherwise, and a prompt crossing a size compiled every graph again in the middle of the timing."""
+    from mars_hf.decoding.generation import static_capacity
+
+    longest = max(int(inputs["input_ids"].shape[1]) for inputs in batches)
+    return static_capacity(longest + max_new_tokens + STEP_ROOM)
+
+
 def build_configurations(
     taus,
     windows,

@@ -13,7 +13,12 @@ from mars_hf.decoding.cpu_kernels import packed_linears, use_packed
 from mars_hf.decoding.home import cpu_name, speed_cpu_flags
 from mars_hf.decoding.settings import resolve_mask_token
 from mars_hf.tools.bench.categories import categorised_batches, summarise_categories
-from mars_hf.tools.bench.configurations import SCHEMES, BenchConfiguration, build_configurations
+from mars_hf.tools.bench.configurations import (
+    SCHEMES,
+    BenchConfiguration,
+    build_configurations,
+    one_cache_length,
+)
 from mars_hf.tools.bench.denominators import add_denominators, label_rows
 from mars_hf.tools.bench.divergences import add_divergences
 from mars_hf.tools.bench.measure import (
@@ -70,6 +75,13 @@ class BenchArguments:
         metadata={
             "help": "Run every MARS row on transformers' fast path (static cache + compiled forward), and stock "
             "generate there too (its MARS-off), besides stock generate eager."
+        },
+    )
+    max_cache_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "compiled: one static cache size for every call (default: the longest prompt's, see "
+            "configurations.one_cache_length), so that no prompt compiles its graphs again during the timing."
         },
     )
     untrained_masks: bool = field(
@@ -148,6 +160,10 @@ def run_benchmark(
         for batch_size in args.batch_sizes:
             batches, batch_categories = categorised_batches(tokenizer, prompts, categories, batch_size)
             batches = [{k: v.to(model.device) for k, v in inputs.items()} for inputs in batches]
+            if args.compiled:  # one cache shape for every prompt: the warm-up run compiles every graph once
+                generation_config.max_cache_len = args.max_cache_len or one_cache_length(
+                    batches, args.max_new_tokens
+                )
             if len(configurations) > 1:
                 _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens, args.cpu_kernels)
                 if untrained is not None:
