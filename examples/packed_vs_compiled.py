@@ -1,0 +1,91 @@
+"""The opt-in packed CPU kernels against transformers' fast path, side by side in one process.
+
+Rows, interleaved and timed on the same prompts (medians of the timed repeats after one untimed run that also
+compiles): stock ``generate`` eager (the baseline); stock on the packed linears (``mars_hf.packed_linears``:
+MARS-off on those kernels); verify on the packed linears (``mars_cpu_kernels="packed"``, the default planner);
+stock compiled (static cache + ``compile_config``: MARS-off on the fast path); verify compiled (the fixed feed).
+Each ratio is against stock eager and against MARS-off on the row's own kernels. embedded-mars, MT-Bench first
+turns (one per category, the first ``--prompts``), 64 new tokens, greedy. Run alone on the machine:
+
+    python examples/packed_vs_compiled.py --dtype float32 --batch 1
+    python examples/packed_vs_compiled.py --dtype bfloat16 --batch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mars_hf import packed_linears
+from mars_hf.decoding.home import cpu_name, speed_cpu_flags
+from mars_hf.tools.bench import prepare_batches
+from mars_hf.tools.bench.configurations import compiled_path, one_cache_length, room_for_compiled_shapes
+from mars_hf.tools.bench.eval_sets import first_per_category, mt_bench_prompts
+from mars_hf.tools.loading import load_model_and_tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=4, help="MT-Bench first turns (a multiple of --batch)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    room_for_compiled_shapes()
+    model, tokenizer, _ = load_model_and_tokenizer("embedded-mars", dtype=args.dtype)
+    texts = [p.message for p in first_per_category(mt_bench_prompts(), 1)[: args.prompts]]
+    batches = prepare_batches(tokenizer, texts, args.batch)
+    greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
+    fast = compiled_path(stock=True)
+    fast_mars = compiled_path(stock=False)
+    model.generation_config.max_cache_len = one_cache_length(batches, args.max_new_tokens)
+
+    def stock_packed(inputs):
+        with packed_linears(model, "packed"):
+            return model.generate(**inputs, **greedy)
+
+    rows = {
+        "stock eager": lambda inputs: model.generate(**inputs, **greedy),
+        "stock packed": stock_packed,
+        "verify packed": lambda inputs: model.generate(
+            **inputs, **greedy, mars_acceptance="verify", mars_cpu_kernels="packed"
+        ),
+        "stock compiled": lambda inputs: model.generate(**inputs, **greedy, **fast),
+        "verify compiled": lambda inputs: model.generate(
+            **inputs, **greedy, **fast_mars, mars_acceptance="verify"
+        ),
+    }
+    seconds = {name: [] for name in rows}
+    forwards = {name: 0 for name in rows}
+    tokens = {name: 0 for name in rows}
+    with torch.inference_mode():
+        for repeat in range(args.repeats + 1):
+            for name, run in rows.items():
+                start = time.perf_counter()
+                outputs = [run(inputs) for inputs in batches]
+                if repeat:
+                    seconds[name].append(time.perf_counter() - start)
+                if repeat == args.repeats:
+                    for inputs, out in zip(batches, outputs):
+                        new = out.sequences.shape[1] - inputs["input_ids"].shape[1]
+                        tokens[name] += new * args.batch
+                        forwards[name] += getattr(out, "num_forwards", None) or new
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    off = {"stock packed": "stock packed", "verify packed": "stock packed", "stock compiled": "stock compiled",
+           "verify compiled": "stock compiled"}  # fmt: skip
+    print(f"{cpu_name()} [{speed_cpu_flags()}], {torch.get_num_threads()} threads, embedded-mars {args.dtype}, "
+          f"batch {args.batch}, {len(texts)} MT-Bench prompts, {args.max_new_tokens} new tokens, "
+          f"medians of {args.repeats}")  # fmt: skip
+    for name in rows:
+        ratio = median["stock eager"] / median[name]
+        versus = f", {median[off[name]] / median[name]:.2f}× MARS-off ({off[name]})" if name in off else ""
+        per_forward = tokens[name] / max(1, forwards[name] * args.batch)
+        print(f"  {name:16s} {per_forward:.2f} tok/fwd  {ratio:.2f}× stock eager{versus}")
+
+
+if __name__ == "__main__":
+    main()
