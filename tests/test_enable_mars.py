@@ -199,6 +199,33 @@ def test_mars_models_cross_into_a_spawned_process(tmp_path):
     assert outputs == [stock.tolist()] * 3
 
 
+def test_mars_models_go_through_accelerate(tmp_path):
+    """``Accelerator.prepare`` keeps a MARS model what it is (it decodes as before), ``unwrap_model`` gives the same
+    object back, and ``save_model`` writes weights a fresh MARS model loads to the same decoding."""
+    from accelerate import Accelerator
+
+    wrapper, loaded, inputs, stock = mars_models(tmp_path)
+    accelerator = Accelerator(cpu=True)
+    for model in (wrapper, loaded):
+        prepared = accelerator.prepare(model)
+        assert accelerator.unwrap_model(prepared) is model
+        assert decodes_like(prepared, inputs, stock)
+    accelerator.save_model(loaded, tmp_path / "accelerate", safe_serialization=True)
+    fresh = AutoMARSModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float64)
+    with torch.no_grad():
+        for parameter in fresh.parameters():
+            parameter.add_(1.0)  # so that only what save_model wrote can make it decode like stock again
+    assert not decodes_like(fresh, inputs, stock)
+    from safetensors.torch import load_file
+
+    state = {}
+    for shard in sorted((tmp_path / "accelerate").glob("*.safetensors")):
+        state.update(load_file(shard))
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in name for name in missing)  # tied to the embeddings
+    assert decodes_like(fresh, inputs, stock)
+
+
 def forbidden_assignments(source: str, filename: str = "<source>") -> list[str]:
     """Every ``x.__class__ = ...``, ``x.__dict__ = ...``, ``x.generate = ...`` or ``x.forward = ...`` (``self``'s
     ``generate``/``forward`` aside: an object's own attribute), and every ``setattr(x, "<one of those>", ...)``, as
