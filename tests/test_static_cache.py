@@ -302,3 +302,35 @@ def test_the_static_cache_leaves_the_kernels_to_the_compiler():
     assert last_kernels(model) == "packed oneDNN"  # the eager path packs as asked
     model.generate(ids, mars_cpu_kernels="packed", cache_implementation="static", **common)
     assert last_kernels(model) == "stock"
+
+
+def test_the_fast_path_feed_reads_no_clock_and_keeps_nothing_between_calls(trained, monkeypatch):
+    """On the static cache the feed is a function of the tokens: no timing of the machine (a clock that raises),
+    no statistics kept across calls in the process (the planner's floors and priors, the cost curves, the kernel
+    decisions stay empty for this model), so a call decodes with the same steps whatever ran before it."""
+    from mars_hf.decoding import cost_model, cpu_kernels, decoder, planner
+
+    class NoClock:
+        def perf_counter(self):
+            raise AssertionError("the fast path read the clock")
+
+        monotonic = perf_counter
+
+    for module in (decoder, cost_model, cpu_kernels):
+        monkeypatch.setattr(module, "time", NoClock())
+    model, tokenizer, encoded = trained
+    common = dict(
+        max_new_tokens=16, do_sample=False, cache_implementation="static", return_dict_in_generate=True
+    )
+    first = model.generate(**encoded, mars_acceptance="verify", **common)
+    model.generate(
+        **{k: v[:1] for k, v in encoded.items()}, mars_threshold=0.5, **common
+    )  # other work between
+    again = model.generate(**encoded, mars_acceptance="verify", **common)
+    assert torch.equal(first.sequences, again.sequences)
+    assert first.forward_widths.tolist() == again.forward_widths.tolist()
+    assert (first.forward_widths > 1).any()  # it did feed drafts and masks
+    models = {id(model), id(model.get_base_model())}
+    for kept in (planner._FLOORS, planner._MASK_PRIORS, cost_model._TABLES, cost_model._OBSERVATIONS):
+        assert not models & {id(key) for key in kept.keys()}
+    assert not models & {id(key) for key in cpu_kernels._DECISIONS.keys()}
