@@ -102,15 +102,22 @@ def _stock_kernels(model, configuration):
     return contextlib.nullcontext()
 
 
-def _generate_kwargs(configuration, acceptance, model) -> dict:
-    """The configuration's ``generate`` keywords; a compiled one's compile config is the model device's."""
+def _generate_kwargs(configuration, acceptance, model, cache_length: int | None) -> dict:
+    """The configuration's ``generate`` keywords; a compiled one's compile config is the model device's, and its
+    static cache ``cache_length`` entries when given."""
     if getattr(configuration, "compiled", False):
-        return configuration.generate_kwargs(acceptance, str(model.device))
+        kwargs = configuration.generate_kwargs(acceptance, str(model.device))
+        if cache_length is not None:
+            kwargs["max_cache_len"] = cache_length
+        return kwargs
     return configuration.generate_kwargs(acceptance)
 
 
-def run_once(model, batches, generation_config, configuration, acceptance, counter) -> RunMeasurement:
-    """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``."""
+def run_once(
+    model, batches, generation_config, configuration, acceptance, counter, cache_length: int | None = None
+) -> RunMeasurement:
+    """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``. A compiled
+    configuration's static cache holds ``cache_length`` entries (one size for every batch: one set of graphs)."""
     seconds, new_tokens, forwards, widths, accepted, batch_seconds = 0.0, [], [], [], [], []
     counted = 0
     histogram, plans, curve, sources = {}, {}, None, {}
@@ -122,7 +129,7 @@ def run_once(model, batches, generation_config, configuration, acceptance, count
             output = model.generate(
                 **inputs,
                 generation_config=generation_config,
-                **_generate_kwargs(configuration, acceptance, model),
+                **_generate_kwargs(configuration, acceptance, model, cache_length),
             )
         batch_seconds.append(time.perf_counter() - start)
         seconds += batch_seconds[-1]
@@ -193,6 +200,7 @@ def interleaved_runs(
 
     ``untrained``: an `UntrainedDecoder` that runs the configurations with ``masks="untrained"``."""
     measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in configurations}
+    cache_length = getattr(args, "max_cache_len", None)
     bar = tqdm(total=len(configurations) * (args.warmup + args.repeats), desc=desc, disable=not progress)
     for repeat in range(args.warmup + args.repeats):
         for configuration in configurations:
@@ -206,10 +214,11 @@ def interleaved_runs(
                     untrained.configuration(configuration),
                     args.acceptance,
                     untrained.counter,
+                    cache_length,
                 )
             else:
                 measurement = run_once(
-                    model, batches, generation_config, configuration, args.acceptance, counter
+                    model, batches, generation_config, configuration, args.acceptance, counter, cache_length
                 )
             if repeat >= args.warmup:
                 measurements[configuration].append(measurement)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import transformers
@@ -160,9 +160,10 @@ def run_benchmark(
         for batch_size in args.batch_sizes:
             batches, batch_categories = categorised_batches(tokenizer, prompts, categories, batch_size)
             batches = [{k: v.to(model.device) for k, v in inputs.items()} for inputs in batches]
+            sized = args
             if args.compiled:  # one cache shape for every prompt: the warm-up run compiles every graph once
-                generation_config.max_cache_len = args.max_cache_len or one_cache_length(
-                    batches, args.max_new_tokens
+                sized = replace(
+                    args, max_cache_len=args.max_cache_len or one_cache_length(batches, args.max_new_tokens)
                 )
             if len(configurations) > 1:
                 _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens, args.cpu_kernels)
@@ -178,7 +179,7 @@ def run_benchmark(
                 batches,
                 generation_config,
                 active,
-                args,
+                sized,
                 counter,
                 progress,
                 f"bench batch={batch_size}",
