@@ -628,6 +628,23 @@ def test_quickstart_shows_a_short_benchmark_on_prompts_users_know(tiny_model_dir
     assert text.index("this run (") < text.index("Prompts users know")
 
 
+def test_the_short_benchmark_decodes_in_the_precision_the_probe_chose(tiny_model_dir, tmp_path, fixed_cost_curve):
+    """Where the start-up probe picks bf16 (here forced, as ``--bf16`` does), the short benchmark decodes this
+    run's adapter loaded in bfloat16, as the shipped model's rows and ``--dtype auto`` do; its lossless rows'
+    differences are measured against the float32 model (near-tie flips or not)."""
+    config = _toy_config(
+        tiny_model_dir, tmp_path, max_steps=1, method="gated_lora", lora_r=4, lora_alpha=8, thresholds=(1.0,),
+        skip_bench=False, skip_shipped=True, bench_minutes=None, bench_compile=False, bf16=True,
+        bench_datasets=("mt-bench",),
+    )  # fmt: skip
+    results = run_quickstart(config)
+    bench = results["bench"]
+    assert bench["environment"]["dtype"] == "bfloat16"
+    lossless = [row for row in bench["rows"] if "divergences" in row]
+    assert lossless and all(row["divergences"]["other_differences"] == 0 for row in lossless)
+    assert "this run's model in bfloat16" in summary(results)
+
+
 def test_short_benchmark_fits_its_budget_and_verify_gives_stock_answers(shipped_checkpoint, fixed_cost_curve):
     """float64: every lossless row per category gives stock greedy's answers exactly; a spent budget cuts the
     answers to the floor but still decodes every chosen prompt."""

@@ -98,11 +98,17 @@ def bench_arguments(config: QuickstartConfig, max_new_tokens: int) -> BenchArgum
 
 
 def short_benchmark(
-    model, tokenizer, messages: list[str], categories: list[str], config: QuickstartConfig
+    model,
+    tokenizer,
+    messages: list[str],
+    categories: list[str],
+    config: QuickstartConfig,
+    divergence_reference=None,
 ) -> dict:
     """Run the short benchmark on ``model`` within ``config.bench_minutes``; returns `run_benchmark`'s result
     (``rows`` overall, ``categories["1"]`` per category) with ``datasets``, ``per_category``,
-    ``max_new_tokens`` (the answer length decoded), ``minutes`` and ``seconds`` added."""
+    ``max_new_tokens`` (the answer length decoded), ``minutes`` and ``seconds`` added. ``divergence_reference``:
+    as `run_benchmark`'s (a float32 model for a bf16 one's near-tie flips)."""
     start = time.monotonic()
     deadline = Deadline(config.bench_minutes)
     args = bench_arguments(config, config.max_new_tokens)
@@ -164,6 +170,7 @@ def short_benchmark(
         model_name="this run",
         progress=config.progress,
         categories=categories,
+        divergence_reference=divergence_reference,
     )
     result.update(
         datasets=list(config.bench_datasets),

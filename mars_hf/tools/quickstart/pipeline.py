@@ -40,13 +40,14 @@ and reference, cached), :mod:`mars_hf.tools.quickstart.train` (training within a
 
 Default time split (≤ 30 min on 2 CPU cores in all, install included): shipped model 3 min,
 self-distillation 4, reference answers 1, training 12, evaluation of the trained model 4, the short
-benchmark on prompts users know 2, plus loading and saving. Every budget holds on a slow machine too
+benchmark on prompts users know 6 (in the probe's precision), plus loading and saving. Every budget holds on a slow machine too
 (:mod:`mars_hf.tools.quickstart.budget`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -182,15 +183,26 @@ def threads_line(machine: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 # Evaluation
 # --------------------------------------------------------------------------------------------------
-def _reload_gated(peft_model, tokenizer, model_path: str):
+def _reload_gated(peft_model, tokenizer, model_path: str, dtype: torch.dtype = torch.float32):
     """The trained gated adapter, saved and applied to a fresh base model the way users load it."""
     from mars_hf import hub
     from mars_hf.models.modeling import load_mars_model
 
     with tempfile.TemporaryDirectory(prefix="mars_gated_") as folder:
         hub.save_pretrained(peft_model, tokenizer, folder, base_model=None, overwrite=True)
-        model, _ = load_mars_model(folder, base_model_name_or_path=str(model_path), dtype=torch.float32)
+        model, _ = load_mars_model(folder, base_model_name_or_path=str(model_path), dtype=dtype)
     return model.eval()
+
+
+def _bench_model(config: QuickstartConfig, base: _Base, trained, evaluated, bf16: bool):
+    """The model the short benchmark decodes: in the precision the start-up probe chose for this machine, as the
+    shipped model's rows (bfloat16 where the CPU computes it natively; our commands' ``--dtype auto``), loaded the
+    way a user loads it; the float32 evaluation model otherwise (and as the near-tie reference of bf16 rows)."""
+    if not bf16:
+        return evaluated
+    if config.method == "gated_lora":
+        return _reload_gated(trained, base.tokenizer, base.path, dtype=torch.bfloat16)
+    return copy.deepcopy(evaluated).to(torch.bfloat16).eval()
 
 
 def shipped_evaluation(config: QuickstartConfig, bf16: bool) -> dict:
@@ -359,7 +371,10 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         partial = _results(config, machine, base, data, training, own, shipped, None, timings)
         (output_dir / "results.json").write_text(json.dumps(partial, indent=2))
         with _timed(timings, "bench"):
-            bench = short_benchmark(evaluated, base.tokenizer, *known, config)
+            bench_model = _bench_model(config, base, trained, evaluated, machine["bf16"])
+            reference = (lambda: evaluated) if bench_model is not evaluated else None
+            bench = short_benchmark(bench_model, base.tokenizer, *known, config, divergence_reference=reference)
+            del bench_model
     del evaluated
     timings["total"] = time.monotonic() - total_start
     results = _results(config, machine, base, data, training, own, shipped, bench, timings)
