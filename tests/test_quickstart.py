@@ -628,7 +628,9 @@ def test_quickstart_shows_a_short_benchmark_on_prompts_users_know(tiny_model_dir
     assert text.index("this run (") < text.index("Prompts users know")
 
 
-def test_the_short_benchmark_decodes_in_the_precision_the_probe_chose(tiny_model_dir, tmp_path, fixed_cost_curve):
+def test_the_short_benchmark_decodes_in_the_precision_the_probe_chose(
+    tiny_model_dir, tmp_path, fixed_cost_curve
+):
     """Where the start-up probe picks bf16 (here forced, as ``--bf16`` does), the short benchmark decodes this
     run's adapter loaded in bfloat16, as the shipped model's rows and ``--dtype auto`` do; its lossless rows'
     differences are measured against the float32 model (near-tie flips or not)."""
