@@ -121,16 +121,16 @@ def run_once(
     seconds, new_tokens, forwards, widths, accepted, batch_seconds = 0.0, [], [], [], [], []
     counted = 0
     histogram, plans, curve, sources = {}, {}, None, {}
+    # The row's generation settings (a static cache, prompt lookup) go into its own copy of the config, MARS's
+    # keywords stay keywords: transformers warns about a config passed beside its own settings as keywords.
+    row_config = copy.deepcopy(generation_config)
+    keywords = row_config.update(**_generate_kwargs(configuration, acceptance, model, cache_length))
     for inputs in batches:
         prompt_length = inputs["input_ids"].shape[1]
         counter.reset()
         start = time.perf_counter()
         with _stock_kernels(model, configuration):
-            output = model.generate(
-                **inputs,
-                generation_config=generation_config,
-                **_generate_kwargs(configuration, acceptance, model, cache_length),
-            )
+            output = model.generate(**inputs, generation_config=row_config, **keywords)
         batch_seconds.append(time.perf_counter() - start)
         seconds += batch_seconds[-1]
         new = output.sequences[:, prompt_length:]
