@@ -103,12 +103,12 @@ def short_benchmark(
     messages: list[str],
     categories: list[str],
     config: QuickstartConfig,
-    divergence_reference=None,
+    reference_model=None,
 ) -> dict:
     """Run the short benchmark on ``model`` within ``config.bench_minutes``; returns `run_benchmark`'s result
     (``rows`` overall, ``categories["1"]`` per category) with ``datasets``, ``per_category``,
-    ``max_new_tokens`` (the answer length decoded), ``minutes`` and ``seconds`` added. ``divergence_reference``:
-    as `run_benchmark`'s (a float32 model for a bf16 one's near-tie flips)."""
+    ``max_new_tokens`` (the answer length decoded), ``minutes`` and ``seconds`` added. ``reference_model``:
+    the model that judges near-tie flips of lossless rows (a float32 one for a bf16 ``model``; default ``model``)."""
     start = time.monotonic()
     deadline = Deadline(config.bench_minutes)
     args = bench_arguments(config, config.max_new_tokens)
@@ -170,7 +170,7 @@ def short_benchmark(
         model_name="this run",
         progress=config.progress,
         categories=categories,
-        divergence_reference=divergence_reference,
+        divergence_reference=None if reference_model is None else (lambda: reference_model),
     )
     result.update(
         datasets=list(config.bench_datasets),

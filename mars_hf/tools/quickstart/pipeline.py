@@ -373,12 +373,8 @@ def run_quickstart(config: QuickstartConfig) -> dict:
         (output_dir / "results.json").write_text(json.dumps(partial, indent=2))
         with _timed(timings, "bench"):
             bench_model = _bench_model(config, base, trained, evaluated, machine["bf16"])
-            reference = (
-                functools.partial(lambda model: model, evaluated) if bench_model is not evaluated else None
-            )
-            bench = short_benchmark(
-                bench_model, base.tokenizer, *known, config, divergence_reference=reference
-            )
+            reference = evaluated if bench_model is not evaluated else None
+            bench = short_benchmark(bench_model, base.tokenizer, *known, config, reference_model=reference)
             del bench_model, reference
     del evaluated
     timings["total"] = time.monotonic() - total_start
