@@ -120,8 +120,8 @@ def main() -> None:
             if args.no_decode
             # fixed feeds, cost probe off: counts that do not depend on this machine's speed
             else (
-                ("verify", {"mars_acceptance": "verify", "mars_layout": args.layout, "mars_cost_probe": False}),
-                ("tau0.9", {"mars_threshold": 0.9, "mars_cost_probe": False}),
+                ("verify", {"mars_acceptance": "verify", "mars_layout": args.layout, "mars_cost_table": {1: 1.0}}),
+                ("tau0.9", {"mars_threshold": 0.9, "mars_cost_table": {1: 1.0}}),
             )
         )
         for name, kwargs in runs:

@@ -102,7 +102,7 @@ def main() -> None:
     folder = mars_hf.embedded_mars_checkpoint() if args.model == "embedded-mars" else args.model
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = held_out_prompts(args.num_prompts, seed=args.prompt_seed)
-    fixed = {"mars_cost_probe": False}
+    fixed = {"mars_cost_table": {1: 1.0}}
     agreement_metric = load_metric("token_agreement")
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:

@@ -9,6 +9,12 @@ turns (one per category, the first ``--prompts``), 64 new tokens, greedy. Run al
 
     python examples/packed_vs_compiled.py --dtype float32 --batch 1
     python examples/packed_vs_compiled.py --dtype bfloat16 --batch 4
+
+``--rows`` picks other rows of the eager path (transformers' defaults: dynamic cache, no compiler): ``tau=1 eager``
+(MARS-off through the MARS decoder), ``verify measured`` (the planner on the cost curve this machine measures) and
+``verify fixed`` (the fixed linear feed, nothing timed):
+
+    python examples/packed_vs_compiled.py --dtype bfloat16 --rows "stock eager,tau=1 eager,verify measured,verify fixed"
 """
 
 from __future__ import annotations
@@ -19,13 +25,24 @@ import time
 
 import torch
 
-from mars_hf import packed_linears
+from mars_hf import PlannerMemory, packed_linears
 from mars_hf.decoding.home import cpu_name, speed_cpu_flags
 from mars_hf.tools.bench import prepare_batches
 from mars_hf.tools.bench.configurations import compiled_path, one_cache_length
 from mars_hf.tools.bench.eval_sets import first_per_category, mt_bench_prompts
 from mars_hf.tools.bench.runner import room_for_compiled_shapes
 from mars_hf.tools.loading import load_model_and_tokenizer
+
+DEFAULT_ROWS = ("stock eager", "stock packed", "verify packed", "stock compiled", "verify compiled")
+ALL_ROWS = (
+    "stock eager",
+    "tau=1 eager",
+    "verify measured",
+    "verify fixed",
+    "verify prior15",
+    "verify prior30",
+    *DEFAULT_ROWS[1:],
+)
 
 
 def main() -> None:
@@ -35,6 +52,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="MT-Bench first turns (a multiple of --batch)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, of {ALL_ROWS}")
     args = parser.parse_args()
     room_for_compiled_shapes()
     model, tokenizer, _ = load_model_and_tokenizer("embedded-mars", dtype=args.dtype)
@@ -49,17 +67,43 @@ def main() -> None:
         with packed_linears(model, "packed"):
             return model.generate(**inputs, **greedy)
 
-    rows = {
+    eager_verify = dict(greedy, mars_acceptance="verify")
+    measured = (
+        PlannerMemory()
+    )  # the measured planner's curves, kept across the rows' calls as a caller keeps them
+    every_row = {
         "stock eager": lambda inputs: model.generate(**inputs, **greedy),
+        "tau=1 eager": lambda inputs: model.generate(**inputs, **greedy, mars_threshold=1.0),
+        "verify measured": lambda inputs: model.generate(**inputs, **eager_verify, mars_cost_probe=measured),
+        "verify fixed": lambda inputs: model.generate(
+            **inputs, **eager_verify, mars_cost_probe=False, mars_layout="linear"
+        ),
+        "verify prior15": lambda inputs: model.generate(
+            **inputs,
+            **eager_verify,
+            mars_layout="auto",
+            mars_cost_table={n: 1 + 0.15 * (n - 1) for n in (1, 64)},
+        ),
+        "verify prior30": lambda inputs: model.generate(
+            **inputs,
+            **eager_verify,
+            mars_layout="auto",
+            mars_cost_table={n: 1 + 0.3 * (n - 1) for n in (1, 64)},
+        ),
         "stock packed": stock_packed,
         "verify packed": lambda inputs: model.generate(
-            **inputs, **greedy, mars_acceptance="verify", mars_cpu_kernels="packed"
+            **inputs, **greedy, mars_acceptance="verify", mars_cpu_kernels="packed", mars_cost_probe=measured
         ),
         "stock compiled": lambda inputs: model.generate(**inputs, **greedy, **fast),
         "verify compiled": lambda inputs: model.generate(
             **inputs, **greedy, **fast_mars, mars_acceptance="verify"
         ),
     }
+    chosen = args.rows.split(",")
+    unknown = sorted(set(chosen) - set(every_row))
+    if unknown or "stock eager" not in chosen:
+        parser.error(f"--rows must name 'stock eager' and rows of {ALL_ROWS}; unknown: {unknown}")
+    rows = {name: every_row[name] for name in chosen}
     seconds = {name: [] for name in rows}
     forwards = {name: 0 for name in rows}
     tokens = {name: 0 for name in rows}
@@ -77,13 +121,16 @@ def main() -> None:
                         forwards[name] += getattr(out, "num_forwards", None) or new
     median = {name: statistics.median(values) for name, values in seconds.items()}
     off = {"stock packed": "stock packed", "verify packed": "stock packed", "stock compiled": "stock compiled",
-           "verify compiled": "stock compiled"}  # fmt: skip
+           "verify compiled": "stock compiled", "verify measured": "tau=1 eager", "verify fixed": "tau=1 eager",
+           "verify prior15": "tau=1 eager", "verify prior30": "tau=1 eager"}  # fmt: skip
     print(f"{cpu_name()} [{speed_cpu_flags()}], {torch.get_num_threads()} threads, embedded-mars {args.dtype}, "
           f"batch {args.batch}, {len(texts)} MT-Bench prompts, {args.max_new_tokens} new tokens, "
           f"medians of {args.repeats}")  # fmt: skip
     for name in rows:
         ratio = median["stock eager"] / median[name]
-        versus = f", {median[off[name]] / median[name]:.2f}× MARS-off ({off[name]})" if name in off else ""
+        versus = ""
+        if off.get(name) in median:
+            versus = f", {median[off[name]] / median[name]:.2f}× MARS-off ({off[name]})"
         per_forward = tokens[name] / max(1, forwards[name] * args.batch)
         print(f"  {name:16s} {per_forward:.2f} tok/fwd  {ratio:.2f}× stock eager{versus}")
 

@@ -22,6 +22,7 @@ _LAZY = {
     "RowSettings": "mars_hf.decoding.decoder",
     "MARSBlockCache": "mars_hf.decoding.cache",
     "MARSStaticCache": "mars_hf.decoding.cache",
+    "PlannerMemory": "mars_hf.decoding.memory",
     "AutoMARSModelForCausalLM": "mars_hf.models.modeling",
     "add_mask_token": "mars_hf.models.mask_token",
     "get_mars_config": "mars_hf.models.mask_token",

@@ -90,7 +90,7 @@ def test_cache_size_bound_and_no_per_step_copy(scheme, window, tok):
             mars_block_size=window,
             mars_cache=scheme,
             mars_cache_block=3,
-            mars_cost_probe=False,  # no padding to a host-measured cheaper width: the bound below is exact
+            mars_cost_table={1: 1.0},  # no padding to a host-measured cheaper width: the bound below is exact
             return_dict_in_generate=True,
         )
     finally:

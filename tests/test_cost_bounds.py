@@ -20,6 +20,7 @@ import torch
 from mars_hf.decoding import cost_model
 from mars_hf.decoding.cost_model import CostTable
 from mars_hf.decoding.generation import enable_mars
+from mars_hf.decoding.memory import PlannerMemory
 from tests.test_generation import _batch
 from tests.tiny import tiny_model, tiny_tokenizer
 
@@ -127,11 +128,11 @@ def test_a_damaged_curve_file_is_ignored_with_a_warning_and_rewritten(damage, tm
     monkeypatch.setenv(cost_model.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cost_model, "measure", _fake_measure)
     mask = tiny_model("qwen2", seed=9).config.mars["mask_token_id"]
-    first = cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask)
+    first = cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask, memory=PlannerMemory())
     (path,) = tmp_path.iterdir()
     path.write_text(DAMAGED[damage])
     with caplog.at_level(logging.WARNING, logger="mars_hf.decoding.cost_model"):
-        again = cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask)
+        again = cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask, memory=PlannerMemory())
     assert "Ignoring the MARS cost table" in caplog.text
     assert again.source == "measured" and again.as_dict() == first.as_dict()
     assert json.loads(path.read_text())["sizes"] == list(first.sizes)  # measured again, rewritten whole
@@ -144,7 +145,9 @@ def test_a_curve_file_with_a_huge_width_decodes_within_the_window(tok, tmp_path,
     encoded = _batch(tok)
     model = enable_mars(tiny_model("llama", seed=3))
     stock = model.generate(**encoded, max_new_tokens=8, do_sample=False)
-    model.generate(**encoded, max_new_tokens=8, do_sample=False, mars_acceptance="verify")  # writes the curve
+    model.generate(
+        **encoded, max_new_tokens=8, do_sample=False, mars_acceptance="verify", mars_cost_probe=True
+    )  # writes the curve
     (path,) = tmp_path.iterdir()
     path.write_text(json.dumps({"sizes": [1, 2, 500], "costs": [1.0, 1.4, 0.5]}))
     fresh = enable_mars(tiny_model("llama", seed=3))  # another object: the curve comes from disk
@@ -154,6 +157,7 @@ def test_a_curve_file_with_a_huge_width_decodes_within_the_window(tok, tmp_path,
             max_new_tokens=8,
             do_sample=False,
             mars_acceptance="verify",
+            mars_cost_probe=True,
             return_dict_in_generate=True,
         )
     assert torch.equal(out.sequences, stock) and "Ignoring the MARS cost table" in caplog.text
@@ -187,7 +191,7 @@ def test_a_curve_path_that_is_no_regular_file_is_ignored_with_a_warning(kind, tm
     monkeypatch.setenv(cost_model.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cost_model, "measure", _fake_measure)
     mask = tiny_model("qwen2", seed=9).config.mars["mask_token_id"]
-    cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask)
+    cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask, memory=PlannerMemory())
     (path,) = tmp_path.iterdir()
     path.unlink()
     _special_file(kind, path)
@@ -195,7 +199,7 @@ def test_a_curve_path_that_is_no_regular_file_is_ignored_with_a_warning(kind, tm
     model = tiny_model("qwen2", seed=9)
 
     def read():
-        result["table"] = cost_model.cost_table(model, batch_size=1, window=2, mask_token_id=mask)
+        result["table"] = cost_model.cost_table(model, batch_size=1, window=2, mask_token_id=mask, memory=PlannerMemory())
 
     with caplog.at_level(logging.WARNING, logger="mars_hf.decoding.cost_model"):
         reader = threading.Thread(target=read, daemon=True)

@@ -141,7 +141,7 @@ def test_a_nested_block_keeps_the_outer_packing_and_generate_routes_the_layers_o
     installs.clear()
     out = model.generate(
         **_batch(tok), max_new_tokens=9, do_sample=False, mars_acceptance="verify", mars_cpu_kernels="packed",
-        mars_cost_probe=False, return_dict_in_generate=True,
+        mars_cost_table={1: 1.0}, return_dict_in_generate=True,
     )  # fmt: skip
     assert out.num_forwards > 2 and len(installs) == len(_linears(model)) and not active(model)
 
@@ -201,7 +201,7 @@ def test_verify_with_packed_steps_equals_stock_greedy(arch, tok, packed_rows):
     for layout in ("linear", "quadratic"):
         out = model.generate(
             **encoded, max_new_tokens=14, do_sample=False, mars_acceptance="verify", mars_layout=layout,
-            mars_cpu_kernels="packed", mars_cost_probe=False,
+            mars_cpu_kernels="packed", mars_cost_table={1: 1.0},
         )  # fmt: skip
         assert torch.equal(out, stock), layout
     assert packed_rows and min(packed_rows) > 1 and not active(model)

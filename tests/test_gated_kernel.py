@@ -385,7 +385,8 @@ def test_verified_decoding_through_the_kernel_is_the_base_models_greedy_output(
     common = dict(max_new_tokens=12, do_sample=False)
     # the loader suppresses the mask token as an output: so does the base model's greedy run here
     expected = base.generate(**inputs, suppress_tokens=[tokenizer.mask_token_id], **common)
-    assert torch.equal(shipped.generate(**inputs, mars_acceptance="verify", **common), expected)
+    verified = shipped.generate(**inputs, mars_acceptance="verify", mars_layout="linear", **common)  # masks fed
+    assert torch.equal(verified, expected)
     assert torch.equal(shipped.generate(**inputs, mars_threshold=1.0, **common), expected)
     assert calls  # the masks' delta came from the C kernel
 

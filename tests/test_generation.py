@@ -533,7 +533,7 @@ def test_a_batch_streams_whole_output_columns_as_stock_does(mars, tok):
     stock_recorder, recorder = Recorder(), Recorder()
     stock = model.generate(**encoded, streamer=stock_recorder, **kwargs)
     out = model.generate(
-        **encoded, streamer=recorder, return_dict_in_generate=True, mars_cost_probe=False, **mars, **kwargs
+        **encoded, streamer=recorder, return_dict_in_generate=True, mars_cost_table={1: 1.0}, **mars, **kwargs
     )
     prompt_length = encoded.input_ids.shape[1]
     assert recorder.chunks[0] == encoded.input_ids.tolist() and recorder.ended
@@ -573,7 +573,7 @@ def test_return_dict_fields_are_exact(tok):
             max_new_tokens=13,
             do_sample=False,
             mars_threshold=0.8,
-            mars_cost_probe=False,  # no cost probe: every model call is a decoding step
+            mars_cost_table={1: 1.0},  # no cost probe: every model call is a decoding step
             return_dict_in_generate=True,
             output_scores=True,
             output_logits=True,

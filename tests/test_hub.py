@@ -151,11 +151,13 @@ def test_saved_folder_has_weights_tokenizer_mars_config_and_custom_generate(save
     assert config["mars"]["block_size"] == 4
     assert config["mars"]["mask_token_id"] == tokenizer.mask_token_id
     assert "format_version" in config["mars"]
-    # custom_generate/ is the package's custom_generate_src/, byte for byte, and nothing else.
+    # custom_generate/ is the package's custom_generate_src/ and the library's sampling module, byte for byte,
+    # and nothing else.
     shipped = sorted(f.removeprefix("custom_generate/") for f in files if f.startswith("custom_generate/"))
     assert shipped == sorted([*hub.CUSTOM_GENERATE_FILES, "requirements.txt"])
     for name in hub.CUSTOM_GENERATE_FILES:
-        source = REPO_ROOT / "mars_hf/hub/custom_generate_src" / name
+        library = REPO_ROOT / "mars_hf/decoding" / name
+        source = library if name == "sampling.py" else REPO_ROOT / "mars_hf/hub/custom_generate_src" / name
         assert (folder / "custom_generate" / name).read_bytes() == source.read_bytes()
     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):

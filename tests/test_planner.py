@@ -17,7 +17,6 @@ import itertools
 import json
 import random
 import time
-import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +26,7 @@ from transformers import StoppingCriteriaList
 from mars_hf.decoding import cost_model
 from mars_hf.decoding.cost_model import CostTable
 from mars_hf.decoding.generation import enable_mars
+from mars_hf.decoding.memory import PlannerMemory
 from mars_hf.decoding.planner import (
     AUTO,
     FIXED,
@@ -469,8 +469,11 @@ def test_a_closed_floor_makes_verify_rows_plain():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _verify(model, encoded, table, **kwargs):
+def _verify(model, encoded, table, memory=None, **kwargs):
+    """Verify on a given curve (``table``), or on the curve measured into ``memory`` (``mars_cost_probe``)."""
     kwargs.setdefault("do_sample", False)
+    if memory is not None:
+        kwargs["mars_cost_probe"] = memory
     return model.generate(
         **encoded, mars_acceptance="verify", mars_cost_table=table, return_dict_in_generate=True, **kwargs
     )
@@ -564,16 +567,28 @@ def test_generate_refuses_a_malformed_cost_table(tok):
         _verify(model, _batch(tok), {1: float("nan")}, max_new_tokens=4)
 
 
-def test_no_probe_means_a_flat_curve(tok):
+def test_without_a_memory_a_cpu_plans_on_the_assumed_curve(tok):
+    """No ``mars_cost_probe``, no ``mars_cost_table``: on a CPU verify plans on the assumed curve (each extra column
+    ``ASSUMED_CPU_COLUMN_COST`` of one), exactly as if that curve were given, and nothing is timed; the linear layout
+    stays the fixed feed. All of them are stock greedy's output."""
     model = peaked_model("llama")
     encoded = _batch(tok)
-    out = model.generate(
-        **encoded, mars_acceptance="verify", mars_cost_probe=False, max_new_tokens=12,
-        do_sample=False, return_dict_in_generate=True,
-    )  # fmt: skip
-    assert out.cost_curve == {1: 1.0}
-    flat = _verify(model, encoded, FLAT, max_new_tokens=12)
-    assert torch.equal(out.forward_widths, flat.forward_widths)
+    common = dict(mars_acceptance="verify", max_new_tokens=48, do_sample=False, return_dict_in_generate=True)
+    stock = model.generate(**encoded, max_new_tokens=48, do_sample=False)
+    assumed = CostTable.assumed_cpu()
+    assert assumed.cost(2) == pytest.approx(1 + cost_model.ASSUMED_CPU_COLUMN_COST)
+    default = model.generate(**encoded, **common)
+    auto = model.generate(**encoded, mars_layout="auto", **common)
+    given = _verify(model, encoded, assumed.as_dict(), max_new_tokens=48)
+    linear = model.generate(**encoded, mars_layout="linear", **common)
+    assert default.cost_curve == assumed.as_dict() and set(linear.plan_counts) == {"fixed"}
+    for out in (auto, given):
+        assert torch.equal(out.forward_widths, default.forward_widths)
+    # these masks are kept often enough to be fed even there (after the first re-probes), on fewer columns
+    assert default.num_forwards < 48 and default.plan_counts["linear"] > 0
+    assert int(default.forward_widths[1:].sum()) < int(linear.forward_widths[1:].sum())
+    for out in (default, auto, given, linear):
+        assert torch.equal(out.sequences, stock)
 
 
 def test_the_probe_is_bounded_cached_and_changes_nothing(tok, monkeypatch):
@@ -587,23 +602,26 @@ def test_the_probe_is_bounded_cached_and_changes_nothing(tok, monkeypatch):
     monkeypatch.setattr(planner, "observe", lambda model, table, width, seconds, rows=None: table)
     model = enable_mars(tiny_model("llama", seed=5))
     encoded = _batch(tok)
-    calls = []
+    calls, memory = [], PlannerMemory()
     handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
         calls.clear()
-        model.generate(**encoded, max_new_tokens=8, do_sample=False, mars_threshold=1.0)
+        model.generate(**encoded, max_new_tokens=8, do_sample=False, mars_threshold=1.0, mars_cost_probe=memory)
         assert len(calls) == 8  # τ = 1: no probe
         stock = model.generate(**encoded, max_new_tokens=10, do_sample=False)
         calls.clear()
+        default = _verify(model, encoded, None, max_new_tokens=10)  # no memory: nothing measured (assumed curve)
+        assert len(calls) == default.num_forwards and default.cost_curve == CostTable.assumed_cpu().as_dict()
+        calls.clear()
         start = time.perf_counter()
-        first = _verify(model, encoded, None, max_new_tokens=10)
+        first = _verify(model, encoded, None, memory, max_new_tokens=10)
         elapsed = time.perf_counter() - start
         probed = len(calls) - first.num_forwards
         assert probed > 3 and first.cost_curve is not None and first.cost_curve[1] == 1.0
         assert elapsed < 120  # a hang guard, not a timing
         calls.clear()
-        second = _verify(model, encoded, None, max_new_tokens=10)
-        assert len(calls) == second.num_forwards  # the table was kept
+        second = _verify(model, encoded, None, memory, max_new_tokens=10)
+        assert len(calls) == second.num_forwards  # the table was kept in the caller's memory
         assert second.cost_curve == first.cost_curve
         assert torch.equal(first.sequences, stock) and torch.equal(second.sequences, stock)
     finally:
@@ -676,40 +694,40 @@ def test_decoding_forwards_correct_the_probes_curve():
     """A width's cost becomes the median of its last observed forwards over the recent one-column ones,
     once seen three times (a busy spell does not move it), for the rest of the process; a given curve
     is the user's and is never corrected."""
-    model = tiny_model("llama", seed=5)
     probe = CostTable((1, 2, 9), (1.0, 1.75, 2.8), "measured", 4, unit_seconds=0.1)
-    cost_model._TABLES[model] = {"key": probe}  # where cost_table() keeps the probe's reading
+    memory = PlannerMemory()
+    memory.cost_tables["key"] = probe  # where cost_table() keeps the probe's reading
     table = probe
     for seconds in (0.1, 0.1, 0.12, 0.5):  # one-column forward, one more, then two 2-column ones
-        table = cost_model.observe(model, table, 1 if seconds == 0.1 else 2, seconds)
+        table = cost_model.observe(memory, table, 1 if seconds == 0.1 else 2, seconds)
     assert table is probe  # two observations of 2 columns: not trusted yet
-    table = cost_model.observe(model, table, 2, 0.12)
+    table = cost_model.observe(memory, table, 2, 0.12)
     assert table.source == "observed" and table.batch == 4 and table.unit_seconds == 0.1
     assert table.cost(2) == pytest.approx(1.2) and table.cost(9) == 2.8  # 9 columns: not seen
-    assert cost_model._TABLES[model]["key"] is table
+    assert memory.cost_tables["key"] is table
     given = CostTable.from_mapping({1: 1.0, 2: 1.75})
     for _ in range(5):
-        assert cost_model.observe(model, given, 2, 0.01) is given
+        assert cost_model.observe(memory, given, 2, 0.01) is given
 
 
 def test_a_wide_forward_is_compared_with_one_column_forwards_of_as_many_rows():
     """A batch bucket holds several row counts (a batch of 4 runs 3 rows once one finishes): a 3-row forward
     of 2 columns is compared with 3-row one-column forwards, not with the dearer 4-row ones."""
-    model = tiny_model("llama", seed=7)
     probe = CostTable((1, 2), (1.0, 1.75), "measured", 4, unit_seconds=0.1)
-    cost_model._TABLES[model] = {"key": probe}
+    memory = PlannerMemory()
+    memory.cost_tables["key"] = probe
     table = probe
     for _ in range(3):
-        table = cost_model.observe(model, table, 1, 0.075, rows=3)
-        table = cost_model.observe(model, table, 1, 0.1, rows=4)
+        table = cost_model.observe(memory, table, 1, 0.075, rows=3)
+        table = cost_model.observe(memory, table, 1, 0.1, rows=4)
     for _ in range(3):
-        table = cost_model.observe(model, table, 2, 0.09, rows=3)  # 1.2× a 3-row column (0.9× a 4-row one)
+        table = cost_model.observe(memory, table, 2, 0.09, rows=3)  # 1.2× a 3-row column (0.9× a 4-row one)
     assert table.source == "observed" and table.cost(2) == pytest.approx(1.2)
-    fresh = tiny_model("llama", seed=8)
-    cost_model._TABLES[fresh] = {"key": probe}
+    memory = PlannerMemory()
+    memory.cost_tables["key"] = probe
     table = probe
     for _ in range(3):  # no one-column forward of 2 rows seen yet: nothing to compare with
-        table = cost_model.observe(fresh, table, 2, 0.09, rows=2)
+        table = cost_model.observe(memory, table, 2, 0.09, rows=2)
     assert table is probe
 
 
@@ -717,13 +735,13 @@ def test_one_slow_one_column_forward_does_not_make_wide_forwards_look_cheap():
     """A planner that believes wide steps cheap runs few one-column forwards, so one slowed by something else
     (a busy spell, a cache growing) must not become the unit: a 2-column forward is compared with the fastest
     recent one-column forward, and 0.15 s against 0.1 s is 1.5×, not 0.75× (which the curve would clamp to 1)."""
-    model = tiny_model("llama", seed=9)
     probe = CostTable((1, 2), (1.0, 1.75), "measured", 4, unit_seconds=0.1)
-    cost_model._TABLES[model] = {"key": probe}
-    table = cost_model.observe(model, probe, 1, 0.1)
-    table = cost_model.observe(model, table, 1, 0.3)  # one slow one-column forward beside a fast one
+    memory = PlannerMemory()
+    memory.cost_tables["key"] = probe
+    table = cost_model.observe(memory, probe, 1, 0.1)
+    table = cost_model.observe(memory, table, 1, 0.3)  # one slow one-column forward beside a fast one
     for _ in range(3):
-        table = cost_model.observe(model, table, 2, 0.15)
+        table = cost_model.observe(memory, table, 2, 0.15)
     assert table.source == "observed" and table.cost(2) == pytest.approx(1.5)
 
 
@@ -733,26 +751,26 @@ def test_wide_forwards_wait_for_decodings_own_unit_which_a_plain_step_times():
     of 0.15 s would read 0.75× (clamped to 1×), and a planner that believed it would never run the
     one-column forward that corrects it. They wait, and after UNIT_FIRST of them a plain step is due; its
     time becomes the unit and those forwards read 1.5× at once. The next one is due UNIT_REFRESH later."""
-    model = tiny_model("llama", seed=10)
     probe = CostTable((1, 2), (1.0, 1.75), "measured", 4, unit_seconds=0.2)
-    cost_model._TABLES[model] = {"key": probe}
+    memory = PlannerMemory()
+    memory.cost_tables["key"] = probe
     table = probe
     for _ in range(cost_model.UNIT_FIRST):
-        assert not cost_model.unit_due(model, table, 4)
-        table = cost_model.observe(model, table, 2, 0.15)
+        assert not cost_model.unit_due(memory, table, 4)
+        table = cost_model.observe(memory, table, 2, 0.15)
     assert table is probe  # nothing to compare them with yet
-    assert cost_model.unit_due(model, table, 4) and not cost_model.unit_due(model, table, 3)
-    table = cost_model.observe(model, table, 1, 0.1)  # the plain step
-    assert table.cost(2) == pytest.approx(1.5) and cost_model._TABLES[model]["key"] is table
+    assert cost_model.unit_due(memory, table, 4) and not cost_model.unit_due(memory, table, 3)
+    table = cost_model.observe(memory, table, 1, 0.1)  # the plain step
+    assert table.cost(2) == pytest.approx(1.5) and memory.cost_tables["key"] is table
     for _ in range(cost_model.UNIT_REFRESH - 1):
-        table = cost_model.observe(model, table, 2, 0.15)
-    assert not cost_model.unit_due(model, table, 4)
-    table = cost_model.observe(model, table, 2, 0.15)
-    assert cost_model.unit_due(model, table, 4)
+        table = cost_model.observe(memory, table, 2, 0.15)
+    assert not cost_model.unit_due(memory, table, 4)
+    table = cost_model.observe(memory, table, 2, 0.15)
+    assert cost_model.unit_due(memory, table, 4)
     given = CostTable.from_mapping({1: 1.0, 2: 1.75})
     for _ in range(cost_model.UNIT_REFRESH + 1):
-        cost_model.observe(model, given, 2, 0.15)
-    assert not cost_model.unit_due(model, given, 4)  # the user's curve: never second-guessed
+        cost_model.observe(memory, given, 2, 0.15)
+    assert not cost_model.unit_due(memory, given, 4)  # the user's curve: never second-guessed
 
 
 def _verify_after_a_flat_reading(model, encoded, monkeypatch, unit_seconds: float, max_new_tokens: int):
@@ -775,7 +793,7 @@ def _verify_after_a_flat_reading(model, encoded, monkeypatch, unit_seconds: floa
         lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
     try:
-        out = _verify(model, encoded, None, max_new_tokens=max_new_tokens)
+        out = _verify(model, encoded, None, PlannerMemory(), max_new_tokens=max_new_tokens)
     finally:
         handle.remove()
     assert torch.equal(out.sequences, stock)
@@ -788,7 +806,6 @@ def test_the_decoder_times_its_own_unit_with_a_plain_step(tok, monkeypatch):
     UNIT_FIRST of them it runs one plain step (counted as ``unit``), whose time corrects the curve; the
     output stays stock greedy's."""
     model = peaked_model("llama")
-    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
     out = _verify_after_a_flat_reading(model, tok(["the cat sat"], return_tensors="pt"), monkeypatch, 10.0, 40)
     decode = out.forward_widths[1:].tolist()
     first = cost_model.UNIT_FIRST
@@ -800,19 +817,19 @@ def test_the_decoder_times_its_own_unit_with_a_plain_step(tok, monkeypatch):
 def test_a_trusted_width_rebuilds_the_curve_only_when_its_median_moves():
     """Once trusted, a width's new forwards rebuild the curve only when they move its median by more than
     OBSERVED_TOLERANCE; the curve in use then holds the new median."""
-    model = tiny_model("llama", seed=6)
     probe = CostTable((1, 2), (1.0, 1.75), "measured", 1, unit_seconds=0.1)
-    cost_model._TABLES[model] = {"key": probe}
-    table = cost_model.observe(model, probe, 1, 0.1)
+    memory = PlannerMemory()
+    memory.cost_tables["key"] = probe
+    table = cost_model.observe(memory, probe, 1, 0.1)
     for seconds in (0.12, 0.12, 0.12):
-        table = cost_model.observe(model, table, 2, seconds)
+        table = cost_model.observe(memory, table, 2, seconds)
     assert table is not probe and table.cost(2) == pytest.approx(1.2)
     trusted = table
     for seconds in (0.121, 0.1205):  # the median stays within 2 % of 1.2: the same curve
-        table = cost_model.observe(model, table, 2, seconds)
+        table = cost_model.observe(memory, table, 2, seconds)
     assert table is trusted
     for seconds in (0.15, 0.15, 0.15):  # the median moves to 1.5: a new curve that says so
-        table = cost_model.observe(model, table, 2, seconds)
+        table = cost_model.observe(memory, table, 2, seconds)
     assert table is not trusted and table.cost(2) == pytest.approx(1.5)
 
 
@@ -836,8 +853,7 @@ def test_rows_that_finish_mid_call_borrow_the_batch_curve_instead_of_probing(tok
     borrow the call's own curve. A call that starts at 2 rows measures bucket 2, and a later call that
     shrinks to 2 rows takes that curve. The output is stock greedy's throughout."""
     model = peaked_model("llama")
-    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())  # this test's own process memory
-    measured = []
+    memory, measured = PlannerMemory(), []  # the caller's memory, kept across its calls
 
     def reading(model, *, batch, **_):
         measured.append(batch)
@@ -853,16 +869,16 @@ def test_rows_that_finish_mid_call_borrow_the_batch_curve_instead_of_probing(tok
     try:
         stock = model.generate(**encoded, max_new_tokens=16, do_sample=False, stopping_criteria=stop)
         rows_fed.clear()
-        out = _verify(model, encoded, None, max_new_tokens=16, stopping_criteria=stop)
+        out = _verify(model, encoded, None, memory, max_new_tokens=16, stopping_criteria=stop)
         assert {4, 2, 1} <= set(rows_fed)  # the batch shrank to 2 rows, then 1, while decoding
         assert measured == [4] and torch.equal(out.sequences, stock)
-        _verify(model, pair, None, max_new_tokens=16, stopping_criteria=stop)  # starts at 2 rows: measured
+        _verify(model, pair, None, memory, max_new_tokens=16, stopping_criteria=stop)  # starts at 2 rows: measured
         assert measured == [4, 2]
-        again = _verify(model, encoded, None, max_new_tokens=16, stopping_criteria=stop)
+        again = _verify(model, encoded, None, memory, max_new_tokens=16, stopping_criteria=stop)
         assert measured == [4, 2] and torch.equal(again.sequences, stock)
-        feed = _bare_feed(model)  # (the hook above is part of the curves' key: still attached)
+        feed = _bare_feed(model, memory)  # (the hook above is part of the curves' key: still attached)
         feed.cost_table(4)
-        assert feed.cost_table(2).source in cost_model.REFINABLE  # the process knows bucket 2: not borrowed
+        assert feed.cost_table(2).source in cost_model.REFINABLE  # the memory knows bucket 2: not borrowed
         borrowed = feed.cost_table(1)
         assert borrowed.source == "borrowed" and borrowed.as_dict() == feed.cost_table(4).as_dict()
         assert measured == [4, 2]
@@ -873,11 +889,11 @@ def test_rows_that_finish_mid_call_borrow_the_batch_curve_instead_of_probing(tok
 def test_fixed_window_steps_never_start_a_probe_but_pad_to_a_known_curve(tok, monkeypatch):
     """τ with the paper's fixed window uses the cost curve only to pad a step to a cheaper width: that never
     pays for a probe (about two seconds on a CPU, in a call that may last a few), so a fresh process pads
-    nothing; once the planner has measured the curve (here one where 6 columns cost less than 3 to 5), τ
-    steps are padded to it. Tokens and per-step counts are the same either way."""
+    nothing; once the planner has measured the curve into the caller's memory (here one where 6 columns cost
+    less than 3 to 5), τ steps given that memory are padded to it. Tokens and per-step counts are the same
+    either way."""
     model = peaked_model("llama")
-    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
-    measured = []
+    memory, measured = PlannerMemory(), []
     dip = {1: 1.0, 2: 1.6, 3: 1.7, 5: 1.9, 6: 1.3, 8: 2.0}
 
     def reading(model, *, batch, **_):
@@ -889,13 +905,14 @@ def test_fixed_window_steps_never_start_a_probe_but_pad_to_a_known_curve(tok, mo
     encoded = tok(["the cat sat"], return_tensors="pt")
     tau = dict(max_new_tokens=16, do_sample=False, mars_threshold=0.5, mars_block_size=2)
     tau["return_dict_in_generate"] = True
-    unpadded = model.generate(**encoded, **tau)
+    unpadded = model.generate(**encoded, **tau, mars_cost_probe=memory)
     flat = model.generate(**encoded, mars_cost_table={1: 1.0}, **tau)  # a flat curve never pads
     assert measured == [] and unpadded.forward_widths.tolist() == flat.forward_widths.tolist()
-    _verify(model, encoded, None, max_new_tokens=16, mars_block_size=2)  # the planner needs the curve
+    _verify(model, encoded, None, memory, max_new_tokens=16, mars_block_size=2)  # the planner needs the curve
     assert measured == [1]
-    padded = model.generate(**encoded, **tau)
+    padded = model.generate(**encoded, **tau, mars_cost_probe=memory)
     assert measured == [1]
+    assert model.generate(**encoded, **tau).forward_widths.tolist() == flat.forward_widths.tolist()  # no memory
     pairs = list(zip(padded.forward_widths.tolist(), unpadded.forward_widths.tolist()))
     table = CostTable.from_mapping(dip)
     assert all(p in (w, table.padded_width(w)) for p, w in pairs) and any(p != w for p, w in pairs)
@@ -903,9 +920,9 @@ def test_fixed_window_steps_never_start_a_probe_but_pad_to_a_known_curve(tok, mo
     assert torch.equal(padded.accepted_counts, unpadded.accepted_counts)
 
 
-def _bare_feed(model):
-    """A bare ``StepPlanner`` on ``model`` (the planner's curves, nothing fed)."""
-    return StepPlanner(model, MARSDecodingSettings.for_model(model), pad_token_id=0)
+def _bare_feed(model, memory):
+    """A bare ``StepPlanner`` on ``model`` measuring into ``memory`` (the planner's curves, nothing fed)."""
+    return StepPlanner(model, MARSDecodingSettings.for_model(model, cost_memory=memory), pad_token_id=0)
 
 
 def test_candidate_widths_cover_every_feed():
@@ -922,17 +939,17 @@ def test_the_disk_cache_is_keyed_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv(cost_model.CACHE_ENV, str(tmp_path))
     model = tiny_model("qwen2", seed=9)
     mask = model.config.mars["mask_token_id"]
-    table = cost_model.cost_table(model, batch_size=1, window=2, mask_token_id=mask)
+    table = cost_model.cost_table(model, batch_size=1, window=2, mask_token_id=mask, memory=PlannerMemory())
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and table.source == "measured"
     again = tiny_model("qwen2", seed=9)  # another object, same everything: read from disk
-    assert cost_model.cost_table(again, batch_size=1, window=2, mask_token_id=mask).source == "disk"
-    cost_model.cost_table(again, batch_size=3, window=2, mask_token_id=mask)  # another batch bucket
+    assert cost_model.cost_table(again, batch_size=1, window=2, mask_token_id=mask, memory=PlannerMemory()).source == "disk"
+    cost_model.cost_table(again, batch_size=3, window=2, mask_token_id=mask, memory=PlannerMemory())  # another batch bucket
     assert len(list(tmp_path.iterdir())) == 2
     # the same home folder on another CPU (same model name and core count, other features): its own curve
     monkeypatch.setattr(cost_model, "cpu_flags", lambda: "fpu sse2 avx512f avx512_bf16 amx_tile")
     other = tiny_model("qwen2", seed=9)
-    assert cost_model.cost_table(other, batch_size=1, window=2, mask_token_id=mask).source == "measured"
+    assert cost_model.cost_table(other, batch_size=1, window=2, mask_token_id=mask, memory=PlannerMemory()).source == "measured"
     assert len(list(tmp_path.iterdir())) == 3
 
 
@@ -941,13 +958,13 @@ def test_a_damaged_disk_curve_is_measured_again_and_rewritten(tmp_path, monkeypa
     read as a curve: it is measured again and replaced whole (written aside, then renamed)."""
     monkeypatch.setenv(cost_model.CACHE_ENV, str(tmp_path))
     mask = tiny_model("qwen2", seed=9).config.mars["mask_token_id"]
-    cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask)
+    cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask, memory=PlannerMemory())
     (path,) = tmp_path.iterdir()
     whole = path.read_text()
     for damaged in (whole[: len(whole) // 2], '{"sizes": [1, 2], "costs": [1.0, -3.0]}', "[]"):
         path.write_text(damaged)
         with caplog.at_level("WARNING", logger="mars_hf.decoding.cost_model"):
-            table = cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask)
+            table = cost_model.cost_table(tiny_model("qwen2", seed=9), batch_size=1, window=2, mask_token_id=mask, memory=PlannerMemory())
         assert table.source == "measured" and "Ignoring the MARS cost table" in caplog.text
         assert json.loads(path.read_text())["sizes"] == list(table.sizes)
         assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no partial file left behind
@@ -971,7 +988,7 @@ def _gpt2(tok, positions=24):
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="eager").eval()
     mask = add_mask_token(model, tok)
-    set_mars_config(model, block_size=4, mask_token_id=mask)
+    set_mars_config(model, block_size=4, mask_token_id=mask, memory=PlannerMemory())
     return enable_mars(model)
 
 
@@ -1050,50 +1067,45 @@ def test_the_decoders_floor_sees_every_step_and_a_closed_floor_decodes_plain(tok
 MILD = {1: 1.0, 2: 1.05, 9: 1.3, 10: 4.0, 64: 40.0}  # a second column is cheap: the prior's masks look worth it
 
 
-def _measured_in_a_fresh_process(monkeypatch, curve: dict) -> dict:
-    """As if the process were new and measured ``curve`` (no curve, floor or row statistics kept yet; observed
-    forwards never refine it); returns ``curve``."""
+def _measured_into_a_new_memory(monkeypatch, curve: dict) -> PlannerMemory:
+    """A new ``PlannerMemory`` whose probe reads ``curve`` (no curve, floor or row statistics kept yet; observed
+    forwards never refine it)."""
     from mars_hf.decoding import planner
 
-    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(planner, "_FLOORS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(planner, "_MASK_PRIORS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(cost_model, "measure", lambda model, *, batch, **_: CostTable.from_mapping(curve, "measured", batch))
-    monkeypatch.setattr(planner, "observe", lambda model, table, width, seconds, rows=None: table)
-    return curve
+    monkeypatch.setattr(planner, "observe", lambda memory, table, width, seconds, rows=None: table)
+    return PlannerMemory()
 
 
 def test_the_floor_of_a_measured_curve_is_shared_by_later_calls(tok, monkeypatch):
-    """One floor per model and measured curve, kept across calls: a second call continues the first one's
-    floor (its step count goes on), and a floor that an earlier call closed keeps a later call on plain steps
-    from its first step, where the same model's good masks otherwise draft. A given curve (a reproducible
+    """One floor per measured curve in the caller's memory, kept across calls: a second call continues the first
+    one's floor (its step count goes on), and a floor that an earlier call closed keeps a later call on plain
+    steps from its first step, where the same model's good masks otherwise draft. A given curve (a reproducible
     plan) keeps each call's own floor: nothing is shared. The output is stock greedy's throughout."""
-    from mars_hf.decoding import planner
-
     model = peaked_model("llama")
-    curve = _measured_in_a_fresh_process(monkeypatch, MILD)
+    memory, curve = _measured_into_a_new_memory(monkeypatch, MILD), MILD
     encoded = tok(["the cat sat on the"], return_tensors="pt")
     stock = model.generate(**encoded, max_new_tokens=24, do_sample=False)
 
     def wide_steps(table=None):
-        out = _verify(model, encoded, table, max_new_tokens=24)
+        out = _verify(model, encoded, table, memory if table is None else None, max_new_tokens=24)
         assert torch.equal(out.sequences, stock)
         return sum(w > 1 for w in out.forward_widths[1:].tolist()), len(out.forward_widths)
 
     assert wide_steps()[0] > 0  # these masks draft on this curve
-    (floor,) = planner._FLOORS[model].values()
+    (floor,) = memory.floors.values()
     before = floor.steps
     _, forwards = wide_steps()
-    assert floor.steps == before + forwards and list(planner._FLOORS[model].values()) == [floor]
+    assert floor.steps == before + forwards and list(memory.floors.values()) == [floor]
     floor.closed_until = floor.steps + 10_000  # as if earlier calls had found that drafting does not pay here
     assert wide_steps()[0] == 0
     repeating = tok(["one two three four one two three four one two"], return_tensors="pt")
-    with_lookup = _verify(model, repeating, None, max_new_tokens=24, prompt_lookup_num_tokens=4)
+    with_lookup = _verify(model, repeating, None, memory, max_new_tokens=24, prompt_lookup_num_tokens=4)
     assert torch.equal(with_lookup.sequences, model.generate(**repeating, max_new_tokens=24, do_sample=False))
     assert with_lookup.drafts_by_source["lookup"]["proposed"] > 0  # prompt lookup's rows: a floor of their own
-    floors = planner._FLOORS[model]
+    floors = memory.floors
     assert len(floors) == 2 and floors[next(k for k in floors if not k[1])] is floor
-    assert wide_steps(curve)[0] > 0 and len(planner._FLOORS[model]) == 2  # given: its own floor
+    assert wide_steps(curve)[0] > 0 and len(memory.floors) == 2  # given: its own floor
 
 
 def test_a_new_verify_row_starts_from_what_the_models_last_row_observed(tok, monkeypatch):
@@ -1101,29 +1113,49 @@ def test_a_new_verify_row_starts_from_what_the_models_last_row_observed(tok, mon
     row (acceptance per offset, gain, re-probe schedule), not from the prior: masks that did not pay on the
     first call are not tried again in the first steps of the next (they are re-probed on the shared schedule).
     Under a given curve every row starts from the prior. The output is stock greedy's throughout."""
-    from mars_hf.decoding import planner
     from mars_hf.decoding.decoder import RowSettings
 
     model = enable_mars(tiny_model("llama", seed=3), block_size=4)  # random masks: their drafts are never kept
-    curve = _measured_in_a_fresh_process(monkeypatch, MILD)
+    memory, curve = _measured_into_a_new_memory(monkeypatch, MILD), MILD
     encoded = tok(["the cat sat on the"], return_tensors="pt")
     stock = model.generate(**encoded, max_new_tokens=24, do_sample=False)
 
     def early_wide_steps(table=None):
-        out = _verify(model, encoded, table, max_new_tokens=24)
+        out = _verify(model, encoded, table, memory if table is None else None, max_new_tokens=24)
         assert torch.equal(out.sequences, stock)
         return sum(w > 1 for w in out.forward_widths[1:6].tolist())
 
-    assert early_wide_steps(curve) > 0 and model not in planner._MASK_PRIORS  # given: nothing kept
+    assert early_wide_steps(curve) > 0 and memory.mask_prior is None  # given: nothing kept
     assert early_wide_steps() > 0  # the first measured call tries the masks from the prior
-    last = planner._MASK_PRIORS[model]
+    last = memory.mask_prior
     assert sum(last.reached) > 0 and last.kept[0] < 0.5 * last.reached[0]
     assert early_wide_steps() == 0  # the next starts from what the first found
     row = SimpleNamespace(row_id=7, verify=True, settings=RowSettings(acceptance="verify", max_new_tokens=24))
-    fresh = StepPlanner(model, MARSDecodingSettings.for_model(model), pad_token_id=0)
+    fresh = StepPlanner(model, MARSDecodingSettings.for_model(model, cost_memory=memory), pad_token_id=0)
     fresh.add_row(row)
-    inherited, last = fresh.stats[7].masks, planner._MASK_PRIORS[model]
+    inherited, last = fresh.stats[7].masks, memory.mask_prior
     assert inherited is not last and inherited.kept == last.kept and inherited.probe_every == last.probe_every
     given = StepPlanner(model, MARSDecodingSettings.for_model(model, cost_table=curve), pad_token_id=0)
     given.add_row(row)
     assert given.stats[7].masks.kept == [0.0] * 4 and given.stats[7].masks.gain == 1.0
+
+
+def test_a_planner_memory_serves_one_model_and_copies_empty(tok):
+    """A ``PlannerMemory`` keeps what one model's planner measured; a second model is refused by name, and a copy or
+    an unpickled memory starts empty (what it held was measured for one process's model on one machine)."""
+    import copy
+    import pickle
+
+    model, other = tiny_model("llama", seed=5), tiny_model("llama", seed=6)
+    mask = model.config.mars["mask_token_id"]
+    memory = PlannerMemory()
+    table = cost_model.cost_table(model, batch_size=1, window=2, mask_token_id=mask, memory=memory)
+    assert table.source == "measured" and list(memory.cost_tables.values()) == [table]
+    with pytest.raises(ValueError, match="one PlannerMemory per model"):
+        cost_model.cost_table(other, batch_size=1, window=2, mask_token_id=mask, memory=memory)
+    for copied in (pickle.loads(pickle.dumps(memory)), copy.deepcopy(memory)):
+        assert copied.cost_tables == {} and copied.floors == {} and copied.mask_prior is None
+    memory.clear()
+    assert memory.cost_tables == {} and "0 cost curves" in repr(memory)
+    with pytest.raises(TypeError, match="PlannerMemory"):
+        _verify(enable_mars(model), _batch(tok), None, "yes", max_new_tokens=2)

@@ -227,8 +227,6 @@ def test_the_engine_measures_every_batch_size_at_start_and_never_while_serving(m
     curve of every batch bucket up to ``max_rows`` when it is built, and none while serving (a probe there
     would stall every request in the batch). Verify rows of different lengths served together, joining
     and leaving, decode what `generate` decodes for each alone."""
-    import weakref
-
     from mars_hf.decoding import cost_model
     from mars_hf.decoding.cost_model import CostTable
     from mars_hf.decoding.decoder import RowSettings
@@ -238,7 +236,6 @@ def test_the_engine_measures_every_batch_size_at_start_and_never_while_serving(m
     model = enable_mars(tiny_model("llama", tokenizer=tok))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
-    monkeypatch.setattr(cost_model, "_TABLES", weakref.WeakKeyDictionary())
     measured = []
 
     def reading(model, *, batch, **_):
@@ -263,7 +260,7 @@ def test_the_engine_measures_every_batch_size_at_start_and_never_while_serving(m
             if update.finished:
                 engine.drop_row(update.row_id)
                 del ids[update.row_id]
-    assert sorted(measured) == [1, 2, 4]
+    assert sorted(measured) == [1, 2, 4] and len(engine.planner_memory.cost_tables) == 3  # the engine's own
     for prompt, tokens in served.items():
         assert tok.decode(tokens, skip_special_tokens=True) == reference(model, tok, prompt, lengths[prompt])
 

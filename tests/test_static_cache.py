@@ -17,6 +17,7 @@ from transformers import CompileConfig
 
 from mars_hf.decoding import gated_lora
 from mars_hf.decoding.cache import MARSStaticCache
+from mars_hf.decoding.cost_model import CostTable
 from mars_hf.decoding.decoder import widest_step
 from mars_hf.decoding.gated_lora import AdaptedLinear
 from mars_hf.decoding.generation import enable_mars, static_capacity
@@ -306,32 +307,25 @@ def test_the_static_cache_leaves_the_kernels_to_the_compiler():
     assert last_kernels(model) == "stock"
 
 
-def test_the_fast_path_feed_reads_no_clock_and_keeps_nothing_between_calls(trained, monkeypatch):
-    """On the static cache the feed is a function of the tokens: no timing of the machine (a clock that raises),
-    no statistics kept across calls in the process (the planner's floors and priors, the cost curves, the kernel
-    decisions stay empty for this model), so a call decodes with the same steps whatever ran before it."""
-    from mars_hf.decoding import cost_model, cpu_kernels, decoder, planner
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_the_default_feed_reads_no_clock_and_keeps_nothing_between_calls(trained, monkeypatch, cache):
+    """transformers' defaults (eager, dynamic cache) and the static cache alike: the feed is a function of the
+    tokens. No timing of the machine (a clock that raises) and nothing kept across calls: a call decodes with the
+    same steps whatever ran before it, and the kernel decisions stay empty for this model. (The measured planner
+    runs only with a ``PlannerMemory`` the caller owns, ``mars_cost_probe``.)"""
+    from mars_hf.decoding import cost_model, cpu_kernels, decoder
 
     class NoClock:
         def perf_counter(self):
-            raise AssertionError("the fast path read the clock")
+            raise AssertionError("the default feed read the clock")
 
         monotonic = perf_counter
 
     for module in (decoder, cost_model, cpu_kernels):
         monkeypatch.setattr(module, "time", NoClock())
-    tables = [
-        (planner, "_FLOORS"),
-        (planner, "_MASK_PRIORS"),
-        (cost_model, "_TABLES"),
-        (cost_model, "_OBSERVATIONS"),
-    ]
-    for module, name in [*tables, (cpu_kernels, "_DECISIONS")]:  # empty for this test (other tests fill them)
-        monkeypatch.setattr(module, name, weakref.WeakKeyDictionary())
+    monkeypatch.setattr(cpu_kernels, "_DECISIONS", weakref.WeakKeyDictionary())  # empty for this test
     model, tokenizer, encoded = trained
-    common = dict(
-        max_new_tokens=16, do_sample=False, cache_implementation="static", return_dict_in_generate=True
-    )
+    common = dict(max_new_tokens=16, do_sample=False, cache_implementation=cache, return_dict_in_generate=True)
     first = model.generate(**encoded, mars_acceptance="verify", **common)
     model.generate(
         **{k: v[:1] for k, v in encoded.items()}, mars_threshold=0.5, **common
@@ -339,6 +333,11 @@ def test_the_fast_path_feed_reads_no_clock_and_keeps_nothing_between_calls(train
     again = model.generate(**encoded, mars_acceptance="verify", **common)
     assert torch.equal(first.sequences, again.sequences)
     assert first.forward_widths.tolist() == again.forward_widths.tolist()
-    assert (first.forward_widths > 1).any()  # it did feed drafts and masks
-    for module, name in [*tables, (cpu_kernels, "_DECISIONS")]:
-        assert len(getattr(module, name)) == 0, name
+    assert len(cpu_kernels._DECISIONS) == 0
+    if cache == "static":  # the fixed feed: drafts and masks every step
+        assert set(first.plan_counts) == {"fixed"} and (first.forward_widths > 1).any()
+    else:  # the planner on the assumed curve, not a measured one
+        assert first.cost_curve == CostTable.assumed_cpu().as_dict()
+    # the measured planner, asked for, times the machine; the static cache's fixed steps refuse it by name
+    with pytest.raises(AssertionError if cache is None else ValueError, match="clock|mars_cost_probe"):
+        model.generate(**encoded, mars_acceptance="verify", mars_cost_probe=True, **common)

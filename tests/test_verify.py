@@ -116,7 +116,7 @@ def test_eos_stop_criteria_and_max_new_tokens_inside_drafts(tok):
                     )
                     assert torch.equal(out.sequences, stock), (kwargs.keys(), max_new, layout, scheme)
     # a stop really fired inside a multi-token step at least once (a flat cost curve: the widest feed)
-    out = _verify(model, encoded, max_new_tokens=19, eos_token_id=eos, mars_cost_probe=False)
+    out = _verify(model, encoded, max_new_tokens=19, eos_token_id=eos, mars_cost_table={1: 1.0})
     assert out.accepted_counts.max() > 1
 
 
@@ -143,9 +143,9 @@ def test_a_stopping_criterion_before_an_eos_in_the_same_step_ends_the_row_there(
         kwargs = dict(max_new_tokens=16, eos_token_id=eos, stopping_criteria=stop)
         stock = model.generate(**encoded, do_sample=False, **kwargs)
         for layout in LAYOUTS:
-            out = _verify(model, encoded, mars_layout=layout, mars_cost_probe=False, **kwargs)
+            out = _verify(model, encoded, mars_layout=layout, mars_cost_table={1: 1.0}, **kwargs)
             assert torch.equal(out.sequences, stock), (count, layout)
-        tau = model.generate(**encoded, do_sample=False, mars_threshold=0.0, mars_cost_probe=False, **kwargs)
+        tau = model.generate(**encoded, do_sample=False, mars_threshold=0.0, mars_cost_table={1: 1.0}, **kwargs)
         assert tau.shape[1] <= prompt_length + count  # τ = 0 keeps every mask: long steps, still cut at the criterion
 
 
@@ -234,7 +234,7 @@ def test_streamer_only_ever_receives_verified_tokens(tok):
     model = peaked_model("llama")
     prompt = tok(["hello world the dog sat on a"], return_tensors="pt")
     recorder = Recorder()
-    out = _verify(model, prompt, max_new_tokens=18, streamer=recorder, mars_cost_probe=False)
+    out = _verify(model, prompt, max_new_tokens=18, streamer=recorder, mars_cost_table={1: 1.0})
     stock = model.generate(**prompt, max_new_tokens=18, do_sample=False)
     streamed = [t for chunk in recorder.chunks[1:] for t in chunk]
     assert torch.equal(out.sequences, stock) and streamed == stock[0, prompt.input_ids.shape[1] :].tolist()
@@ -347,11 +347,11 @@ def test_settings_from_generation_config_and_keywords_win(tok):
     encoded = _batch(tok)
     stock = model.generate(**encoded, max_new_tokens=12, do_sample=False)
     config = GenerationConfig(
-        max_new_tokens=12, do_sample=False, mars_acceptance="verify", mars_cost_probe=False, pad_token_id=2
+        max_new_tokens=12, do_sample=False, mars_acceptance="verify", mars_layout="linear", pad_token_id=2
     )
     out = model.generate(**encoded, generation_config=config, return_dict_in_generate=True)
     assert torch.equal(out.sequences, stock) and int(out.drafts_accepted.sum()) > 0
-    assert out.cost_curve == {1: 1.0}  # mars_cost_probe=False came from the config: a flat curve
+    assert set(out.plan_counts) == {"fixed"}  # mars_layout="linear" came from the config: the fixed feed
     config = GenerationConfig(
         max_new_tokens=12, do_sample=False, mars_acceptance="verify", mars_cost_table={1: 1.0, 2: 50.0},
         pad_token_id=2,

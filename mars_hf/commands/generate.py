@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layout",
         choices=["auto", "linear", "quadratic"],
         default=None,
-        help="Draft layout of --acceptance verify (default 'auto': the step planner sizes each step from the "
-        "forward cost measured on this machine).",
+        help="Draft layout of --acceptance verify (default, eager: 'auto', the step planner sizes each step from the "
+        "forward cost measured on this machine, cached under $MARS_HF_HOME; with --compile: 'linear', the fixed feed).",
     )
     parser.add_argument(
         "--cache", choices=["cursor", "block", "none"], default=None, help="MARS KV-cache scheme."
@@ -196,6 +196,8 @@ def run(args) -> int:
 
         generate_kwargs.update(compiled_path(device=str(model.device)))
         generate_kwargs.pop("mars_cpu_kernels")  # the compiler chooses the kernels
+    else:  # eager: the planner on the step costs measured here (the library's generate times nothing unless asked)
+        generate_kwargs["mars_cost_probe"] = True
     with torch.no_grad():
         output = model.generate(**inputs, **generate_kwargs)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")

@@ -5,23 +5,25 @@ float32: 4 columns cost 1.57× one column, bfloat16 1.10×; a GPU at small batch
 constant tuned on one machine (``MIN_FORWARD_ROWS``, a per-device default layout) is wrong on the next,
 so the decoder asks this module, which measures the curve where decoding runs:
 
-- at first use, for the model, device, dtype, thread count and batch bucket in use (the batch rounded up
+- only where the caller asks for it (``mars_cost_probe=True``, or a ``memory.PlannerMemory`` the caller owns:
+  without one, ``generate`` times nothing and its feed is fixed), at first use, for the model, device, dtype,
+  thread count and batch bucket in use (the batch rounded up
   to a power of two), on a *scratch* cache: warm-up, a few interleaved rounds over the sizes, the fastest,
   about two seconds at most (fewer sizes, interpolated, when a forward is slow); a smaller bucket that a
   call reaches only as its rows finish is not measured there (``known_only``: the caller borrows the
   batch's own curve, see ``planner.StepPlanner.cost_table``);
-- kept for the process (per model object and everything else the cost depends on), and on disk when
+- kept in the caller's ``PlannerMemory`` (under everything else the cost depends on), and on disk when
   the environment variable ``MARS_HF_COST_CACHE`` names a folder (the ``mars-hf`` commands that decode
   for a user default it to ``$MARS_HF_HOME/cost-curves``: :func:`disk_cache_by_default`);
 - overridable: ``generate(..., mars_cost_table={1: 1.0, 2: 1.05, ...})`` uses the given curve
-  (missing sizes interpolated), ``mars_cost_probe=False`` assumes a **flat** curve (every width costs
-  what one column costs: the accelerator-at-small-batch assumption, under which the planner goes as
-  wide as the window allows — the paper's fixed-window behaviour);
+  (missing sizes interpolated); without a memory the curve is **flat** (every width costs what one column
+  costs: the accelerator-at-small-batch assumption, under which ``mars_layout="auto"`` goes as wide as the
+  window allows — the paper's fixed-window behaviour);
 - corrected by decoding's own forwards on a CPU (:func:`observe`): the probe is short and runs on a
   scratch cache, and on a slow CPU its one or two rounds can misread a width by half (one 2-core AVX2
   machine: 2 columns read 1.75× at batch 4, 1.1–1.3× when timed at length). Each width the decoder
   really runs, once seen a few times, takes the median of its observed cost over decoding's own recent
-  one-column forwards (never the probe's), for the rest of the process; and when the planner has run only
+  one-column forwards (never the probe's), for as long as the memory is kept; and when the planner has run only
   wider steps for a while, a plain step times that one column (:func:`unit_due`). Given and flat curves
   are the user's choice: never corrected.
 """
@@ -42,13 +44,13 @@ import os
 import stat
 import statistics
 import time
-import weakref
 
 import torch
 
 from .cpu_kernels import active as packed_linears_active
 from .home import cpu_flags, cpu_name
 from .layouts import position_limit
+from .memory import PlannerMemory
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,12 @@ MAX_PROBED_WIDTH = 64  # wider steps are extrapolated (and never planned)
 MAX_TABLE_WIDTH = 4096  # sizes a given curve may name (a step of W = 60 with every quadratic group: 3 721)
 MAX_CURVE_FILE_BYTES = 65_536  # a curve on disk is < 2 KB; anything this large is not one (never read whole)
 _EXACT_UP_TO = 10  # every width up to this is probed; wider ones on a geometric grid
+# What the default feed assumes on a CPU, where nothing is measured: each column past the first costs this share
+# of one. A CPU forward is compute-bound, so columns cost; assumed dear enough that the planner feeds masks only
+# where the call's own acceptance says they clearly pay. On a 2-core Zen 4 (docs/lab/fast_path_log.md) it kept
+# eager verify at 0.98× (float32) and 1.12× (bf16) MARS-off, where the fixed feed read 0.72× / 0.93×. A measured
+# curve (``PlannerMemory``) or a given one replaces it.
+ASSUMED_CPU_COLUMN_COST = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +124,12 @@ class CostTable:
     @classmethod
     def flat(cls, batch: int = 1) -> CostTable:
         return cls((1,), (1.0,), "flat", batch)
+
+    @classmethod
+    def assumed_cpu(cls) -> CostTable:
+        """The default feed's curve on a CPU: :data:`ASSUMED_CPU_COLUMN_COST` per extra column, nothing timed."""
+        widest = MAX_PROBED_WIDTH
+        return cls((1, widest), (1.0, 1.0 + ASSUMED_CPU_COLUMN_COST * (widest - 1)), "assumed")
 
     def cost(self, n: int) -> float:
         """Relative cost of ``n`` columns per sequence."""
@@ -224,9 +238,6 @@ def probe_sizes(widths: list[int]) -> list[int]:
 # Keys: everything the cost depends on
 # --------------------------------------------------------------------------------------------------
 
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: CostTable}
-
-
 def _hook_count(model) -> int:
     """Hooks attached since the curve was measured change what a forward costs; cheap to count. (The gated
     adapter wraps its layers' forwards instead; it is attached before decoding, so its cost is in every curve.)"""
@@ -273,21 +284,21 @@ def cost_table(
     window: int,
     mask_token_id: int,
     given=None,
-    probe: bool = True,
+    memory: PlannerMemory | None = None,
     known_only: bool = False,
 ) -> CostTable | None:
-    """The cost curve for this model and batch: ``given`` if any, flat without ``probe``, else measured
-    once (per process, or read from ``MARS_HF_COST_CACHE``). ``known_only``: None instead of measuring
-    when neither this process nor the disk cache has the curve yet."""
+    """The cost curve for this model and batch: ``given`` if any, flat without a ``memory``, else measured
+    once into ``memory`` (or read from ``MARS_HF_COST_CACHE``). ``known_only``: None instead of measuring
+    when neither the memory nor the disk cache has the curve yet."""
     batch = batch_bucket(batch_size)
     widest = candidate_widths(window)[-1]
     if given is not None:
-        return dataclasses.replace(CostTable.from_mapping(given, "given", batch), widest=widest)
-    if not probe:
+        return dataclasses.replace(CostTable.from_mapping(given, "given", batch), widest=widest, batch=batch)
+    if memory is None:
         return CostTable.flat(batch)
     sizes = tuple(probe_sizes(candidate_widths(window)))
     key = _key(model, model.device, batch, sizes)
-    per_model = _TABLES.setdefault(model, {})
+    per_model = memory.bind(model).cost_tables
     if key in per_model:
         return per_model[key]
     path = _disk_path(model, key)
@@ -402,9 +413,6 @@ UNIT_FIRST = 8
 UNIT_REFRESH = 32
 REFINABLE = ("measured", "disk", "observed")  # a given or flat curve is the user's: never corrected
 
-_OBSERVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: ObservedCosts}
-
-
 class ObservedCosts:
     """Decoding's own forwards of one model and batch bucket: each wider forward's time over the fastest
     of the recent one-column forwards *of as many rows* (the context grows while decoding, so a ratio to
@@ -467,49 +475,49 @@ class ObservedCosts:
         return dataclasses.replace(refined, unit_seconds=table.unit_seconds, widest=table.widest)
 
 
-def _observed(model, table: CostTable, create: bool = False) -> tuple:
-    """What decoding observed of ``table``'s curve (None where it is not this process's curve of the model:
-    a given or flat one, or one handed over by a caller), with the process's tables and its key there."""
-    if table.source not in REFINABLE:
-        return None, None, None
-    per_model = _TABLES.setdefault(model, {})
-    key = next((k for k, known in per_model.items() if known is table), None)
+def _observed(memory: PlannerMemory | None, table: CostTable, create: bool = False) -> tuple:
+    """What decoding observed of ``table``'s curve (None where it is not a curve of ``memory``: a given or flat
+    one, or one handed over by a caller), with its key there."""
+    if memory is None or table.source not in REFINABLE:
+        return None, None
+    key = next((k for k, known in memory.cost_tables.items() if known is table), None)
     if key is None:
-        return None, None, None
-    observations = _OBSERVATIONS.setdefault(model, {})
-    observed = observations.get(key)
+        return None, None
+    observed = memory.observations.get(key)
     if observed is None and create:
-        observed = observations[key] = ObservedCosts()
-    return observed, per_model, key
+        observed = memory.observations[key] = ObservedCosts()
+    return observed, key
 
 
-def curve_key(model, table: CostTable) -> tuple | None:
-    """The process's key of ``table`` (device, dtype, threads, batch, sizes, hooks, kernels), or None for a
-    given, flat, borrowed or handed-over curve: what else is learnt of decoding this model on this machine at
+def curve_key(memory: PlannerMemory | None, table: CostTable) -> tuple | None:
+    """``memory``'s key of ``table`` (device, dtype, threads, batch, sizes, hooks, kernels), or None for a
+    given, flat, borrowed or handed-over curve: what else is learnt of decoding the model on this machine at
     this batch size may be kept under it for later calls (``planner.StepPlanner``'s drafting floor)."""
-    return _observed(model, table)[2]
+    return _observed(memory, table)[1]
 
 
-def observe(model, table: CostTable, width: int, seconds: float, rows: int | None = None) -> CostTable:
+def observe(
+    memory: PlannerMemory | None, table: CostTable, width: int, seconds: float, rows: int | None = None
+) -> CostTable:
     """Record that a forward of ``rows`` rows (default: the table's batch) of ``width`` columns per sequence
     took ``seconds`` where ``table`` was the curve in use; returns the curve to use from now on (the same one
     until the width is trusted).
 
-    The refined curve replaces the probe's for the rest of the process (later ``generate`` calls start
-    from it). Only curves this module measured or read are refined.
+    The refined curve replaces the probe's in ``memory`` (later calls given that memory start from it). Only
+    curves a memory holds (measured or read) are refined.
     """
-    observed, per_model, key = _observed(model, table, create=True)
+    observed, key = _observed(memory, table, create=True)
     if observed is None or not observed.record(width, seconds, table.batch if rows is None else rows):
         return table
     refined = observed.refine(table)
-    per_model[key] = refined
+    memory.cost_tables[key] = refined
     return refined
 
 
-def unit_due(model, table: CostTable, rows: int) -> bool:
+def unit_due(memory: PlannerMemory | None, table: CostTable, rows: int) -> bool:
     """A plain step of ``rows`` rows is due to re-time the curve's unit (``ObservedCosts.unit_due``); never
     for a curve decoding does not correct."""
-    observed, _, _ = _observed(model, table)
+    observed, _ = _observed(memory, table)
     return observed is not None and observed.unit_due(rows)
 
 

@@ -232,8 +232,10 @@ class MARSBatchDecoder:
         )  # None: raw confidences (no config.mars calibration)
         # A CPU forward ends when its call returns, so its wall time is its cost: the measured curve learns
         # from it. (On an accelerator, timing would need a synchronisation per step; its curve is flat.)
-        # On a static cache the feed is fixed (no cost curve), so nothing is timed.
-        self._times_forwards = self.device.type == "cpu" and self.kv is not None and not self.static
+        # Only a caller's measured curve (``settings.cost_memory``) learns: without one, nothing is timed.
+        self._times_forwards = (
+            self.device.type == "cpu" and self.kv is not None and self.planner.memory is not None
+        )
 
     @property
     def plan_counts(self) -> dict[str, int]:
@@ -254,8 +256,9 @@ class MARSBatchDecoder:
         self.planner.cost_given = table
 
     def measure_costs(self) -> None:
-        """Measure the cost curves of every batch bucket up to ``max_rows`` now (a server at start-up),
-        instead of at the first step that needs each (about 2 s at most per bucket, once per process)."""
+        """Measure the cost curves of every batch bucket up to ``max_rows`` now into the settings'
+        ``cost_memory`` (a server at start-up), instead of at the first step that needs each (about 2 s at most
+        per bucket, once per memory)."""
         with packed_linears(self.model, self.cpu_kernels):
             self.planner.measure_costs(self.max_rows)
 

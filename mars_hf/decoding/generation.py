@@ -52,6 +52,7 @@ from .decoder import (  # noqa: F401  (public re-exports)
     widest_step,
 )
 from .drafts import SOURCES
+from .memory import PlannerMemory
 from .sampling import draw_seed
 from .settings import (
     MARS_KEYWORDS,
@@ -122,7 +123,7 @@ def mars_generate(
     mars_layout: str | None = None,
     mars_planner: bool | None = None,
     mars_cost_table: dict | None = None,
-    mars_cost_probe: bool | None = None,
+    mars_cost_probe: bool | PlannerMemory | None = None,
     mars_cpu_kernels: str | None = None,
     mars_streamer=None,
     mars_assistant_model=None,
@@ -149,22 +150,25 @@ def mars_generate(
             time, the paper's scheme) or ``"none"`` (recompute everything each step; the reference).
         mars_cache_block: C for ``"block"`` (default 16).
         mars_mask_token_id: overrides ``config.mars["mask_token_id"]``.
-        mars_layout: verify's feed. ``"auto"`` (default): the step planner chooses, each step and row,
-            how many drafts to check and how many masks (one group after the drafts, a group after
-            every draft prefix, or none) for the most expected tokens per unit of the forward's
-            measured cost (``mars_hf.decoding.planner``, ``mars_hf.decoding.cost_model``); the output is the same
-            whatever it chooses. ``"linear"`` (every draft, then one group of W masks) or
-            ``"quadratic"`` (a group of W masks after every draft prefix) fix the feed.
+        mars_layout: verify's feed. ``"linear"`` (every draft, then one group of W masks; the default where no
+            cost curve is measured or given) or ``"quadratic"`` (a group of W masks after every draft prefix)
+            fix the feed. ``"auto"`` (the default with ``mars_cost_probe`` or ``mars_cost_table``): the step
+            planner chooses, each step and row, how many drafts to check and how many masks (one group after the
+            drafts, a group after every draft prefix, or none) for the most expected tokens per unit of the
+            forward's cost (``mars_hf.decoding.planner``, ``mars_hf.decoding.cost_model``); the output is the
+            same whatever it chooses.
         mars_planner: let the planner size τ rows' mask groups too (default False: τ keeps the
             paper's fixed window W). Changes which tokens τ can accept (never more predictions past
             the first than masks fed), so τ's output may differ from the fixed window's, and with a measured
-            cost curve it follows the machine's timing (pass ``mars_cost_table`` to make it reproducible).
+            cost curve (``mars_cost_probe``) it follows the machine's timing.
         mars_cost_table: ``{columns per row: relative cost}`` (e.g. ``{1: 1.0, 2: 1.05, 5: 1.3}``) used
             instead of measuring the forward's cost curve; missing sizes are interpolated.
-        mars_cost_probe: False skips the measurement and assumes a flat curve (every width costs one
-            column's: the planner then goes as wide as the window allows). Default True: measured at
-            first use (about 2 s at most, per model, device, dtype, threads and batch size; cached for
-            the process, and on disk under ``$MARS_HF_COST_CACHE`` when set).
+        mars_cost_probe: measure what a step of each width costs on this machine and let the planner feed what
+            pays there: ``True`` for this call alone (about 2 s at most per batch size), or a
+            ``mars_hf.PlannerMemory`` you keep: measured once into it, and later calls given it start from
+            what it learnt (and on disk under ``$MARS_HF_COST_CACHE`` when set). Default: nothing is timed;
+            the feed is fixed (``mars_layout``), the same on every machine. Without a measured or given curve
+            ``mars_layout="auto"`` assumes a flat one (every width costs one column's: as wide as it can).
         mars_cpu_kernels: ``"stock"`` (default): the stock kernels, no private op. ``"auto"`` (opt-in): on a
             float32 or bfloat16 CPU model, the linears run on oneDNN with weights packed once (a second copy)
             where that measures faster, for the whole call; ``"packed"`` always. One-row forwards keep the
@@ -211,9 +215,14 @@ def mars_generate(
     if static:
         # transformers' fast path: a fixed feed (no cost curve, nothing timed), so every decode step has one shape;
         # the compiler picks the kernels (Inductor's freezing refuses linears already packed by cpu_kernels)
+        if settings.cost_memory is not None or settings.cost_table is not None:
+            raise ValueError(
+                "`mars_cost_probe` / `mars_cost_table` size each step on a cost curve, but a static cache's steps "
+                "have one fixed shape (one compiled graph); drop them, or drop `cache_implementation='static'`."
+            )
         layout = settings.layout if settings.layout in ("linear", "quadratic") else "linear"
         settings = dataclasses.replace(
-            settings, layout=layout, cost_probe=False, cost_table=None, cpu_kernels="stock"
+            settings, layout=layout, cost_memory=None, cost_table=None, cpu_kernels="stock"
         )
     # one seed per call, from torch's global generator; each row's draws are keyed to (seed, row, position)
     seed = draw_seed() if generation_config.do_sample else None

@@ -42,11 +42,10 @@ plain steps the planner feeds plain steps only, exploring again at spaced, bound
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from .cost_model import batch_bucket, curve_key, observe, unit_due
+from .cost_model import CostTable, batch_bucket, curve_key, observe, unit_due
 from .cost_model import cost_table as curve_for
 from .drafts import CHAINED, MASKS, NO_DRAFTS, AssistantDrafts, DraftChooser, Drafts
 from .layouts import RowPlan, idle_plan, plan_row, position_limit
@@ -219,28 +218,20 @@ class StepPlan:
     floor: DraftingFloor
 
 
-# model -> {measured curve's key: DraftingFloor}: what drafting gave on this machine, kept across calls
-_FLOORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> the masks' statistics of the verify row the planner served last (measured curves only): where a new
-# verify row of the model starts (``AcceptanceStats.inherit``), instead of the prior
-_MASK_PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def drafting_floor(model, table, fallback: DraftingFloor, sources: frozenset = frozenset()) -> DraftingFloor:
-    """The floor of a batch decoded on ``table``: one per model, measured curve (the batch size, dtype, threads
-    and kernels it was measured for) and the draft sources the batch's rows use besides the masks (``sources``:
-    prompt lookup's drafts may pay where the masks' do not), shared by every call and decoder of the process, so
-    a call starts from what earlier calls found (where drafting did not pay, a short call would otherwise spend
-    its first dozen steps finding that out again). A given or flat curve (``mars_cost_table=``, a reproducible
-    plan) keeps the caller's own ``fallback``."""
-    key = curve_key(model, table) if table is not None else None
+def drafting_floor(memory, table, fallback: DraftingFloor, sources: frozenset = frozenset()) -> DraftingFloor:
+    """The floor of a batch decoded on ``table``: one per measured curve of the caller's ``PlannerMemory`` (the
+    batch size, dtype, threads and kernels it was measured for) and the draft sources the batch's rows use
+    besides the masks (``sources``: prompt lookup's drafts may pay where the masks' do not), shared by every call
+    and decoder given that memory, so a call starts from what earlier calls found (where drafting did not pay, a
+    short call would otherwise spend its first dozen steps finding that out again). A given or flat curve
+    (``mars_cost_table=``, a reproducible plan) keeps the caller's own ``fallback``."""
+    key = curve_key(memory, table) if table is not None else None
     if key is None:
         return fallback
-    floors = _FLOORS.setdefault(model, {})
     key = (key, sources)
-    if key not in floors:
-        floors[key] = DraftingFloor()
-    return floors[key]
+    if key not in memory.floors:
+        memory.floors[key] = DraftingFloor()
+    return memory.floors[key]
 
 
 def _other_sources(stats) -> frozenset:
@@ -274,9 +265,10 @@ class StepPlanner:
         self.window = settings.window
         self.mask_token_id = settings.mask_token_id
         self.pad_token_id = pad_token_id
-        self.layout = settings.layout or "auto"
         self.threshold_planner = settings.planner
-        self.cost_given, self.cost_probe = settings.cost_table, settings.cost_probe
+        self.cost_given = settings.cost_table
+        # the measured curves and what they taught, kept by the caller between calls (None: nothing is timed)
+        self.memory = settings.cost_memory.bind(model) if settings.cost_memory is not None else None
         self.cost_tables: dict = {}  # batch bucket -> CostTable, filled at first need
         self.unknown_buckets: set[int] = set()  # buckets no curve was known for when a fixed plan asked
         self.position_limit = position_limit(model.config)
@@ -291,10 +283,19 @@ class StepPlanner:
         )
         self.stats: dict[int, RowStats] = {}  # row id -> what the planner has seen of the row
         self.plan_counts: dict[str, int] = {}
-        self.floor = DraftingFloor()  # for given curves; a measured one's is shared (``drafting_floor``)
+        self.floor = DraftingFloor()  # given curves' floor; a measured one's is the memory's (drafting_floor)
         # under a measured curve, rows start from what earlier rows of the model observed; a given or flat curve
         # (a reproducible plan) starts every row from the prior
-        self.shares = settings.cost_table is None and settings.cost_probe
+        self.shares = settings.cost_table is None and self.memory is not None
+        # The default feed, where no curve is measured or given, times nothing and is the same on every machine of a
+        # kind: on a CPU (compute-bound: every column costs) the planner on an assumed curve, so masks are fed where
+        # the call's own acceptance says they clearly pay; on an accelerator (small batches are memory-bound:
+        # columns nearly free) the fixed linear feed. The static cache fixes its layout before this.
+        assumes = self.memory is None and self.cost_given is None and model.device.type == "cpu"
+        if assumes and settings.layout in (None, "auto"):
+            self.cost_given = CostTable.assumed_cpu()
+        chooses = self.memory is not None or self.cost_given is not None
+        self.layout = settings.layout or ("auto" if chooses else "linear")
 
     # ------------------------------------------------------------------------------------- rows
     def add_row(self, row) -> None:
@@ -302,7 +303,7 @@ class StepPlanner:
         lookup = row.settings.prompt_lookup_num_tokens if row.verify else None
         assistant = self.drafts.assistant
         masks = AcceptanceStats(min(self.window, max(row.settings.max_new_tokens, 1)))
-        earlier = _MASK_PRIORS.get(self.model) if (self.shares and row.verify) else None
+        earlier = self.memory.mask_prior if (self.shares and row.verify) else None
         if earlier is not None:
             masks.inherit(earlier)
         self.stats[row.row_id] = RowStats(
@@ -337,11 +338,11 @@ class StepPlanner:
             table = self.cost_table(len(rows))
         # the floor of the batch's curve; a step that plans nothing still counts for it
         curve = table if table is not None else self.cost_tables.get(batch_bucket(len(rows)))
-        floor = drafting_floor(self.model, curve, self.floor, _other_sources(stats))
+        floor = drafting_floor(self.memory, curve, self.floor, _other_sources(stats))
         if not plans_steps:
             width, choices = 1, [RowChoice() for _ in rows]
         else:
-            if all(spec.base <= 1 for spec in specs) and unit_due(self.model, table, len(rows)):
+            if all(spec.base <= 1 for spec in specs) and unit_due(self.memory, table, len(rows)):
                 return self._unit_step(rows, deciding, plans, fed, specs, floor)
             # lookup drafts may outnumber the window: the grid then allows that many
             longest = max((len(s.draft_probs) for s in specs if s.kind == AUTO), default=0)
@@ -473,7 +474,7 @@ class StepPlanner:
             if spec.kind == AUTO:
                 served.append(masks)
                 if self.shares:
-                    _MASK_PRIORS[self.model] = masks
+                    self.memory.mask_prior = masks
                 confidence = list(fed.confidence)
                 if fed.source == MASKS:  # the other sources' acceptance was counted above
                     masks.observe(choice.drafts, decision.drafts_kept, confidence)
@@ -498,7 +499,7 @@ class StepPlanner:
     # ------------------------------------------------------------------------------------- cost curves
     def measure_costs(self, max_rows: int) -> None:
         """Measure the cost curves of every batch bucket up to ``max_rows`` now (a server at start-up),
-        instead of at the first step that needs each (about 2 s at most per bucket, once per process)."""
+        instead of at the first step that needs each (about 2 s at most per bucket, once per memory)."""
         for rows in sorted({batch_bucket(n) for n in range(1, max_rows + 1)}):
             self.cost_table(rows)
 
@@ -508,15 +509,15 @@ class StepPlanner:
         bucket = batch_bucket(rows)
         table = self.cost_tables.get(bucket)
         if table is not None:
-            self.cost_tables[bucket] = observe(self.model, table, width, seconds, rows)
+            self.cost_tables[bucket] = observe(self.memory, table, width, seconds, rows)
 
     def cost_table(self, rows: int, measure: bool = True):
         """The cost curve of a batch of ``rows`` rows (its bucket's), measured or read at first need
-        (``measure=False``: only one already known to the process or on disk, else None).
+        (``measure=False``: only one already known to the memory or on disk, else None).
 
         A bucket smaller than one already in use is reached as rows finish: it is not measured then (a
         probe of about two seconds in the middle of a call, once per bucket, where a batch of four decodes
-        64 tokens in four seconds on a 2-core CPU). It takes the process's curve if one is known, else
+        64 tokens in four seconds on a 2-core CPU). It takes the memory's curve if one is known, else
         borrows the smallest larger bucket's (a batch's curve is steeper than a smaller batch's, so the
         tail of the call feeds no more than pays); a later call that *starts* at that size measures it.
         """
@@ -530,7 +531,7 @@ class StepPlanner:
                 window=self.window,
                 mask_token_id=self.mask_token_id,
                 given=self.cost_given,
-                probe=self.cost_probe,
+                memory=self.memory,
                 known_only=bool(larger) or not measure,
             )
             if table is None and larger:

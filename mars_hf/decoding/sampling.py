@@ -13,6 +13,9 @@ timing, the kernels or the batch companions. It also makes verification of a sam
 match, as in greedy: a draft is kept iff it equals the draw at its position, so ``τ = 1`` sampling and
 verify sampling give the same text for the same seed. (docs/verified_decoding.md, "Seeds and
 reproducibility".)
+
+Every checkpoint's ``custom_generate/`` carries this file verbatim (``mars_hf.hub.custom_generate``), so it
+imports torch and transformers only.
 """
 
 from __future__ import annotations

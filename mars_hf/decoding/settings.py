@@ -21,6 +21,7 @@ from .cost_model import CostTable
 from .cpu_kernels import CPU_KERNEL_MODES, DEFAULT_CPU_KERNELS
 from .drafts import DEFAULT_MAX_NGRAM
 from .layouts import LAYOUT_CHOICES, position_limit
+from .memory import PlannerMemory
 
 DEFAULT_CACHE_BLOCK = 16
 DEFAULT_ASSISTANT_TOKENS = 5  # transformers' default ``num_assistant_tokens``
@@ -64,8 +65,11 @@ class MARSDecodingSettings:
         mask_token_id: ``mars_mask_token_id``, else ``config.mars["mask_token_id"]``.
         acceptance: ``mars_acceptance``: ``"probability"``, ``"entropy"``, ``"margin"`` or ``"verify"``.
         cache / cache_block: ``mars_cache`` (``"cursor"``, ``"block"``, ``"none"``) and its C.
-        layout: ``mars_layout`` (None: the step planner, ``"auto"``).
-        planner / cost_table / cost_probe: ``mars_planner``, ``mars_cost_table``, ``mars_cost_probe``.
+        layout: ``mars_layout`` (None: the step planner, ``"auto"``, where it has a cost curve, measured or given;
+            else the fixed ``"linear"`` feed).
+        planner / cost_table: ``mars_planner``, ``mars_cost_table``.
+        cost_memory: ``mars_cost_probe``'s ``PlannerMemory`` (``True``: a fresh one for the call), where the
+            measured cost curves and what the planner learns are kept; None: nothing is timed.
         cpu_kernels: ``mars_cpu_kernels``: ``"stock"`` (default: no private torch op on the default path),
             or the opt-in packed oneDNN linears, ``"auto"`` / ``"packed"`` (``cpu_kernels.py``).
         prompt_lookup_num_tokens / max_matching_ngram_size: transformers' prompt-lookup settings (verify only).
@@ -81,7 +85,7 @@ class MARSDecodingSettings:
     layout: str | None = None
     planner: bool = False
     cost_table: dict | None = None
-    cost_probe: bool = True
+    cost_memory: PlannerMemory | None = None
     cpu_kernels: str = DEFAULT_CPU_KERNELS
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int = DEFAULT_MAX_NGRAM
@@ -94,6 +98,9 @@ class MARSDecodingSettings:
         check_choice("mars_cache", self.cache)
         check_layout(self.layout)
         check_cost_table(self.cost_table)
+        if self.cost_memory is not None and not isinstance(self.cost_memory, PlannerMemory):
+            kind = type(self.cost_memory).__name__
+            raise TypeError(f"`cost_memory` must be a PlannerMemory or None, not {kind}.")
         check_choice("mars_cpu_kernels", self.cpu_kernels)
         check_window(self.window)
         if not isinstance(self.cache_block, numbers.Integral) or self.cache_block < 1:
@@ -158,7 +165,7 @@ class MARSDecodingSettings:
             layout=layout,
             planner=bool(values["mars_planner"]),
             cost_table=values["mars_cost_table"],
-            cost_probe=values["mars_cost_probe"] is not False,
+            cost_memory=cost_memory(values["mars_cost_probe"]),
             cpu_kernels=cpu_kernels,
             prompt_lookup_num_tokens=lookup,
             max_matching_ngram_size=ngram,
@@ -255,6 +262,21 @@ def check_cost_table(cost_table) -> None:
     """``mars_cost_table``: None, or a mapping ``CostTable.from_mapping`` reads (it names the keyword)."""
     if cost_table is not None:
         CostTable.from_mapping(cost_table)
+
+
+def cost_memory(probe) -> PlannerMemory | None:
+    """``mars_cost_probe``: None or False (default): nothing timed; True: measure for this call alone; a
+    ``PlannerMemory``: measure into it and start from what it holds (the caller keeps it between calls)."""
+    if probe is None or probe is False:
+        return None
+    if probe is True:
+        return PlannerMemory()
+    if isinstance(probe, PlannerMemory):
+        return probe
+    raise TypeError(
+        "`mars_cost_probe` must be True (measure the step costs for this call), a "
+        f"`mars_hf.PlannerMemory` (measure into it, kept between calls) or False, got {type(probe).__name__}."
+    )
 
 
 def check_window(block_size, name: str = "`mars_block_size` (the window W)") -> None:

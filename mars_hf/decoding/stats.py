@@ -162,7 +162,8 @@ class AcceptanceStats:
 
 class DraftingFloor:
     """A batch's floor: plain one-column steps of the same rows, on the same kernels, at the batch size it
-    runs (one per model and measured curve, shared by later calls: ``planner.drafting_floor``).
+    runs (one per measured curve of the caller's ``PlannerMemory``, shared by later calls given it:
+    ``planner.drafting_floor``).
 
     Why: the planner's per-step estimates can be wrong in ways no single step shows (a draft's calibrated
     probability a little above how often such drafts are kept, future checks that cost more than a row's

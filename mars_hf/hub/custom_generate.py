@@ -2,7 +2,8 @@
 
 ``model.generate(custom_generate=<repo>, trust_remote_code=True, mars_threshold=...)`` runs
 ``custom_generate/generate.py`` with its sibling modules beside it (transformers resolves the relative import of
-a sibling file both for local folders and Hub repos). The files are ``mars_hf/hub/custom_generate_src/``: τ and
+a sibling file both for local folders and Hub repos). The files are ``mars_hf/hub/custom_generate_src/`` and the
+library's own ``mars_hf/decoding/sampling.py`` (the seed contract, verbatim: ``LIBRARY_FILES``): τ and
 verified decoding (greedy and sampled, same seed contract as mars_hf), a cropped ``DynamicCache``, the gated
 adapter in torch; no planner, kernels or probes, so that a reader can audit what ``trust_remote_code`` runs.
 Every shipped file is checked to import only torch, transformers, safetensors, the standard library and the
@@ -21,6 +22,8 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent / "custom_generate_src"
 # The files copied into ``custom_generate/`` (same names there).
 CUSTOM_GENERATE_FILES = ("generate.py", "decoder.py", "acceptance.py", "sampling.py", "gated_lora.py")
+# Shipped files that are the library's own modules, copied verbatim (one seed contract, not two copies kept equal).
+LIBRARY_FILES = {"sampling.py": Path(__file__).resolve().parent.parent / "decoding" / "sampling.py"}
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
 ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}
 # The packages of requirements.txt whose ranges are mars-hf's own (pyproject.toml). safetensors has no
@@ -56,10 +59,16 @@ def custom_generate_requirements() -> str:
     return "".join(f"{name}{specs[name]}\n" for name in PINNED_REQUIREMENTS) + "safetensors\n"
 
 
+def shipped_source(name: str) -> Path:
+    """Where the shipped file ``name`` comes from: the library's own module (``LIBRARY_FILES``), else
+    ``custom_generate_src/``."""
+    return LIBRARY_FILES.get(name, SOURCE_DIR / name)
+
+
 def write_custom_generate(target: str | os.PathLike) -> list[str]:
-    """Copy the ``custom_generate_src`` files into ``target`` after checking they need only torch/transformers."""
+    """Copy the shipped files into ``target`` after checking they need only torch/transformers."""
     target = Path(target)
-    sources = [SOURCE_DIR / name for name in CUSTOM_GENERATE_FILES]
+    sources = [shipped_source(name) for name in CUSTOM_GENERATE_FILES]
     for source in sources:
         if not source.is_file():
             raise FileNotFoundError(f"{source} is missing; the package's custom_generate_src/ is incomplete.")

@@ -23,6 +23,7 @@ import torch
 from mars_hf.decoding.acceptance import POSITION_FREE_PROCESSORS, ScoreProcessing
 from mars_hf.decoding.cpu_kernels import packed_linears
 from mars_hf.decoding.decoder import MARSBatchDecoder, RowSettings, RowUpdate, sampling_processors
+from mars_hf.decoding.memory import PlannerMemory
 from mars_hf.decoding.sampling import draw_seed
 from mars_hf.decoding.settings import MARSDecodingSettings, model_defaults
 from mars_hf.serving.processors import model_processors, token_buffer, unapplied_settings
@@ -117,7 +118,8 @@ class DecoderEngine:
     the same tokens too).
 
     The step planner's cost curves are measured for every batch bucket up to ``max_rows`` when the engine
-    is built (``MARSBatchDecoder.measure_costs``), so that no request waits on a probe while serving.
+    is built (``MARSBatchDecoder.measure_costs``), so that no request waits on a probe while serving; they and
+    what the planner learns while serving live in the engine's own ``planner_memory`` (``PlannerMemory``).
 
     Every row gets the processors ``generate`` builds from the model's generation config (``suppress_tokens``:
     how MARS checkpoints keep their mask token out of outputs; ``begin_suppress_tokens``, ``bad_words_ids``;
@@ -152,8 +154,15 @@ class DecoderEngine:
                 ", ".join(ignored),
             )
         # every row brings its own τ and acceptance (``RowSettings``): the decoder's settings carry none
+        # the engine owns the planner's memory: measured once below, shared by every decoder it builds
+        self.planner_memory = PlannerMemory()
         settings = MARSDecodingSettings(
-            thresholds=(), window=self.window, mask_token_id=self.mask_token_id, cache=cache, cpu_kernels=cpu_kernels
+            thresholds=(),
+            window=self.window,
+            mask_token_id=self.mask_token_id,
+            cache=cache,
+            cpu_kernels=cpu_kernels,
+            cost_memory=self.planner_memory,
         )
         self._make_decoder = lambda kv_cache=None: MARSBatchDecoder(
             model,

@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from .sampling import choose
+from .sampling import keyed_choice, noise_for
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,13 @@ def confidence(scores: torch.Tensor, tokens: torch.Tensor, metric: str) -> torch
         return torch.special.entr(probs).sum(-1).double()
     top2 = probs.topk(2, dim=-1).values
     return (top2[:, 0] - top2[:, 1]).double()
+
+
+def choose(scores: torch.Tensor, places=None) -> torch.Tensor:
+    """One token per row of ``scores``: the argmax, or with ``places`` (``(RowNoise, position)`` per row) the
+    keyed draw ``argmax(scores + G)``."""
+    noise = None if places is None else noise_for(places, scores.shape[-1], scores.device)
+    return keyed_choice(scores, noise)
 
 
 def places(row, first: int, count: int):

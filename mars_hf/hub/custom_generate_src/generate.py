@@ -49,7 +49,7 @@ SPEED_KEYWORDS = {
     "mars_cache_block": (),
     "mars_layout": ("auto", "linear"),
     "mars_cost_table": (),
-    "mars_cost_probe": (),
+    "mars_cost_probe": (False,),
     "mars_cpu_kernels": ("stock",),
 }
 MARS_KEYWORDS = DECODING_KEYWORDS + tuple(SPEED_KEYWORDS) + ("mars_planner",)

@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mars_hf.decoding.cpu_kernels import packed_linears
+from mars_hf.decoding.memory import PlannerMemory
 from mars_hf.tools.bench.configurations import BenchConfiguration
 
 
@@ -102,29 +103,41 @@ def _stock_kernels(model, configuration):
     return contextlib.nullcontext()
 
 
-def _generate_kwargs(configuration, acceptance, model, cache_length: int | None) -> dict:
+def _generate_kwargs(configuration, acceptance, model, cache_length: int | None, memory) -> dict:
     """The configuration's ``generate`` keywords; a compiled one's compile config is the model device's, and its
-    static cache ``cache_length`` entries when given."""
+    static cache ``cache_length`` entries when given; an eager MARS row's planner measures into ``memory``."""
     if getattr(configuration, "compiled", False):
         kwargs = configuration.generate_kwargs(acceptance, str(model.device))
         if cache_length is not None:
             kwargs["max_cache_len"] = cache_length
         return kwargs
-    return configuration.generate_kwargs(acceptance)
+    kwargs = configuration.generate_kwargs(acceptance)
+    if configuration.scheme != "stock" and memory is not None:
+        kwargs["mars_cost_probe"] = memory
+    return kwargs
 
 
 def run_once(
-    model, batches, generation_config, configuration, acceptance, counter, cache_length: int | None = None
+    model,
+    batches,
+    generation_config,
+    configuration,
+    acceptance,
+    counter,
+    cache_length: int | None = None,
+    memory: PlannerMemory | None = None,
 ) -> RunMeasurement:
     """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``. A compiled
-    configuration's static cache holds ``cache_length`` entries (one size for every batch: one set of graphs)."""
+    configuration's static cache holds ``cache_length`` entries (one size for every batch: one set of graphs).
+    An eager MARS row's step planner measures the step costs into ``memory`` and starts from what it holds (the
+    benchmark keeps one per model, as a caller would); None: the fixed feed, nothing timed."""
     seconds, new_tokens, forwards, widths, accepted, batch_seconds = 0.0, [], [], [], [], []
     counted = 0
     histogram, plans, curve, sources = {}, {}, None, {}
     # The row's generation settings (a static cache, prompt lookup) go into its own copy of the config, MARS's
     # keywords stay keywords: transformers warns about a config passed beside its own settings as keywords.
     row_config = copy.deepcopy(generation_config)
-    keywords = row_config.update(**_generate_kwargs(configuration, acceptance, model, cache_length))
+    keywords = row_config.update(**_generate_kwargs(configuration, acceptance, model, cache_length, memory))
     for inputs in batches:
         prompt_length = inputs["input_ids"].shape[1]
         counter.reset()
@@ -194,13 +207,18 @@ def interleaved_runs(
     progress=True,
     desc="bench",
     untrained=None,
+    memories=None,
 ) -> dict[BenchConfiguration, list[RunMeasurement]]:
     """``args.warmup`` untimed then ``args.repeats`` timed runs of every configuration, interleaved (so
     that drift of a shared machine hits every configuration alike): the timed measurements.
 
-    ``untrained``: an `UntrainedDecoder` that runs the configurations with ``masks="untrained"``."""
+    ``untrained``: an `UntrainedDecoder` that runs the configurations with ``masks="untrained"``. ``memories``:
+    the ``PlannerMemory`` of the ``"trained"`` and the ``"untrained"`` model (eager MARS rows measure into them),
+    else new ones for this call."""
     measurements: dict[BenchConfiguration, list[RunMeasurement]] = {c: [] for c in configurations}
     cache_length = getattr(args, "max_cache_len", None)
+    if memories is None:  # eager MARS rows plan on the step costs measured here, one memory per model
+        memories = {"trained": PlannerMemory(), "untrained": PlannerMemory()}
     bar = tqdm(total=len(configurations) * (args.warmup + args.repeats), desc=desc, disable=not progress)
     for repeat in range(args.warmup + args.repeats):
         for configuration in configurations:
@@ -215,10 +233,18 @@ def interleaved_runs(
                     args.acceptance,
                     untrained.counter,
                     cache_length,
+                    memories["untrained"],
                 )
             else:
                 measurement = run_once(
-                    model, batches, generation_config, configuration, args.acceptance, counter, cache_length
+                    model,
+                    batches,
+                    generation_config,
+                    configuration,
+                    args.acceptance,
+                    counter,
+                    cache_length,
+                    memories["trained"],
                 )
             if repeat >= args.warmup:
                 measurements[configuration].append(measurement)

@@ -11,6 +11,7 @@ import transformers
 from mars_hf.decoding.cost_model import batch_bucket, cost_table
 from mars_hf.decoding.cpu_kernels import packed_linears, use_packed
 from mars_hf.decoding.home import cpu_name, speed_cpu_flags
+from mars_hf.decoding.memory import PlannerMemory
 from mars_hf.decoding.settings import resolve_mask_token
 from mars_hf.tools.bench.categories import categorised_batches, summarise_categories
 from mars_hf.tools.bench.configurations import (
@@ -156,6 +157,9 @@ def run_benchmark(
     if categories is not None:
         result["categories"] = {}
     counter = ForwardCounter(model)
+    # eager MARS rows plan on the step costs measured here, one memory per model for the whole run, measured
+    # before anything is timed
+    memories = {"trained": PlannerMemory(), "untrained": PlannerMemory()}
     try:
         for batch_size in args.batch_sizes:
             batches, batch_categories = categorised_batches(tokenizer, prompts, categories, batch_size)
@@ -166,11 +170,13 @@ def run_benchmark(
                     args, max_cache_len=args.max_cache_len or one_cache_length(batches, args.max_new_tokens)
                 )
             if len(configurations) > 1:
-                _measure_decoder_costs(model, batch_size, args.windows, args.max_new_tokens, args.cpu_kernels)
+                _measure_decoder_costs(
+                    model, memories["trained"], batch_size, args.windows, args.max_new_tokens, args.cpu_kernels
+                )
                 if untrained is not None:
                     modes = sorted(set(kernels.values()))
                     _measure_decoder_costs(
-                        untrained.model, batch_size, args.windows, args.max_new_tokens, modes
+                        untrained.model, memories["untrained"], batch_size, args.windows, args.max_new_tokens, modes
                     )
             # transformers' own prompt lookup (assisted decoding) serves batch size 1 only
             active = [c for c in configurations if batch_size == 1 or not (c.scheme == "stock" and c.lookup)]
@@ -184,6 +190,7 @@ def run_benchmark(
                 progress,
                 f"bench batch={batch_size}",
                 untrained=untrained,
+                memories=memories,
             )
             rows = summarise_measurements(batch_size, batches, measurements, model_name)
             label_rows(model, rows, args.acceptance)
@@ -233,9 +240,9 @@ def bench_environment(model) -> dict:
 
 
 def _measure_decoder_costs(
-    model, batch_size: int, windows, max_new_tokens: int, kernel_modes=("auto",)
+    model, memory, batch_size: int, windows, max_new_tokens: int, kernel_modes=("auto",)
 ) -> None:
-    """Let the decoder measure its cost curves before anything is timed or counted: once per process,
+    """Measure the planner's cost curves into ``memory`` before anything is timed or counted: once per run,
     for every batch bucket a batch passes through as its rows finish and every kernel mode (a one-time
     cost, not a step's)."""
     mask_token_id = resolve_mask_token(model, None)
@@ -248,4 +255,5 @@ def _measure_decoder_costs(
                         batch_size=rows,
                         window=min(int(window), max(max_new_tokens, 1)),
                         mask_token_id=mask_token_id,
+                        memory=memory,
                     )
