@@ -808,7 +808,7 @@ def test_a_compiled_benchmark_compiles_in_its_warmup_run_only(monkeypatch):
     from mars_hf.tools.bench import configurations, prepare_batches
     from mars_hf.tools.bench.configurations import STEP_ROOM, one_cache_length
 
-    def eager_config(device="cpu", stock=False):
+    def eager_config(device="cpu", stock=False, freezing=True):
         config = CompileConfig(fullgraph=True, backend="eager")
         config._compile_all_devices = stock
         return config

@@ -274,13 +274,21 @@ def test_generate_keeps_its_cost_curve_under_the_home_folder(saved_model, capsys
 
 
 @pytest.mark.slow
-def test_compile_prints_what_eager_prints_and_says_which_path(saved_model, capsys):
-    """`--compile`: transformers' fast path (static cache, compiled forward) prints the eager path's text."""
+def test_compile_prints_what_eager_prints_and_says_which_path(saved_model, capsys, monkeypatch):
+    """`--compile`: transformers' fast path (static cache, compiled forward) prints the eager path's text. One answer
+    compiles without weight freezing (which would bypass AOTAutograd's on-disk cache in every later process)."""
+    from transformers import PreTrainedModel
+
     argv = ["generate", "the cat sat", "a dog", "--model", str(saved_model), "--acceptance", "verify"]
     argv += ["--max-new-tokens", "9", "--dtype", "float64"]
     assert main(argv) == 0
     eager = capsys.readouterr()
+    configs, compiled_call = [], PreTrainedModel.get_compiled_call
+    monkeypatch.setattr(
+        PreTrainedModel, "get_compiled_call", lambda self, config: configs.append(config) or compiled_call(self, config)
+    )
     assert main(argv + ["--compile"]) == 0
+    assert configs and all(config.options in (None, {}) for config in configs)
     compiled = capsys.readouterr()
     assert compiled.out == eager.out
     stock, _, _ = _reference(saved_model, ["the cat sat", "a dog"], do_sample=False, max_new_tokens=9)

@@ -66,16 +66,20 @@ class BenchConfiguration:
         return kwargs
 
 
-def fast_compile_config(device: str = "cpu", stock: bool = False):
+def fast_compile_config(device: str = "cpu", stock: bool = False, freezing: bool = True):
     """The ``CompileConfig`` our commands decode with: Inductor, ``fullgraph`` (a graph break fails loudly instead
-    of falling back); on a CPU with weight freezing (decoding runs without gradients, so the weights are
-    constants that Inductor prepacks for oneDNN: the compiled forward's main gain on a CPU), on an accelerator
-    transformers' default mode (CUDA graphs). MARS compiles on any device when given one; stock ``generate`` on
-    a CPU only with the config's own switch for that (``_compile_all_devices``), which ``stock`` sets."""
+    of falling back); on an accelerator transformers' default mode (CUDA graphs). On a CPU with weight freezing
+    where the steps are timed (decoding runs without gradients, so the weights are constants Inductor prepacks:
+    up to about 10 % faster steps here), without it where the compile is (``freezing=False``, `mars-hf generate`):
+    freezing bypasses AOTAutograd's cache, so every process compiled for about 50 s, where without it a later
+    process compiles a step from the on-disk caches in about 15 s (docs/lab/fast_path_log.md). MARS compiles on
+    any device when given a config; stock ``generate`` on a CPU only with the config's own switch for that
+    (``_compile_all_devices``), which ``stock`` sets."""
     from transformers import CompileConfig
 
     if str(device).split(":")[0] == "cpu":
-        config = CompileConfig(fullgraph=True, mode=None, options={"freezing": True})
+        options = {"freezing": True} if freezing else {}
+        config = CompileConfig(fullgraph=True, mode=None, options=options)
     else:
         config = CompileConfig(fullgraph=True)
     if stock:
@@ -83,9 +87,9 @@ def fast_compile_config(device: str = "cpu", stock: bool = False):
     return config
 
 
-def compiled_path(stock: bool = False, device: str = "cpu") -> dict:
+def compiled_path(stock: bool = False, device: str = "cpu", freezing: bool = True) -> dict:
     """``generate`` keywords of transformers' fast path: a static cache and :func:`fast_compile_config`."""
-    return {"cache_implementation": "static", "compile_config": fast_compile_config(device, stock)}
+    return {"cache_implementation": "static", "compile_config": fast_compile_config(device, stock, freezing)}
 
 
 # Room for a compiled MARS row's widest step (``decoder.widest_step``: the fresh token, drafts, mask groups) on
