@@ -31,6 +31,7 @@ PIPELINE = ("generation", "decoder", "planner", "drafts", "acceptance")
 HELPERS = (
     "layouts",
     "cost_model",
+    "memory",
     "stats",
     "sampling",
     "cache",

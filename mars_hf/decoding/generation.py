@@ -150,13 +150,14 @@ def mars_generate(
             time, the paper's scheme) or ``"none"`` (recompute everything each step; the reference).
         mars_cache_block: C for ``"block"`` (default 16).
         mars_mask_token_id: overrides ``config.mars["mask_token_id"]``.
-        mars_layout: verify's feed. ``"linear"`` (every draft, then one group of W masks; the default where no
-            cost curve is measured or given) or ``"quadratic"`` (a group of W masks after every draft prefix)
-            fix the feed. ``"auto"`` (the default with ``mars_cost_probe`` or ``mars_cost_table``): the step
-            planner chooses, each step and row, how many drafts to check and how many masks (one group after the
-            drafts, a group after every draft prefix, or none) for the most expected tokens per unit of the
-            forward's cost (``mars_hf.decoding.planner``, ``mars_hf.decoding.cost_model``); the output is the
-            same whatever it chooses.
+        mars_layout: verify's feed. ``"auto"`` (the default on a CPU, and wherever a cost curve is measured or
+            given): the step planner chooses, each step and row, how many drafts to check and how many masks (one
+            group after the drafts, a group after every draft prefix, or none) for the most expected tokens per
+            unit of the forward's cost (``mars_hf.decoding.planner``, ``mars_hf.decoding.cost_model``): the
+            measured curve (``mars_cost_probe``), the given one (``mars_cost_table``), or else an assumed one (a
+            CPU: each extra column costs 0.3 of one; an accelerator: flat). The output is the same whatever it
+            chooses. ``"linear"`` (every draft, then one group of W masks; the default on an accelerator and on a
+            static cache) or ``"quadratic"`` (a group of W masks after every draft prefix) fix the feed.
         mars_planner: let the planner size τ rows' mask groups too (default False: τ keeps the
             paper's fixed window W). Changes which tokens τ can accept (never more predictions past
             the first than masks fed), so τ's output may differ from the fixed window's, and with a measured
@@ -166,9 +167,8 @@ def mars_generate(
         mars_cost_probe: measure what a step of each width costs on this machine and let the planner feed what
             pays there: ``True`` for this call alone (about 2 s at most per batch size), or a
             ``mars_hf.PlannerMemory`` you keep: measured once into it, and later calls given it start from
-            what it learnt (and on disk under ``$MARS_HF_COST_CACHE`` when set). Default: nothing is timed;
-            the feed is fixed (``mars_layout``), the same on every machine. Without a measured or given curve
-            ``mars_layout="auto"`` assumes a flat one (every width costs one column's: as wide as it can).
+            what it learnt (and on disk under ``$MARS_HF_COST_CACHE`` when set). Default: nothing is timed and
+            nothing is kept between calls (``mars_layout``'s assumed curve or fixed feed).
         mars_cpu_kernels: ``"stock"`` (default): the stock kernels, no private op. ``"auto"`` (opt-in): on a
             float32 or bfloat16 CPU model, the linears run on oneDNN with weights packed once (a second copy)
             where that measures faster, for the whole call; ``"packed"`` always. One-row forwards keep the
