@@ -12,7 +12,8 @@ turns (one per category, the first ``--prompts``), 64 new tokens, greedy. Run al
 
 ``--rows`` picks other rows of the eager path (transformers' defaults: dynamic cache, no compiler): ``tau=1 eager``
 (MARS-off through the MARS decoder), ``verify measured`` (the planner on the cost curve this machine measures) and
-``verify fixed`` (the fixed linear feed, nothing timed):
+``verify fixed`` (the fixed linear feed, nothing timed), ``verify default`` (``generate``'s default: on a CPU the
+planner on its assumed curve, nothing timed):
 
     python examples/packed_vs_compiled.py --dtype bfloat16 --rows "stock eager,tau=1 eager,verify measured,verify fixed"
 """
@@ -37,6 +38,7 @@ DEFAULT_ROWS = ("stock eager", "stock packed", "verify packed", "stock compiled"
 ALL_ROWS = (
     "stock eager",
     "tau=1 eager",
+    "verify default",
     "verify measured",
     "verify fixed",
     "verify prior15",
@@ -74,6 +76,7 @@ def main() -> None:
     every_row = {
         "stock eager": lambda inputs: model.generate(**inputs, **greedy),
         "tau=1 eager": lambda inputs: model.generate(**inputs, **greedy, mars_threshold=1.0),
+        "verify default": lambda inputs: model.generate(**inputs, **eager_verify),
         "verify measured": lambda inputs: model.generate(**inputs, **eager_verify, mars_cost_probe=measured),
         "verify fixed": lambda inputs: model.generate(
             **inputs, **eager_verify, mars_cost_probe=False, mars_layout="linear"
@@ -121,7 +124,7 @@ def main() -> None:
                         forwards[name] += getattr(out, "num_forwards", None) or new
     median = {name: statistics.median(values) for name, values in seconds.items()}
     off = {"stock packed": "stock packed", "verify packed": "stock packed", "stock compiled": "stock compiled",
-           "verify compiled": "stock compiled", "verify measured": "tau=1 eager", "verify fixed": "tau=1 eager",
+           "verify compiled": "stock compiled", "verify default": "tau=1 eager", "verify measured": "tau=1 eager", "verify fixed": "tau=1 eager",
            "verify prior15": "tau=1 eager", "verify prior30": "tau=1 eager"}  # fmt: skip
     print(f"{cpu_name()} [{speed_cpu_flags()}], {torch.get_num_threads()} threads, embedded-mars {args.dtype}, "
           f"batch {args.batch}, {len(texts)} MT-Bench prompts, {args.max_new_tokens} new tokens, "

@@ -6,8 +6,8 @@ constant tuned on one machine (``MIN_FORWARD_ROWS``, a per-device default layout
 so the decoder asks this module, which measures the curve where decoding runs:
 
 - only where the caller asks for it (``mars_cost_probe=True``, or a ``memory.PlannerMemory`` the caller owns:
-  without one, ``generate`` times nothing and its feed is fixed), at first use, for the model, device, dtype,
-  thread count and batch bucket in use (the batch rounded up
+  without one, ``generate`` times nothing), at first use, for the model, device, dtype, thread count and batch
+  bucket in use (the batch rounded up
   to a power of two), on a *scratch* cache: warm-up, a few interleaved rounds over the sizes, the fastest,
   about two seconds at most (fewer sizes, interpolated, when a forward is slow); a smaller bucket that a
   call reaches only as its rows finish is not measured there (``known_only``: the caller borrows the
@@ -16,16 +16,17 @@ so the decoder asks this module, which measures the curve where decoding runs:
   the environment variable ``MARS_HF_COST_CACHE`` names a folder (the ``mars-hf`` commands that decode
   for a user default it to ``$MARS_HF_HOME/cost-curves``: :func:`disk_cache_by_default`);
 - overridable: ``generate(..., mars_cost_table={1: 1.0, 2: 1.05, ...})`` uses the given curve
-  (missing sizes interpolated); without a memory the curve is **flat** (every width costs what one column
-  costs: the accelerator-at-small-batch assumption, under which ``mars_layout="auto"`` goes as wide as the
-  window allows — the paper's fixed-window behaviour);
+  (missing sizes interpolated); without a memory nothing is measured: on a CPU the planner assumes
+  :data:`ASSUMED_CPU_COLUMN_COST` per extra column (``CostTable.assumed_cpu``), elsewhere a **flat** curve
+  (every width costs what one column costs: the accelerator-at-small-batch assumption, under which
+  ``mars_layout="auto"`` goes as wide as the window allows — the paper's fixed-window behaviour);
 - corrected by decoding's own forwards on a CPU (:func:`observe`): the probe is short and runs on a
   scratch cache, and on a slow CPU its one or two rounds can misread a width by half (one 2-core AVX2
   machine: 2 columns read 1.75× at batch 4, 1.1–1.3× when timed at length). Each width the decoder
   really runs, once seen a few times, takes the median of its observed cost over decoding's own recent
   one-column forwards (never the probe's), for as long as the memory is kept; and when the planner has run only
-  wider steps for a while, a plain step times that one column (:func:`unit_due`). Given and flat curves
-  are the user's choice: never corrected.
+  wider steps for a while, a plain step times that one column (:func:`unit_due`). Given, assumed and flat
+  curves are never corrected.
 """
 
 from __future__ import annotations

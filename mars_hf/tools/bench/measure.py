@@ -130,7 +130,7 @@ def run_once(
     """Decode every batch once (timed); stock `generate` when ``configuration.scheme == "stock"``. A compiled
     configuration's static cache holds ``cache_length`` entries (one size for every batch: one set of graphs).
     An eager MARS row's step planner measures the step costs into ``memory`` and starts from what it holds (the
-    benchmark keeps one per model, as a caller would); None: the fixed feed, nothing timed."""
+    benchmark keeps one per model, as a caller would); None: generate's default feed, nothing timed."""
     seconds, new_tokens, forwards, widths, accepted, batch_seconds = 0.0, [], [], [], [], []
     counted = 0
     histogram, plans, curve, sources = {}, {}, None, {}
