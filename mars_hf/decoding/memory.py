@@ -11,8 +11,9 @@ and hands it to every decoder it makes; a caller who wants the measured planner 
     model.generate(**inputs, mars_acceptance="verify", mars_cost_probe=memory)  # measures, keeps it there
     model.generate(**other, mars_acceptance="verify", mars_cost_probe=memory)  # starts from what it learnt
 
-``mars_cost_probe=True`` measures for that call alone (a fresh memory). Without either, nothing is timed: the
-feed is the fixed one (``docs/method.md``), the same on every machine.
+``mars_cost_probe=True`` measures for that call alone (a fresh memory). Without either, nothing is timed: on a CPU
+the planner plans on an assumed curve (``cost_model.ASSUMED_CPU_COLUMN_COST``), elsewhere the feed is the fixed
+linear one, the same on every machine of a kind.
 
 A memory serves one model (its curves are that model's): a second model gets a clear error. It pickles and
 copies empty, since what it holds was measured for one process's model on one machine.

@@ -65,8 +65,8 @@ class MARSDecodingSettings:
         mask_token_id: ``mars_mask_token_id``, else ``config.mars["mask_token_id"]``.
         acceptance: ``mars_acceptance``: ``"probability"``, ``"entropy"``, ``"margin"`` or ``"verify"``.
         cache / cache_block: ``mars_cache`` (``"cursor"``, ``"block"``, ``"none"``) and its C.
-        layout: ``mars_layout`` (None: the step planner, ``"auto"``, where it has a cost curve, measured or given;
-            else the fixed ``"linear"`` feed).
+        layout: ``mars_layout`` (None: the step planner, ``"auto"``, where it has a cost curve, measured, given or
+            assumed on a CPU; else the fixed ``"linear"`` feed).
         planner / cost_table: ``mars_planner``, ``mars_cost_table``.
         cost_memory: ``mars_cost_probe``'s ``PlannerMemory`` (``True``: a fresh one for the call), where the
             measured cost curves and what the planner learns are kept; None: nothing is timed.
@@ -165,7 +165,7 @@ class MARSDecodingSettings:
             layout=layout,
             planner=bool(values["mars_planner"]),
             cost_table=values["mars_cost_table"],
-            cost_memory=cost_memory(values["mars_cost_probe"]),
+            cost_memory=resolve_cost_memory(values["mars_cost_probe"]),
             cpu_kernels=cpu_kernels,
             prompt_lookup_num_tokens=lookup,
             max_matching_ngram_size=ngram,
@@ -264,7 +264,7 @@ def check_cost_table(cost_table) -> None:
         CostTable.from_mapping(cost_table)
 
 
-def cost_memory(probe) -> PlannerMemory | None:
+def resolve_cost_memory(probe) -> PlannerMemory | None:
     """``mars_cost_probe``: None or False (default): nothing timed; True: measure for this call alone; a
     ``PlannerMemory``: measure into it and start from what it holds (the caller keeps it between calls)."""
     if probe is None or probe is False:
