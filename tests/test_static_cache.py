@@ -85,6 +85,7 @@ def test_static_steps_have_one_shape_and_the_cache_never_grows():
         ids,
         attention_mask=attention,
         mars_acceptance="verify",
+        mars_layout="linear",
         cache=cache,
         max_new_tokens=20,
         return_dict_in_generate=True,
@@ -100,6 +101,40 @@ def test_static_steps_have_one_shape_and_the_cache_never_grows():
     assert torch.equal(
         out.sequences, model.generate(ids, attention_mask=attention, max_new_tokens=20, do_sample=False)
     )
+
+
+def test_where_columns_cost_the_static_planner_takes_plain_or_full_steps(trained, monkeypatch):
+    """Where a compiled step's columns cost (float32/float64 on a CPU), verify's planner chooses each step between
+    the two compiled shapes, one column or the full step, on the assumed curve read at those widths; where they
+    are nearly free (an accelerator, native bf16) the fixed feed runs every step full. A given curve is read at
+    the two widths. The tokens are stock greedy's whatever the feed."""
+    from mars_hf.decoding import cost_model
+
+    model, tokenizer, encoded = trained
+    common = dict(max_new_tokens=16, do_sample=False, cache_implementation="static")
+    common["return_dict_in_generate"] = True
+    stock = model.generate(**encoded, max_new_tokens=16, do_sample=False)
+    settings = MARSDecodingSettings(window=2, mask_token_id=tokenizer.mask_token_id, acceptance="verify")
+    full = widest_step(settings)
+    assumed = 1 + cost_model.ASSUMED_CPU_COLUMN_COST * (full - 1)
+
+    out = model.generate(**encoded, mars_acceptance="verify", **common)  # float64: columns cost
+    assert torch.equal(out.sequences, stock)
+    assert set(out.forward_widths.tolist()[1:]) <= {1, full} and "fixed" not in out.plan_counts
+    assert out.cost_curve == {1: 1.0, 2: assumed, full: assumed}
+    cheap = model.generate(**encoded, mars_acceptance="verify", mars_cost_table={1: 1.0, 64: 1.0}, **common)
+    assert torch.equal(cheap.sequences, stock)
+    assert set(cheap.forward_widths.tolist()[1:]) in ({1, full}, {full})
+    assert cheap.cost_curve == {1: 1.0, 2: 1.0, full: 1.0} and cheap.drafts_accepted.sum() > 0
+    assert (cheap.forward_widths > 1).sum() > (out.forward_widths > 1).sum()  # columns said free: fed more
+
+    monkeypatch.setattr(cost_model, "cpu_has_native_bf16", lambda: True)
+    assert not cost_model.columns_nearly_free(model)  # float64 is not bf16
+    assert cost_model.columns_nearly_free(tiny_model("llama", dtype=torch.bfloat16))
+    monkeypatch.setattr(cost_model, "columns_nearly_free", lambda model: True)
+    fixed = model.generate(**encoded, mars_acceptance="verify", **common)
+    assert torch.equal(fixed.sequences, stock)
+    assert set(fixed.forward_widths.tolist()[1:]) == {full} and set(fixed.plan_counts) == {"fixed"}
 
 
 def test_a_static_cache_too_small_says_so():
@@ -152,7 +187,8 @@ def test_gated_adapter_on_the_static_cache_keeps_the_base_model_greedy():
 def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monkeypatch):
     """τ = 1 and verify through the compiled forward (Inductor, as ``compile_config`` asks) on a gated model equal
     stock greedy; the traced gate keeps real positions bit-equal to the eager base; two calls with other prompt
-    lengths add no graph (one per step width: 1 column for τ = 1, the fixed feed's for verify)."""
+    lengths add no graph (one per step width: 1 column for τ = 1 and the planner's plain steps, the full step for
+    verify)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -185,7 +221,7 @@ def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monke
     for seed, lengths in enumerate([(9, 5, 7), (11, 4, 6)]):
         ids, attention = left_padded(seed=seed, lengths=lengths, mask=mask)
         stock = base.generate(ids, attention_mask=attention, max_new_tokens=12, do_sample=False)
-        for mode in MODES[:2]:
+        for mode in [*MODES[:2], dict(mars_acceptance="verify", mars_layout="linear")]:
             out = model.generate(
                 ids,
                 attention_mask=attention,
@@ -226,10 +262,19 @@ def test_sampling_prompt_lookup_and_a_draft_model_on_the_static_cache(trained):
         cache_implementation="static",
         **greedy,
     )
+    assert torch.equal(out.sequences, stock)
+    # a plain step, or the token, 4 drafts and W masks
+    assert set(out.forward_widths.tolist()[1:]) <= {1, 1 + 4 + 2}
+    out = model.generate(
+        **encoded,
+        mars_acceptance="verify",
+        mars_layout="linear",
+        prompt_lookup_num_tokens=4,
+        cache_implementation="static",
+        **greedy,
+    )
     assert torch.equal(out.sequences, stock) and out.drafts_accepted.sum() > 0
-    assert set(out.forward_widths.tolist()[1:]) == {
-        1 + 4 + 2
-    }  # one shape: the token, lookup's 4 drafts, W masks
+    assert set(out.forward_widths.tolist()[1:]) == {1 + 4 + 2}  # the fixed feed: one shape
     draft = tiny_model("qwen2", seed=3, block_size=None).eval()
     out = model.generate(
         **encoded, mars_acceptance="verify", assistant_model=draft, num_assistant_tokens=3,
@@ -325,7 +370,8 @@ def test_the_default_feed_reads_no_clock_and_keeps_nothing_between_calls(trained
         monkeypatch.setattr(module, "time", NoClock())
     monkeypatch.setattr(cpu_kernels, "_DECISIONS", weakref.WeakKeyDictionary())  # empty for this test
     model, tokenizer, encoded = trained
-    common = dict(max_new_tokens=16, do_sample=False, cache_implementation=cache, return_dict_in_generate=True)
+    common = dict(max_new_tokens=16, do_sample=False, cache_implementation=cache)
+    common["return_dict_in_generate"] = True
     first = model.generate(**encoded, mars_acceptance="verify", **common)
     model.generate(
         **{k: v[:1] for k, v in encoded.items()}, mars_threshold=0.5, **common
@@ -334,8 +380,8 @@ def test_the_default_feed_reads_no_clock_and_keeps_nothing_between_calls(trained
     assert torch.equal(first.sequences, again.sequences)
     assert first.forward_widths.tolist() == again.forward_widths.tolist()
     assert len(cpu_kernels._DECISIONS) == 0
-    if cache == "static":  # the fixed feed: drafts and masks every step
-        assert set(first.plan_counts) == {"fixed"} and (first.forward_widths > 1).any()
+    if cache == "static":  # float64 on a CPU: the assumed curve read at the two compiled widths
+        assert first.cost_curve[2] == 1 + cost_model.ASSUMED_CPU_COLUMN_COST * (max(first.cost_curve) - 1)
     else:  # the planner on the assumed curve, not a measured one
         assert first.cost_curve == CostTable.assumed_cpu().as_dict()
     # the measured planner, asked for, times the machine; the static cache's fixed steps refuse it by name

@@ -132,6 +132,15 @@ class CostTable:
         widest = MAX_PROBED_WIDTH
         return cls((1, widest), (1.0, 1.0 + ASSUMED_CPU_COLUMN_COST * (widest - 1)), "assumed")
 
+    @classmethod
+    def static_steps(cls, step_width: int, full_cost: float, source: str = "assumed") -> CostTable:
+        """A static cache's curve: its decode steps run at one column or at ``step_width`` (two compiled graphs,
+        ``decoder.MARSBatchDecoder``), so every step that feeds a mask or a draft costs the full step's
+        ``full_cost`` (a given curve's cost at ``step_width``; assumed: :func:`static_steps_curve`)."""
+        if step_width <= 2:
+            return cls((1, 2), (1.0, float(full_cost)), source, widest=2)
+        return cls((1, 2, step_width), (1.0, float(full_cost), float(full_cost)), source, widest=step_width)
+
     def cost(self, n: int) -> float:
         """Relative cost of ``n`` columns per sequence."""
         sizes, costs = self.sizes, self.costs
@@ -168,6 +177,34 @@ class CostTable:
 
     def as_dict(self) -> dict[int, float]:
         return dict(zip(self.sizes, self.costs))
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX tiles, as torch's CPU kernels see them."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+
+
+def columns_nearly_free(model) -> bool:
+    """Whether a compiled step of a few columns costs about what one column costs, so the fixed feed pays: on an
+    accelerator (small batches are memory-bound), and on a CPU in bf16 where the CPU computes bf16 natively
+    (one Zen 4, compiled, 200 cached tokens: 2 and 3 columns 0.80× and 0.77× one column's time). Elsewhere (float32,
+    or bf16 emulated) every column costs (float32 there: 3 columns 1.98× one), so masks are fed only where the
+    call's acceptance says they pay (docs/lab/fast_path_log.md)."""
+    if model.device.type != "cpu":
+        return True
+    return next(model.parameters()).dtype == torch.bfloat16 and cpu_has_native_bf16()
+
+
+def static_steps_curve(model, step_width: int, given: CostTable | None = None) -> CostTable | None:
+    """The planner's curve on a static cache, whose decode steps run at one column or at ``step_width``: a given
+    curve read at those two widths; else, where columns cost (:func:`columns_nearly_free`), the assumed CPU
+    curve's (:data:`ASSUMED_CPU_COLUMN_COST` per extra column); else None (the fixed feed)."""
+    if given is not None:
+        return CostTable.static_steps(step_width, given.cost(step_width) / given.cost(1), "given")
+    if columns_nearly_free(model):
+        return None
+    return CostTable.static_steps(step_width, 1.0 + ASSUMED_CPU_COLUMN_COST * (step_width - 1))
 
 
 def _table_size(key) -> int:

@@ -167,8 +167,9 @@ class MARSBatchDecoder:
         max_length: longest row (prompt + generated) the cache is sized for (it grows if exceeded).
         pad_token_id: what idle and padding columns feed.
         kv_cache: a ``MARSBlockCache`` to use (e.g. the caller's), else one is created. A ``MARSStaticCache``
-            puts the decoder on transformers' fast path: every decode step is padded to ``step_width`` columns and
-            attends over the whole cache, so one compiled forward (``compiled_forward``) serves every step.
+            puts the decoder on transformers' fast path: every decode step is padded to ``step_width`` columns (or
+            runs one column, where the planner chooses: ``static_widths``) and attends over the whole cache, so one
+            or two compiled graphs (``compiled_forward``) serve every step.
         compiled_forward: the model's compiled call (``model.get_compiled_call(compile_config)``), used for
             decode steps on a static cache (prefills run eager, as transformers does); None: eager.
         stopping_criteria: ``generate``'s non-EOS stopping criteria, checked token by token inside a step
@@ -219,6 +220,12 @@ class MARSBatchDecoder:
             raise ValueError("A compiled forward needs a MARSStaticCache (`cache_implementation='static'`).")
         self.compiled_forward = compiled_forward
         self.step_width = widest_step(settings, assistant_model is not None) if self.static else None
+        # A static cache's decode steps run at these widths only (one compiled graph each): the full step, and
+        # where the planner chooses (``generation._static_feed``) a plain one-column step too.
+        self.static_widths = ()
+        if self.static:
+            self.static_widths = (1, self.step_width) if settings.layout == "auto" else (self.step_width,)
+            self.planner.max_width = self.step_width
         self.max_rows = max_rows
         self.stopping_criteria = stopping_criteria or None
         self.rows: list[RowState] = []  # live rows, in KV slot order
@@ -436,13 +443,15 @@ class MARSBatchDecoder:
         needed logits and where each column went."""
         offsets = [r.cache_offset for r in rows]
         decoding = all(r.prefilled for r in rows)
-        # A static cache's decode steps all have one shape: ``step_width`` columns, the whole cache as keys.
-        fixed_shape = self.static and decoding and max(len(p.tokens) for p in plan.plans) <= self.step_width
+        # A static cache's decode steps have one of ``static_widths`` shapes, the whole cache as keys.
+        needed = max(len(p.tokens) for p in plan.plans)
+        shape = next((w for w in self.static_widths if w >= needed), None) if decoding else None
+        fixed_shape = shape is not None
         step = pack(
             plan.plans,
             offsets,
             [r.lead for r in rows],
-            min_width=self.step_width if fixed_shape else plan.width,
+            min_width=shape if fixed_shape else plan.width,
             dtype=self._dtype,
             device=self.device,
             pad_token_id=self.pad_token_id,

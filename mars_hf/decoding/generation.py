@@ -43,6 +43,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import ScoreProcessing
 from .cache import MARSBlockCache, MARSStaticCache
+from .cost_model import CostTable, static_steps_curve
 from .cpu_kernels import packed_linears
 from .decoder import (  # noqa: F401  (public re-exports)
     MARSBatchDecoder,
@@ -156,8 +157,9 @@ def mars_generate(
             unit of the forward's cost (``mars_hf.decoding.planner``, ``mars_hf.decoding.cost_model``): the
             measured curve (``mars_cost_probe``), the given one (``mars_cost_table``), or else an assumed one (a
             CPU: each extra column costs 0.3 of one; an accelerator: flat). The output is the same whatever it
-            chooses. ``"linear"`` (every draft, then one group of W masks; the default on an accelerator and on a
-            static cache) or ``"quadratic"`` (a group of W masks after every draft prefix) fix the feed.
+            chooses. ``"linear"`` (every draft, then one group of W masks; the default on an accelerator, and on a
+            static cache where its full step costs about one column: ``_static_feed``) or ``"quadratic"`` (a group
+            of W masks after every draft prefix) fix the feed.
         mars_planner: let the planner size τ rows' mask groups too (default False: τ keeps the
             paper's fixed window W). Changes which tokens τ can accept (never more predictions past
             the first than masks fed), so τ's output may differ from the fixed window's, and with a measured
@@ -213,17 +215,7 @@ def mars_generate(
     _check_supported(model, generation_config, model_kwargs, logits_processor)
     static = _static_cache_wanted(generation_config, model_kwargs, settings.cache)
     if static:
-        # transformers' fast path: a fixed feed (no cost curve, nothing timed), so every decode step has one shape;
-        # the compiler picks the kernels (Inductor's freezing refuses linears already packed by cpu_kernels)
-        if settings.cost_memory is not None or settings.cost_table is not None:
-            raise ValueError(
-                "`mars_cost_probe` / `mars_cost_table` size each step on a cost curve, but a static cache's steps "
-                "have one fixed shape (one compiled graph); drop them, or drop `cache_implementation='static'`."
-            )
-        layout = settings.layout if settings.layout in ("linear", "quadratic") else "linear"
-        settings = dataclasses.replace(
-            settings, layout=layout, cost_memory=None, cost_table=None, cpu_kernels="stock"
-        )
+        settings = _static_feed(model, settings, mars_assistant_model is not None)
     # one seed per call, from torch's global generator; each row's draws are keyed to (seed, row, position)
     seed = draw_seed() if generation_config.do_sample else None
     leads = _prompt_leads(model_kwargs.pop("attention_mask", None), input_ids)
@@ -331,6 +323,28 @@ def _prompt_leads(attention_mask, input_ids) -> list[int]:
     if any(lead >= length for lead in leads):
         raise ValueError("A batch row has no prompt token at all (its attention mask is all zeros).")
     return leads
+
+
+def _static_feed(model, settings: MARSDecodingSettings, assistant: bool) -> MARSDecodingSettings:
+    """The feed on transformers' fast path, where a decode step runs at one of two shapes (two compiled graphs at
+    most): one column, or ``widest_step`` columns. Nothing is timed. Where columns are nearly free
+    (``cost_model.columns_nearly_free``: an accelerator, a CPU computing bf16 natively) the fixed linear feed, every
+    step at the full width; elsewhere verify's planner chooses between a plain step and a full one on the
+    assumed or given curve read at those widths (``cost_model.static_steps_curve``). The compiler picks the
+    kernels (Inductor's freezing refuses linears already packed by ``cpu_kernels``)."""
+    if settings.cost_memory is not None:
+        raise ValueError(
+            "`mars_cost_probe` measures eager steps of every width, but a static cache's steps run at one column or "
+            "at the full width (compiled graphs); drop it (a `mars_cost_table` is read at those two widths), or drop "
+            "`cache_implementation='static'`."
+        )
+    if settings.layout in ("linear", "quadratic"):
+        return dataclasses.replace(settings, cost_table=None, cpu_kernels="stock")
+    width = widest_step(dataclasses.replace(settings, layout="linear"), assistant)
+    given = CostTable.from_mapping(settings.cost_table) if settings.cost_table is not None else None
+    curve = static_steps_curve(model, width, given) if width > 1 else None
+    layout = "auto" if curve is not None else "linear"
+    return dataclasses.replace(settings, layout=layout, cost_table=curve, cpu_kernels="stock")
 
 
 def _static_cache_wanted(generation_config, model_kwargs, scheme: str) -> bool:

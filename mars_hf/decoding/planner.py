@@ -109,10 +109,12 @@ def plan_width(spec: RowSpec, choice: RowChoice) -> int:
     return spec.base + choice.drafts + groups * choice.masks
 
 
-def choose(specs: list[RowSpec], cost, window: int, drafting: bool = True) -> tuple[int, list[RowChoice]]:
+def choose(
+    specs: list[RowSpec], cost, window: int, drafting: bool = True, max_width: int | None = None
+) -> tuple[int, list[RowChoice]]:
     """The step's width and each row's choice (``cost(n)``: relative cost of ``n`` columns per row).
     ``drafting=False`` (the batch's :class:`DraftingFloor` is closed): verify rows take plain steps only,
-    re-probes included.
+    re-probes included. ``max_width``: no plan wider (a static cache's compiled step; a plain step always fits).
 
     A sweep over every row's plans in order of width: at each width every row holds its best plan that
     fits (a row without one yet rules the width out), and the total value minus ``Σλ · cost(width)``
@@ -122,7 +124,9 @@ def choose(specs: list[RowSpec], cost, window: int, drafting: bool = True) -> tu
     events = []
     for r, spec in enumerate(specs):
         events += [
-            (width, r, value, choice) for width, value, choice in _row_plans(spec, cost, window, drafting)
+            (width, r, value, choice)
+            for width, value, choice in _row_plans(spec, cost, window, drafting)
+            if max_width is None or width <= max_width
         ]
     events.sort(key=lambda event: event[0])
     best: list[float | None] = [None] * len(specs)
@@ -272,6 +276,7 @@ class StepPlanner:
         self.cost_tables: dict = {}  # batch bucket -> CostTable, filled at first need
         self.unknown_buckets: set[int] = set()  # buckets no curve was known for when a fixed plan asked
         self.position_limit = position_limit(model.config)
+        self.max_width = None  # a static cache's widest compiled step (set by its decoder): no plan is wider
         assistant = None
         if assistant_model is not None:
             assistant = AssistantDrafts.for_target(
@@ -290,7 +295,7 @@ class StepPlanner:
         # The default feed, where no curve is measured or given, times nothing and is the same on every machine of a
         # kind: on a CPU (compute-bound: every column costs) the planner on an assumed curve, so masks are fed where
         # the call's own acceptance says they clearly pay; on an accelerator (small batches are memory-bound:
-        # columns nearly free) the fixed linear feed. The static cache fixes its layout before this.
+        # columns nearly free) the fixed linear feed. The static cache chooses its feed before this (``_static_feed``).
         assumes = self.memory is None and self.cost_given is None and model.device.type == "cpu"
         if assumes and settings.layout in (None, "auto"):
             self.cost_given = CostTable.assumed_cpu()
@@ -346,7 +351,11 @@ class StepPlanner:
                 return self._unit_step(rows, deciding, plans, fed, specs, floor)
             # lookup drafts may outnumber the window: the grid then allows that many
             longest = max((len(s.draft_probs) for s in specs if s.kind == AUTO), default=0)
-            width, choices = choose(specs, table.effective, max(self.window, longest), drafting=floor.open)
+            # a prefill step runs eager at any width; decode steps fit the static cache's compiled step
+            limit = self.max_width if all(row.prefilled for row in rows) else None
+            width, choices = choose(
+                specs, table.effective, max(self.window, longest), drafting=floor.open, max_width=limit
+            )
         for i, (row, spec) in enumerate(zip(rows, specs)):  # the planner's rows get the plans it chose
             if spec.kind != FIXED:
                 plans[i], fed[i] = self._chosen_plan(row, offered[i], choices[i])

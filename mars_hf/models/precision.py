@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from mars_hf.decoding.cost_model import cpu_has_native_bf16
+
 logger = logging.getLogger(__name__)
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -39,12 +41,6 @@ def matmul_rate(dtype: torch.dtype, seconds: float, size: tuple[int, int, int] =
         a @ b
         count += 1
     return count / (time.perf_counter() - start)
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX tiles, as torch's CPU kernels see them."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
 
 @functools.lru_cache(maxsize=8)
