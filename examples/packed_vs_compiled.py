@@ -13,7 +13,9 @@ turns (one per category, the first ``--prompts``), 64 new tokens, greedy. Run al
 ``--rows`` picks other rows of the eager path (transformers' defaults: dynamic cache, no compiler): ``tau=1 eager``
 (MARS-off through the MARS decoder), ``verify measured`` (the planner on the cost curve this machine measures) and
 ``verify fixed`` (the fixed linear feed, nothing timed), ``verify default`` (``generate``'s default: on a CPU the
-planner on its assumed curve, nothing timed):
+planner on its assumed curve, nothing timed); ``tau=0.9 eager`` / ``tau=0.9 compiled`` (τ's fixed window),
+``tau=0.9 planner eager`` (``mars_planner=True``: the planner sizes τ's mask groups, on the assumed curve);
+``verify compiled fixed`` (the linear feed on the fast path, which is its default only where columns are nearly free):
 
     python examples/packed_vs_compiled.py --dtype bfloat16 --rows "stock eager,tau=1 eager,verify measured,verify fixed"
 """
@@ -36,7 +38,8 @@ from mars_hf.tools.loading import load_model_and_tokenizer
 
 DEFAULT_ROWS = ("stock eager", "stock packed", "verify packed", "stock compiled", "verify compiled")
 EAGER_VERIFY_ROWS = ("verify default", "verify measured", "verify fixed", "verify prior15", "verify prior30")
-ALL_ROWS = ("stock eager", "tau=1 eager", *EAGER_VERIFY_ROWS, *DEFAULT_ROWS[1:])
+TAU_ROWS = ("tau=0.9 eager", "tau=0.9 planner eager", "tau=0.9 compiled", "verify compiled fixed")
+ALL_ROWS = ("stock eager", "tau=1 eager", *EAGER_VERIFY_ROWS, *DEFAULT_ROWS[1:], *TAU_ROWS)
 
 
 def main() -> None:
@@ -88,6 +91,16 @@ def main() -> None:
         "verify compiled": lambda inputs: model.generate(
             **inputs, **greedy, **fast_mars, mars_acceptance="verify"
         ),
+        "verify compiled fixed": lambda inputs: model.generate(
+            **inputs, **greedy, **fast_mars, mars_acceptance="verify", mars_layout="linear"
+        ),
+        "tau=0.9 eager": lambda inputs: model.generate(**inputs, **greedy, mars_threshold=0.9),
+        "tau=0.9 planner eager": lambda inputs: model.generate(
+            **inputs, **greedy, mars_threshold=0.9, mars_planner=True
+        ),
+        "tau=0.9 compiled": lambda inputs: model.generate(
+            **inputs, **greedy, **fast_mars, mars_threshold=0.9
+        ),
     }
     chosen = args.rows.split(",")
     unknown = sorted(set(chosen) - set(every_row))
@@ -112,7 +125,9 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in seconds.items()}
     # each row's MARS-off on its own kernels: the eager verify rows' is τ = 1 through the decoder
     off = {"stock packed": "stock packed", "verify packed": "stock packed", "stock compiled": "stock compiled",
-           "verify compiled": "stock compiled"}  # fmt: skip
+           "verify compiled": "stock compiled", "tau=0.9 compiled": "stock compiled",
+           "verify compiled fixed": "stock compiled",
+           "tau=0.9 eager": "tau=1 eager", "tau=0.9 planner eager": "tau=1 eager"}  # fmt: skip
     off.update({name: "tau=1 eager" for name in EAGER_VERIFY_ROWS})
     print(f"{cpu_name()} [{speed_cpu_flags()}], {torch.get_num_threads()} threads, embedded-mars {args.dtype}, "
           f"batch {args.batch}, {len(texts)} MT-Bench prompts, {args.max_new_tokens} new tokens, "

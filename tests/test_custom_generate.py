@@ -93,13 +93,23 @@ def test_writing_over_an_older_release_removes_its_files(tmp_path):
     assert not (target / "gated_kernel.py").exists()
 
 
-def test_the_seed_contract_is_the_librarys_own_module(tmp_path):
-    """custom_generate/sampling.py is mars_hf/decoding/sampling.py itself, copied verbatim (the keyed draws have
-    one implementation), and nothing of that name is kept apart in custom_generate_src/."""
+def test_the_rules_seeds_and_calibration_are_the_librarys_own_modules(tmp_path):
+    """custom_generate/rules.py, sampling.py and calibration.py are mars_hf/decoding's own modules, copied verbatim
+    (the acceptance rules' primitives, the keyed draws and the calibrated confidence have one implementation),
+    nothing of those names is kept apart in custom_generate_src/, and the shipped acceptance uses the rules."""
+    from mars_hf.decoding import calibration as mars_calibration
+    from mars_hf.decoding import rules as mars_rules
+
     target = tmp_path / "custom_generate"
     write_custom_generate(target)
-    assert (target / "sampling.py").read_bytes() == Path(mars_sampling.__file__).read_bytes()
-    assert not (SOURCE_DIR / "sampling.py").exists()
+    assert set(LIBRARY_FILES) == {"rules.py", "sampling.py", "calibration.py"}
+    for module in (mars_sampling, mars_rules, mars_calibration):
+        name = Path(module.__file__).name
+        assert (target / name).read_bytes() == Path(module.__file__).read_bytes(), name
+        assert not (SOURCE_DIR / name).exists()
+    shipped = (target / "acceptance.py").read_text()
+    assert "from .rules import" in shipped and "def confidence" not in shipped
+    assert "class Calibration" not in shipped
 
 
 # ---------------------------------------------------------------------------------------------- same tokens

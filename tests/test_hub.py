@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from mars_hf import hub
 from mars_hf.decoding.generation import enable_mars
+from mars_hf.hub.custom_generate import LIBRARY_FILES
 from mars_hf.models.mask_token import add_mask_token, set_mars_config
 from mars_hf.models.modeling import AutoMARSModelForCausalLM, load_mars_model, resolve_block_size
 from tests.bare_venv import run_in_bare_venv
@@ -151,13 +152,12 @@ def test_saved_folder_has_weights_tokenizer_mars_config_and_custom_generate(save
     assert config["mars"]["block_size"] == 4
     assert config["mars"]["mask_token_id"] == tokenizer.mask_token_id
     assert "format_version" in config["mars"]
-    # custom_generate/ is the package's custom_generate_src/ and the library's sampling module, byte for byte,
+    # custom_generate/ is the package's custom_generate_src/ and the library's modules (LIBRARY_FILES), byte for byte,
     # and nothing else.
     shipped = sorted(f.removeprefix("custom_generate/") for f in files if f.startswith("custom_generate/"))
     assert shipped == sorted([*hub.CUSTOM_GENERATE_FILES, "requirements.txt"])
     for name in hub.CUSTOM_GENERATE_FILES:
-        library = REPO_ROOT / "mars_hf/decoding" / name
-        source = library if name == "sampling.py" else REPO_ROOT / "mars_hf/hub/custom_generate_src" / name
+        source = LIBRARY_FILES.get(name, REPO_ROOT / "mars_hf/hub/custom_generate_src" / name)
         assert (folder / "custom_generate" / name).read_bytes() == source.read_bytes()
     reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):

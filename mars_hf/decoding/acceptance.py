@@ -22,33 +22,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
+from transformers.generation.logits_process import LogitsProcessorList
 
-from .sampling import keyed_choice, noise_for
-
-THRESHOLD_METRICS = ("probability", "entropy", "margin")
-ACCEPTANCE_RULES = THRESHOLD_METRICS + ("verify",)
-# Processors that act on each row of scores alone and never read ``input_ids``: they can be applied
-# to every prediction of a step in one call. Anything else is applied prefix by prefix.
-POSITION_FREE_PROCESSORS = (
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
+from .rules import (  # noqa: F401  (the rules' primitives, re-exported where the decoder's callers look)
+    ACCEPTANCE_RULES,
+    POSITION_FREE_PROCESSORS,
+    choose,
+    confidence,
+    one_token_per_step,
+    passes,
+    threshold_count,
+    verify_drafts,
 )
 
 
@@ -139,51 +123,6 @@ def _runs(processors: LogitsProcessorList) -> list[tuple[bool, LogitsProcessorLi
         else:
             runs.append((position_free, LogitsProcessorList([processor])))
     return runs
-
-
-def choose(scores: torch.Tensor, places=None) -> torch.Tensor:
-    """One token per row of ``scores``: the argmax (``places=None``, greedy), or the keyed draw at each
-    ``(RowNoise, position)`` of ``places`` (``sampling.py``)."""
-    noise = None if places is None else noise_for(places, scores.shape[-1], scores.device)
-    return keyed_choice(scores, noise)
-
-
-def confidence(scores: torch.Tensor, tokens: torch.Tensor, metric: str) -> torch.Tensor:
-    """Each prediction's confidence under ``metric``, as float64 (compared with τ by ``passes``)."""
-    probs = torch.softmax(scores, dim=-1)
-    if metric == "probability":
-        return probs.gather(-1, tokens[:, None]).squeeze(-1).double()
-    if metric == "entropy":
-        return torch.special.entr(probs).sum(-1).double()
-    top2 = probs.topk(2, dim=-1).values
-    return (top2[:, 0] - top2[:, 1]).double()
-
-
-def passes(value: float, tau: float, metric: str) -> bool:
-    """p(chosen) >= τ, p1 - p2 >= τ, or H <= τ."""
-    return value <= tau if metric == "entropy" else value >= tau
-
-
-def one_token_per_step(metric: str, tau: float | None) -> bool:
-    """τ >= 1 with the probability or margin metric can only keep prediction 0 (docs/method.md §2): such a
-    row needs no masks at all. Never true for verify, whose τ is a proposal floor."""
-    return metric in ("probability", "margin") and tau is not None and tau >= 1.0
-
-
-def threshold_count(passed: list[bool], limit: int) -> int:
-    """Prediction 0 always; then predictions while they pass; at most ``limit``."""
-    count = min(1, limit)
-    while count < limit and passed[count]:
-        count += 1
-    return count
-
-
-def verify_drafts(drafts: list[int], model_tokens: list[int]) -> int:
-    """Drafts kept: the longest prefix equal to the model's own choices (its argmax, or its keyed draw)."""
-    kept = 0
-    while kept < len(drafts) and drafts[kept] == model_tokens[kept]:
-        kept += 1
-    return kept
 
 
 # ------------------------------------------------------------------------------------------------

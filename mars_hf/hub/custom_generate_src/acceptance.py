@@ -9,39 +9,9 @@ padding not: the position of its next token), ``column`` (where that token goes 
 
 from __future__ import annotations
 
-import bisect
-import logging
-
 import torch
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    MinPLogitsWarper,
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
 
-from .sampling import keyed_choice, noise_for
-
-logger = logging.getLogger(__name__)
-
-THRESHOLD_METRICS = ("probability", "entropy", "margin")
-ACCEPTANCE_RULES = THRESHOLD_METRICS + ("verify",)
-# Processors that treat each row of scores alone and never read ``input_ids``: applied to every prediction of
-# a step in one call. The others (repetition penalty, min length...) see each prediction's own prefix.
-POSITION_FREE = (
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-)
+from .rules import POSITION_FREE_PROCESSORS, choose, confidence, passes, threshold_count, verify_drafts
 
 
 class Processing:
@@ -53,7 +23,7 @@ class Processing:
 
     def __init__(self, processors, sequences: torch.Tensor):
         self.processors = list(processors or [])
-        self.position_free = all(isinstance(p, POSITION_FREE) for p in self.processors)
+        self.position_free = all(isinstance(p, POSITION_FREE_PROCESSORS) for p in self.processors)
         self.sequences = sequences
 
     def __call__(self, scores, rows=(), lengths=(), free_only=False):
@@ -61,7 +31,7 @@ class Processing:
         position-free processors, for drafts, which an exact check makes harmless)."""
         placeholder = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
         for processor in self.processors:
-            if isinstance(processor, POSITION_FREE):
+            if isinstance(processor, POSITION_FREE_PROCESSORS):
                 scores = processor(placeholder, scores)
             elif not free_only:
                 scores = self._by_prefix(processor, scores, rows, lengths)
@@ -87,69 +57,6 @@ class Processing:
             self.sequences[rows, columns] = torch.tensor(
                 tokens, dtype=torch.long, device=self.sequences.device
             )
-
-
-class Calibration:
-    """``config.mars["calibration"]``: a monotone map per mask offset ``k`` from the raw probability to the
-    chance that mask ``k``'s token is the model's own (knots, piecewise linear, constant outside). Offsets
-    beyond the fitted ones map to 0. τ and verify's proposal floor compare the mapped value."""
-
-    def __init__(self, record: dict, window: int):
-        if record.get("method") != "isotonic":
-            raise ValueError(
-                f"config.mars['calibration'] has method {record.get('method')!r}; this custom_generate/ applies "
-                "'isotonic' only. Refit it with `mars-hf calibrate`, or delete the entry."
-            )
-        self.maps = [
-            ([float(x) for x in m["x"]], [float(y) for y in m["y"]]) for m in record.get("offsets") or []
-        ]
-        if any(
-            not xs or len(xs) != len(ys) or any(b <= a for a, b in zip(xs, xs[1:])) for xs, ys in self.maps
-        ):
-            raise ValueError(
-                "config.mars['calibration']: knots must be non-empty, paired and increasing in x."
-            )
-        if window > len(self.maps):
-            logger.warning(
-                "The confidence calibration covers mask offsets 1..%d but decoding uses W = %d: the masks beyond "
-                "get confidence 0 (never accepted by τ).",
-                len(self.maps),
-                window,
-            )
-
-    def apply(self, offset: int, value: float) -> float:
-        if offset > len(self.maps):
-            return 0.0
-        xs, ys = self.maps[offset - 1]
-        if value <= xs[0]:
-            return ys[0]
-        if value >= xs[-1]:
-            return ys[-1]
-        i = bisect.bisect_right(xs, value)
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (value - xs[i - 1]) / (xs[i] - xs[i - 1])
-
-    def apply_span(self, values: list, start: int, count: int) -> None:
-        """In place: ``values[start + i]`` is the confidence of mask offset ``i + 1``."""
-        for i in range(count):
-            values[start + i] = self.apply(i + 1, values[start + i])
-
-
-def confidence(scores: torch.Tensor, tokens: torch.Tensor, metric: str) -> torch.Tensor:
-    """p(chosen), the entropy, or p1 - p2 of each prediction, as float64."""
-    probs = torch.softmax(scores, dim=-1)
-    if metric == "probability":
-        return probs.gather(-1, tokens[:, None]).squeeze(-1).double()
-    if metric == "entropy":
-        return torch.special.entr(probs).sum(-1).double()
-    top2 = probs.topk(2, dim=-1).values
-    return (top2[:, 0] - top2[:, 1]).double()
-
-
-def choose(scores: torch.Tensor, places=None) -> torch.Tensor:
-    """One token per row of ``scores``: the argmax, or with ``places`` (``(RowNoise, position)`` per row) the
-    keyed draw ``argmax(scores + G)``."""
-    noise = None if places is None else noise_for(places, scores.shape[-1], scores.device)
-    return keyed_choice(scores, noise)
 
 
 def places(row, first: int, count: int):
@@ -187,15 +94,11 @@ def threshold_rule(rows, raw, spans, processing: Processing, metric: str, calibr
     chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
     if calibration is not None and metric == "probability":
         for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
-            calibration.apply_span(values, start + 1, count - 1)
+            calibration.apply_span(values, start + 1, count - 1, first_offset=1)
     kept = []
     for row, (start, count) in zip(rows, spans):
         limit = min(count, max_new - len(row.generated))
-        n = min(1, limit)
-        while n < limit and (
-            values[start + n] <= row.tau if metric == "entropy" else values[start + n] >= row.tau
-        ):
-            n += 1
+        n = threshold_count([passes(v, row.tau, metric) for v in values[start : start + count]], limit)
         kept.append([int(t) for t in chosen_all[start : start + n]])
     return scores, kept
 
@@ -217,9 +120,7 @@ def verify_rule(rows, raw, spans, processing: Processing):
     own = choose(scores, _joined(rows, spans, lambda row: 0)).tolist()
     outcome = []
     for row, (start, _) in zip(rows, spans):
-        kept = 0
-        while kept < len(row.drafts) and row.drafts[kept] == own[start + kept]:
-            kept += 1
+        kept = verify_drafts(row.drafts, own[start : start + len(row.drafts)])
         outcome.append((kept, own[start + kept]))
     return scores, outcome
 
@@ -239,7 +140,7 @@ def propose_drafts(followers, raw, spans, processing: Processing, calibration, m
     tokens, probs = tokens.tolist(), probs.tolist()
     for (row, _, taken), (start, width) in zip(followers, spans):
         if calibration is not None:
-            calibration.apply_span(probs, start, width)
+            calibration.apply_span(probs, start, width, first_offset=1)
         n = 0
         while n < width and probs[start + n] >= row.floor:
             n += 1

@@ -35,9 +35,11 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .acceptance import ACCEPTANCE_RULES, Calibration, Processing
+from .acceptance import Processing
+from .calibration import ConfidenceCalibration, calibration_for
 from .decoder import Decoder
 from .gated_lora import attach_checkpoint
+from .rules import ACCEPTANCE_RULES
 from .sampling import draw_seed
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ class Settings:
     thresholds: tuple
     window: int
     mask_token_id: int
-    calibration: Calibration | None
+    calibration: ConfidenceCalibration | None
 
 
 # ------------------------------------------------------------------------------------------ the entry point
@@ -250,7 +252,7 @@ def _settings(model, values, generation_config, batch_size: int, max_new: int) -
     per_prompt = int(getattr(generation_config, "num_return_sequences", None) or 1)
     thresholds = _thresholds(values["mars_threshold"], acceptance, batch_size, per_prompt)
     window = min(int(window), max(1, max_new))  # a mask past the last token to generate is never kept
-    calibration = Calibration(mars["calibration"], window) if mars.get("calibration") else None
+    calibration = calibration_for(model, window)
     return Settings(acceptance, tuple(thresholds), window, int(mask), calibration)
 
 
