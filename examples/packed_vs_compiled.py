@@ -15,7 +15,8 @@ turns (one per category, the first ``--prompts``), 64 new tokens, greedy. Run al
 ``verify fixed`` (the fixed linear feed, nothing timed), ``verify default`` (``generate``'s default: on a CPU the
 planner on its assumed curve, nothing timed); ``tau=0.9 eager`` / ``tau=0.9 compiled`` (τ's fixed window),
 ``tau=0.9 planner eager`` (``mars_planner=True``: the planner sizes τ's mask groups, on the assumed curve);
-``verify compiled fixed`` (the linear feed on the fast path, which is its default only where columns are nearly free):
+``verify compiled fixed`` (the linear feed on the fast path, which is its default only where columns are nearly free),
+``tau=1 compiled`` (MARS-off through the decoder on the fast path; its plain steps skip the gated adapter):
 
     python examples/packed_vs_compiled.py --dtype bfloat16 --rows "stock eager,tau=1 eager,verify measured,verify fixed"
 """
@@ -38,7 +39,13 @@ from mars_hf.tools.loading import load_model_and_tokenizer
 
 DEFAULT_ROWS = ("stock eager", "stock packed", "verify packed", "stock compiled", "verify compiled")
 EAGER_VERIFY_ROWS = ("verify default", "verify measured", "verify fixed", "verify prior15", "verify prior30")
-TAU_ROWS = ("tau=0.9 eager", "tau=0.9 planner eager", "tau=0.9 compiled", "verify compiled fixed")
+TAU_ROWS = (
+    "tau=1 compiled",
+    "tau=0.9 eager",
+    "tau=0.9 planner eager",
+    "tau=0.9 compiled",
+    "verify compiled fixed",
+)
 ALL_ROWS = ("stock eager", "tau=1 eager", *EAGER_VERIFY_ROWS, *DEFAULT_ROWS[1:], *TAU_ROWS)
 
 
@@ -94,6 +101,7 @@ def main() -> None:
         "verify compiled fixed": lambda inputs: model.generate(
             **inputs, **greedy, **fast_mars, mars_acceptance="verify", mars_layout="linear"
         ),
+        "tau=1 compiled": lambda inputs: model.generate(**inputs, **greedy, **fast_mars, mars_threshold=1.0),
         "tau=0.9 eager": lambda inputs: model.generate(**inputs, **greedy, mars_threshold=0.9),
         "tau=0.9 planner eager": lambda inputs: model.generate(
             **inputs, **greedy, mars_threshold=0.9, mars_planner=True
@@ -126,7 +134,7 @@ def main() -> None:
     # each row's MARS-off on its own kernels: the eager verify rows' is τ = 1 through the decoder
     off = {"stock packed": "stock packed", "verify packed": "stock packed", "stock compiled": "stock compiled",
            "verify compiled": "stock compiled", "tau=0.9 compiled": "stock compiled",
-           "verify compiled fixed": "stock compiled",
+           "verify compiled fixed": "stock compiled", "tau=1 compiled": "stock compiled",
            "tau=0.9 eager": "tau=1 eager", "tau=0.9 planner eager": "tau=1 eager"}  # fmt: skip
     off.update({name: "tau=1 eager" for name in EAGER_VERIFY_ROWS})
     print(f"{cpu_name()} [{speed_cpu_flags()}], {torch.get_num_threads()} threads, embedded-mars {args.dtype}, "

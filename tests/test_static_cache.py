@@ -187,8 +187,8 @@ def test_gated_adapter_on_the_static_cache_keeps_the_base_model_greedy():
 def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monkeypatch):
     """τ = 1 and verify through the compiled forward (Inductor, as ``compile_config`` asks) on a gated model equal
     stock greedy; the traced gate keeps real positions bit-equal to the eager base; two calls with other prompt
-    lengths add no graph (one per step width: 1 column for τ = 1 and the planner's plain steps, the full step for
-    verify)."""
+    lengths add no graph (one per step width: 1 column for τ = 1 and the planner's plain steps, traced without the
+    gated adapters since they feed no mask; the full step for verify)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -216,6 +216,14 @@ def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monke
     assert torch.equal(traced[:, :4], base(input_ids=ids).logits[:, :4])
     assert not torch.allclose(traced[:, 4:], base(input_ids=ids).logits[:, 4:])
     assert torch.equal(traced, model(input_ids=ids).logits)
+    # a forward its caller knows feeds no mask (the decoder's plain compiled steps) traces as the base model does
+    plain_ids = ids[:, :4]
+    with gated_lora.masks_absent(gated_lora.mask_gate(model), True):
+        plain = torch.compile(model.__call__, fullgraph=True, backend=keep_graph)(input_ids=plain_ids).logits
+    assert gated_lora.mask_gate(model).traced_masks  # restored
+    linears = [n for n in graphs[-1].graph.nodes if n.target is torch._C._nn.linear]
+    assert len(graphs) == 2 and len(linears) == len(adapted) + 1
+    assert torch.equal(plain, base(input_ids=plain_ids).logits)
     torch._dynamo.reset()
     counters.clear()
     for seed, lengths in enumerate([(9, 5, 7), (11, 4, 6)]):

@@ -41,6 +41,7 @@ from .cache import MARSBlockCache, MARSStaticCache, make_scheme
 from .calibration import calibration_for
 from .cpu_kernels import packed_linears
 from .drafts import MASKS, NO_DRAFTS, Drafts, MaskDrafts
+from .gated_lora import mask_gate, masks_absent
 from .layouts import pack
 from .planner import StepPlan, StepPlanner
 from .sampling import RowNoise, draw_seed
@@ -219,6 +220,7 @@ class MARSBatchDecoder:
         if compiled_forward is not None and not self.static:
             raise ValueError("A compiled forward needs a MARSStaticCache (`cache_implementation='static'`).")
         self.compiled_forward = compiled_forward
+        self.gate = mask_gate(model) if compiled_forward is not None else None
         self.step_width = widest_step(settings, assistant_model is not None) if self.static else None
         # A static cache's decode steps run at these widths only (one compiled graph each): the full step, and
         # where the planner chooses (``generation._static_feed``) a plain one-column step too.
@@ -474,15 +476,18 @@ class MARSBatchDecoder:
         compiled = fixed_shape and self.compiled_forward is not None
         forward = self.compiled_forward if compiled else self.model
         graphs, started = (compiled_graphs(), time.perf_counter()) if compiled else (None, None)
-        outputs = forward(
-            input_ids=step.input_ids,
-            attention_mask=step.attention_mask,
-            position_ids=step.position_ids,
-            cache=self.kv,
-            use_cache=self.kv is not None,
-            logits_to_keep=logits_to_keep,
-            return_dict=True,
-        )
+        # a plain compiled step feeds no mask (one graph without the gated adapters; a wide step keeps them)
+        plain = compiled and step.width == 1 and self._feeds_no_mask(plan)
+        with masks_absent(self.gate, plain):
+            outputs = forward(
+                input_ids=step.input_ids,
+                attention_mask=step.attention_mask,
+                position_ids=step.position_ids,
+                cache=self.kv,
+                use_cache=self.kv is not None,
+                logits_to_keep=logits_to_keep,
+                return_dict=True,
+            )
         if compiled and compiled_graphs() != graphs:
             logger.info(
                 "Compiled the decode step for %d rows x %d columns in %.0f s (once per process and shape; "
@@ -492,6 +497,11 @@ class MARSBatchDecoder:
                 time.perf_counter() - started,
             )
         return outputs.logits, where
+
+    def _feeds_no_mask(self, plan: StepPlan) -> bool:
+        """No column of the step holds the mask token (a real token may be the mask's id; padding may too)."""
+        mask = self.settings.mask_token_id
+        return self.pad_token_id != mask and all(mask not in p.tokens for p in plan.plans)
 
 
 def compiled_graphs() -> int:

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import threading
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +121,10 @@ class MaskGate:
         self.mask_token_id = int(mask_token_id)
         self._local = threading.local()
         self._grad_record: ForwardGate | None = None
+        # (traced forwards) False only while a caller runs a forward it knows feeds no mask token (the decoder's
+        # plain compiled steps: ``masks_absent``): the adapted layers then trace as their base layers, as the
+        # eager form skips them. A compiler guards on the value, so each value gets its own graph.
+        self.traced_masks = True
 
     def __getstate__(self) -> dict:
         return {"mask_token_id": self.mask_token_id}  # records are per process and thread
@@ -215,6 +220,8 @@ def gated_lora_forward(gate: MaskGate, x, result, lora_A, lora_B, dropout, scali
     ``result``'s bits. PEFT's layer calls this through ``MaskGatedLoraVariant.forward``.
     """
     if torch.compiler.is_compiling():  # traced: the delta at every row, times the gate (0 at real positions)
+        if not gate.traced_masks:
+            return result
         rows = x.reshape(-1, x.shape[-1])
         delta = lora_B(lora_A(dropout(rows))) * scaling
         delta = delta * gate.traced_gate(rows.shape[0], delta.dtype)
@@ -237,10 +244,30 @@ def record_gating(model) -> None:
     model.config.mars = mars
 
 
+def mask_gate(model) -> MaskGate | None:
+    """The mask gate of ``model`` (or of its base), or None where no adapter is gated to mask positions."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "_mars_mask_gate", None)
+
+
 def is_gated(model) -> bool:
     """True if ``model`` (or its base) applies an adapter gated to mask positions."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, "_mars_mask_gate", None) is not None
+    return mask_gate(model) is not None
+
+
+@contextmanager
+def masks_absent(gate: MaskGate | None, absent: bool):
+    """Within the block, when ``absent``, traced forwards skip the gated adapters (``MaskGate.traced_masks``): for a
+    compiled forward the caller knows feeds no mask token, whose adapted layers would add exact zeros at every
+    position at the cost of their low-rank products."""
+    if gate is None or not absent:
+        yield
+        return
+    gate.traced_masks = False
+    try:
+        yield
+    finally:
+        gate.traced_masks = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -849,6 +876,8 @@ class AdaptedLinear(torch.nn.Linear):
         adapter = self.__dict__["_mars_adapter"]
         gate, group = adapter.gate, adapter.group
         if torch.compiler.is_compiling():
+            if gate is not None and not gate.traced_masks:
+                return _base_output(self, x, args, kwargs)
             return self._traced_forward(x, adapter, args, kwargs)
         record = None
         if gate is not None:
