@@ -123,8 +123,10 @@ class MaskGate:
         self._grad_record: ForwardGate | None = None
         # (traced forwards) False only while a caller runs a forward it knows feeds no mask token (the decoder's
         # plain compiled steps: ``masks_absent``): the adapted layers then trace as their base layers, as the
-        # eager form skips them. A compiler guards on the value, so each value gets its own graph.
+        # eager form skips them. A compiler guards on the value, so each value gets its own graph. One value per
+        # model, not per thread: the decoder's compiled forwards of one model take ``traced_lock`` in turn.
         self.traced_masks = True
+        self.traced_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         return {"mask_token_id": self.mask_token_id}  # records are per process and thread
@@ -257,17 +259,20 @@ def is_gated(model) -> bool:
 
 @contextmanager
 def masks_absent(gate: MaskGate | None, absent: bool):
-    """Within the block, when ``absent``, traced forwards skip the gated adapters (``MaskGate.traced_masks``): for a
-    compiled forward the caller knows feeds no mask token, whose adapted layers would add exact zeros at every
-    position at the cost of their low-rank products."""
-    if gate is None or not absent:
+    """A compiled forward of a gated model: within the block, when ``absent``, traced forwards skip the gated
+    adapters (``MaskGate.traced_masks``; for a forward the caller knows feeds no mask token, whose adapted layers
+    would add exact zeros at every position at the cost of their low-rank products). The block holds the gate's
+    ``traced_lock`` either way, so another thread's compiled forward through this function never runs while the
+    flag is off (a compiled forward called without it, e.g. stock ``generate``'s in another thread, is not held)."""
+    if gate is None:
         yield
         return
-    gate.traced_masks = False
-    try:
-        yield
-    finally:
-        gate.traced_masks = True
+    with gate.traced_lock:
+        gate.traced_masks = not absent
+        try:
+            yield
+        finally:
+            gate.traced_masks = True
 
 
 # --------------------------------------------------------------------------------------------------
