@@ -34,6 +34,7 @@ HELPERS = (
     "memory",
     "stats",
     "sampling",
+    "rules",
     "cache",
     "calibration",
     "settings",

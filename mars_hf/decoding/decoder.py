@@ -24,6 +24,7 @@ A server drives the decoder directly (``add_row`` / ``step`` / ``drop_row``). Li
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -478,7 +479,7 @@ class MARSBatchDecoder:
         graphs, started = (compiled_graphs(), time.perf_counter()) if compiled else (None, None)
         # a plain compiled step feeds no mask (one graph without the gated adapters; a wide step keeps them)
         plain = compiled and step.width == 1 and self._feeds_no_mask(plan)
-        with masks_absent(self.gate if compiled else None, plain):
+        with masks_absent(self.gate, plain) if compiled else contextlib.nullcontext():
             outputs = forward(
                 input_ids=step.input_ids,
                 attention_mask=step.attention_mask,
