@@ -201,7 +201,7 @@ def static_steps_curve(model, step_width: int, given: CostTable | None = None) -
     curve read at those two widths; else, where columns cost (:func:`columns_nearly_free`), the assumed CPU
     curve's (:data:`ASSUMED_CPU_COLUMN_COST` per extra column); else None (the fixed feed)."""
     if given is not None:
-        return CostTable.static_steps(step_width, given.cost(step_width) / given.cost(1), "given")
+        return CostTable.static_steps(step_width, given.cost(step_width), "given")  # relative: cost(1) == 1
     if columns_nearly_free(model):
         return None
     return CostTable.static_steps(step_width, 1.0 + ASSUMED_CPU_COLUMN_COST * (step_width - 1))

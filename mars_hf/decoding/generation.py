@@ -340,7 +340,7 @@ def _static_feed(model, settings: MARSDecodingSettings, assistant: bool) -> MARS
         )
     if settings.layout in ("linear", "quadratic"):
         return dataclasses.replace(settings, cost_table=None, cpu_kernels="stock")
-    width = widest_step(dataclasses.replace(settings, layout="linear"), assistant)
+    width = widest_step(settings, assistant)  # the linear feed's width: only "quadratic" widens a step
     given = CostTable.from_mapping(settings.cost_table) if settings.cost_table is not None else None
     curve = static_steps_curve(model, width, given) if width > 1 else None
     layout = "auto" if curve is not None else "linear"
