@@ -68,6 +68,27 @@ def test_every_mars_row_runs_once_per_kernel_mode():
     assert grid[4].label.endswith("kernels=stock") and "kernels" not in grid[3].label
 
 
+def test_tau_rows_plan_their_window_unless_fixed():
+    """τ < 1 rows pass `mars_planner=True` (`planned`, the commands' default) or the paper's window (`fixed`,
+    named in the label); τ = 1, verify and stock rows never carry it."""
+    for window, planner in (("planned", True), ("fixed", None)):
+        grid = build_configurations(
+            [1.0, 0.9],
+            [4],
+            schemes=["stock", "none", "cursor", "block"],
+            verify_layouts=["auto"],
+            tau_window=window,
+        )
+        for c in grid:
+            kwargs = c.generate_kwargs("probability")
+            # without a cache (none) a step recomputes everything: the planner's curve does not price it
+            feeds = c.scheme in ("cursor", "block") and c.layout is None and c.tau < 1.0
+            assert kwargs.get("mars_planner") == (planner if feeds else None), (window, c.label)
+            assert c.label.endswith("window=fixed") == (feeds and window == "fixed"), c.label
+    with pytest.raises(ValueError, match="tau_window"):
+        build_configurations([0.9], [4], tau_window="sometimes")
+
+
 def test_count_generated_tokens_stops_at_first_eos():
     new = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
     assert count_generated_tokens(new, [2]).tolist() == [3, 5, 1]
@@ -117,6 +138,7 @@ def tiny_result():
         repeats=2,
         warmup=0,
         cost_repeats=1,
+        tau_window="fixed",  # the paper's window: the τ = 0 rows below feed W masks at every step
     )
     # The planner's rows plan on a fixed curve, not this host's measured one: a curve under
     # which they mix drafts-only steps and groups of several widths, the same on any machine

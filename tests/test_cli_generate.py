@@ -107,6 +107,8 @@ def test_show_chunks_is_faithful(saved_model, capsys, tau):
         "10",
         "--dtype",
         "float64",
+        "--tau-window",
+        "fixed",  # the paper's window, as the reference below decodes
     ]
     assert main(args) == 0
     plain = capsys.readouterr().out
@@ -285,7 +287,9 @@ def test_compile_prints_what_eager_prints_and_says_which_path(saved_model, capsy
     eager = capsys.readouterr()
     configs, compiled_call = [], PreTrainedModel.get_compiled_call
     monkeypatch.setattr(
-        PreTrainedModel, "get_compiled_call", lambda self, config: configs.append(config) or compiled_call(self, config)
+        PreTrainedModel,
+        "get_compiled_call",
+        lambda self, config: configs.append(config) or compiled_call(self, config),
     )
     assert main(argv + ["--compile"]) == 0
     assert configs and all(config.options in (None, {}) for config in configs)
@@ -295,3 +299,45 @@ def test_compile_prints_what_eager_prints_and_says_which_path(saved_model, capsy
     assert compiled.out == "".join(f"### {p}\n{text}\n" for p, text in zip(["the cat sat", "a dog"], stock))
     assert "[path: static cache, compiled forward (--compile); float64]" in compiled.err
     assert "[path: eager; float64;" in eager.err
+
+
+def test_tau_rows_plan_their_window_by_default_and_say_so(saved_model, capsys, monkeypatch):
+    """τ < 1 passes `mars_planner=True` unless --tau-window fixed (the paper's window, generate's default); τ = 1
+    and verify are unchanged; stderr names the feed. The keywords are read off the real `generate` call."""
+    import mars_hf.commands.generate as command
+
+    calls = []
+    load = command.load_model_and_tokenizer
+
+    def recording_load(*args, **kwargs):
+        model, tokenizer, trained = load(*args, **kwargs)
+        real = model.generate
+
+        def generate(*a, **k):
+            calls.append(k)
+            return real(*a, **k)
+
+        model.generate = generate
+        return model, tokenizer, trained
+
+    monkeypatch.setattr(command, "load_model_and_tokenizer", recording_load)
+    base = [
+        "generate",
+        "hello world",
+        "--model",
+        str(saved_model),
+        "--max-new-tokens",
+        "4",
+        "--dtype",
+        "float64",
+    ]
+    for extra, planned, said in (
+        (["--tau", "0.5"], True, "τ window: planned per step"),
+        (["--tau", "0.5", "--tau-window", "fixed"], False, "τ window: fixed"),
+        (["--tau", "1.0"], False, "τ window: fixed"),  # one token per step: nothing to plan
+        (["--acceptance", "verify"], False, None),
+    ):
+        assert main(base + extra) == 0
+        err = capsys.readouterr().err
+        assert calls.pop().get("mars_planner", False) is planned, extra
+        assert (said in err) if said else ("τ window" not in err), (extra, err)

@@ -440,9 +440,11 @@ def test_batch_decoding_matches_batch_one_rows_and_counts_batch_forwards(shipped
     rows = [chat_prompt_ids(tokenizer, prompt) for prompt in held_out_prompts(4, seed=0)]
     assert len({len(ids) for ids in rows}) > 1  # the padding is exercised
     alone = [decode_batch(model, tokenizer, [ids], None, max_new_tokens=8)[0][0] for ids in rows]
-    for tau, verify in ((None, False), (1.0, False), (0.0, True)):
-        outputs, forwards, _ = decode_batch(model, tokenizer, rows, tau, max_new_tokens=8, verify=verify)
-        assert outputs == alone, (tau, verify)
+    for tau, mars_kwargs in ((None, None), (1.0, None), (0.0, {"mars_acceptance": "verify"})):
+        outputs, forwards, _ = decode_batch(
+            model, tokenizer, rows, tau, max_new_tokens=8, mars_kwargs=mars_kwargs
+        )
+        assert outputs == alone, (tau, mars_kwargs)
         if tau is None:
             assert forwards == max(len(out) for out in alone)
 
@@ -745,3 +747,28 @@ def test_command_line_options_for_the_short_benchmark():
     config = config_from_args(args)
     assert config.skip_bench and config.bench_datasets == ("humaneval",)
     assert config.bench_per_category == 2 and config.bench_minutes == 0.5
+
+
+def test_tau_rows_plan_their_window_by_default_in_both_tables():
+    """The held-out tables and the short benchmark feed τ < 1 as `tau_window` says: planned by default
+    (`mars_planner=True`), the paper's window with `--tau-window fixed`; stock and verify rows never carry it."""
+    import argparse
+
+    from mars_hf.commands.quickstart import add_arguments
+    from mars_hf.tools.quickstart.evaluate import _configurations
+    from mars_hf.tools.quickstart.known_prompts import bench_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args([])).tau_window == "planned"
+    fixed = config_from_args(parser.parse_args(["--tau-window", "fixed"]))
+    assert fixed.tau_window == "fixed" and bench_arguments(fixed, 64).tau_window == "fixed"
+    assert bench_arguments(QuickstartConfig(), 64).tau_window == "planned"
+    for window, tau_kwargs in (("planned", {"mars_planner": True}), ("fixed", {})):
+        rows = _configurations((1.0, 0.9), True, window)
+        assert rows == [
+            ("stock", None, {}),
+            ("mars@1", 1.0, tau_kwargs),
+            ("mars@0.9", 0.9, tau_kwargs),
+            ("verify", 0.0, {"mars_acceptance": "verify"}),
+        ]

@@ -8,7 +8,7 @@ import json
 import logging
 
 from mars_hf.commands.comma_lists import floats, ints, words
-from mars_hf.commands.generate import add_dtype_argument
+from mars_hf.commands.generate import add_dtype_argument, add_tau_window_argument
 
 HELP = "Benchmark stock generate against MARS decoding (none/cursor/block caches) in one process."
 
@@ -80,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "beside stock generate eager. The first call of each step width compiles (about a minute per graph on two "
         "cores; Inductor's cache makes a later process faster).",
     )
+    add_tau_window_argument(parser)
     parser.add_argument(
         "--prompt-lookup",
         type=ints,
@@ -204,6 +205,7 @@ def run(args) -> int:
         cpu_kernels=args.cpu_kernels,
         untrained_masks=untrained_model is not None,
         compiled=args.compile,
+        tau_window=args.tau_window,
     )
     name = args.model or "SmolLM2-135M-Instruct (embedded)"
     if not trained:

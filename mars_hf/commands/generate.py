@@ -73,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Block size recorded for a model that has no MARS metadata yet (its mask token is untrained).",
     )
     add_dtype_argument(parser)
+    add_tau_window_argument(parser)
     parser.add_argument(
         "--cpu-kernels",
         choices=["auto", "packed", "stock"],
@@ -115,6 +116,21 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tau_window_argument(parser: argparse.ArgumentParser) -> None:
+    """``--tau-window planned|fixed``: how τ rows feed their masks (the commands that decode with τ share it)."""
+    from mars_hf.tools.bench.configurations import DEFAULT_TAU_WINDOW, TAU_WINDOWS
+
+    parser.add_argument(
+        "--tau-window",
+        default=DEFAULT_TAU_WINDOW,
+        choices=TAU_WINDOWS,
+        help="How τ < 1 feeds masks. planned (default here): the step planner sizes each step's mask group from "
+        "what τ has kept and the step's cost (mars_planner=True), so masks that τ's own acceptance says do not "
+        "pay are not fed; it changes which tokens τ can accept (MARS_SPEC §8). fixed: the paper's "
+        "window W at every step (generate's own default). Which ran is printed to stderr.",
+    )
+
+
 def split_chunks(tokens: list[int], accepted: list[int]) -> list[list[int]]:
     """Cut one row's new tokens into the groups accepted by each forward (0 counts are skipped)."""
     chunks, start = [], 0
@@ -150,7 +166,9 @@ def run(args) -> int:
     import torch
     from transformers import set_seed
 
+    from mars_hf.decoding.acceptance import one_token_per_step
     from mars_hf.decoding.cpu_kernels import last_kernels
+    from mars_hf.tools.bench.configurations import tau_feed_kwargs
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("mars_hf.models.precision").setLevel(logging.INFO)  # say which dtype --dtype auto chose
@@ -181,6 +199,9 @@ def run(args) -> int:
     }
     if tau is not None:
         generate_kwargs["mars_threshold"] = tau
+    plans_tau = not verify and args.tau_window == "planned" and not one_token_per_step(args.acceptance, tau)
+    if plans_tau:
+        generate_kwargs.update(tau_feed_kwargs(args.tau_window))
     for name, value in (
         ("temperature", args.temperature),
         ("top_k", args.top_k),
@@ -203,11 +224,12 @@ def run(args) -> int:
     with torch.no_grad():
         output = model.generate(**inputs, **generate_kwargs)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    feed = f"; τ window: {'planned per step' if plans_tau else 'fixed'} (--tau-window)" if not verify else ""
     if args.compile:
-        print(f"[path: static cache, compiled forward (--compile); {dtype}]", file=sys.stderr)
+        print(f"[path: static cache, compiled forward (--compile); {dtype}{feed}]", file=sys.stderr)
     else:
         print(
-            f"[path: eager; {dtype}; linear layers: {last_kernels(model)} (--cpu-kernels {args.cpu_kernels})]",
+            f"[path: eager; {dtype}; linear layers: {last_kernels(model)} (--cpu-kernels {args.cpu_kernels}){feed}]",
             file=sys.stderr,
         )
     prompt_length = inputs["input_ids"].shape[1]

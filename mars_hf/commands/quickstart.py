@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     option("lora_alpha", type=int)
     option("lora_target_modules")
     option("mask_targets", choices=["hard", "soft"])
+    option("tau_window", choices=["planned", "fixed"])
     option("warmup_fraction", type=float)
     option("max_length", type=int)
     option("track_every", type=int)

@@ -8,6 +8,18 @@ from dataclasses import dataclass
 from mars_hf.decoding.acceptance import one_token_per_step
 
 SCHEMES = ("stock", "none", "cursor", "block")
+# How our commands feed τ rows' masks: "planned", the step planner sizes each step's mask group from what τ has
+# kept (``mars_planner=True``: where masks do not pay they are not fed, which changes the tokens τ can accept,
+# MARS_SPEC §8), or "fixed", the paper's window W at every step (``generate``'s own default).
+TAU_WINDOWS = ("planned", "fixed")
+DEFAULT_TAU_WINDOW = "planned"
+
+
+def tau_feed_kwargs(tau_window: str) -> dict:
+    """``generate`` keywords of a τ row fed as ``tau_window`` says (harmless at τ = 1: no masks to plan)."""
+    if tau_window not in TAU_WINDOWS:
+        raise ValueError(f"tau_window must be one of {list(TAU_WINDOWS)}, got {tau_window!r}.")
+    return {"mars_planner": True} if tau_window == "planned" else {}
 
 
 @dataclass(frozen=True)
@@ -26,6 +38,7 @@ class BenchConfiguration:
     compiled: bool = (
         False  # transformers' fast path: a static cache and the compiled forward (compile_config)
     )
+    tau_window: str = DEFAULT_TAU_WINDOW  # a τ row's feed (TAU_WINDOWS)
 
     @property
     def verify(self) -> bool:
@@ -43,7 +56,19 @@ class BenchConfiguration:
             label += f" C={self.cache_block}" if self.cache_block is not None else ""
         label += f" kernels={self.cpu_kernels}" if self.cpu_kernels != "auto" else ""
         label += " compiled" if self.compiled else ""
+        label += (
+            f" window={self.tau_window}" if self.tau_window != DEFAULT_TAU_WINDOW and self.feeds_tau else ""
+        )
         return label + (" masks=untrained" if self.untrained else "")
+
+    @property
+    def feeds_tau(self) -> bool:
+        """A τ row below 1 with a cache (its masks fed as ``tau_window`` says). Without one (``none``) every step
+        recomputes the whole sequence, which the planner's curve (priced per fed column) does not describe: such
+        rows keep the paper's window."""
+        return (
+            self.scheme in ("cursor", "block") and not self.verify and self.tau is not None and self.tau < 1.0
+        )
 
     @property
     def untrained(self) -> bool:
@@ -60,6 +85,8 @@ class BenchConfiguration:
             kwargs.update(mars_acceptance="verify", mars_layout=self.layout)
         else:
             kwargs.update(mars_threshold=self.tau, mars_acceptance=acceptance)
+            if self.scheme != "none" and not one_token_per_step(acceptance, self.tau):
+                kwargs.update(tau_feed_kwargs(self.tau_window))
         if self.cache_block is not None:
             kwargs["mars_cache_block"] = self.cache_block
         kwargs["mars_cpu_kernels"] = self.cpu_kernels  # named always: generate's own default is "stock"
@@ -119,6 +146,7 @@ def build_configurations(
     cpu_kernels=("auto",),
     untrained_masks: bool = False,
     compiled: bool = False,
+    tau_window: str = DEFAULT_TAU_WINDOW,
 ) -> list[BenchConfiguration]:
     """The grid, stock first. ``cache_blocks`` may hold ``"W"`` (C = the window). In one-token mode
     (τ ≥ 1 with the probability or margin metric: ``one_token_per_step``) the schemes all do the same
@@ -128,7 +156,9 @@ def build_configurations(
     runs once per ``cpu_kernels`` mode (``mars_cpu_kernels``). With ``untrained_masks``, every verify row of
     the planner (layout ``auto``, no prompt lookup) runs again on the untrained-mask model (``masks``). With
     ``compiled``, every MARS row runs on transformers' fast path (static cache, compiled forward: the fixed feed)
-    and stock ``generate`` runs there too (``stock compiled``, their MARS-off) besides the eager stock row."""
+    and stock ``generate`` runs there too (``stock compiled``, their MARS-off) besides the eager stock row.
+    ``tau_window``: how τ rows feed their masks (:data:`TAU_WINDOWS`)."""
+    tau_feed_kwargs(tau_window)  # checks it
     unknown = set(schemes) - set(SCHEMES)
     if unknown:
         raise ValueError(f"Unknown scheme(s) {sorted(unknown)}; choose from {list(SCHEMES)}.")
@@ -140,12 +170,12 @@ def build_configurations(
                     continue
                 if one_token_per_step(acceptance, tau) and scheme not in one_token_schemes:
                     continue
+                row = BenchConfiguration(scheme, float(tau), int(window), tau_window=tau_window)
                 if scheme != "block":
-                    configurations.append(BenchConfiguration(scheme, float(tau), int(window)))
+                    configurations.append(row)
                     continue
                 blocks = sorted({int(window) if str(c).upper() == "W" else int(c) for c in cache_blocks})
-                for block in blocks:
-                    configurations.append(BenchConfiguration(scheme, float(tau), int(window), block))
+                configurations += [dataclasses.replace(row, cache_block=block) for block in blocks]
     for window in windows:
         for layout in verify_layouts:
             configurations.append(BenchConfiguration("cursor", None, int(window), None, layout))

@@ -15,6 +15,7 @@ from mars_hf.decoding.memory import PlannerMemory
 from mars_hf.decoding.settings import resolve_mask_token
 from mars_hf.tools.bench.categories import categorised_batches, summarise_categories
 from mars_hf.tools.bench.configurations import (
+    DEFAULT_TAU_WINDOW,
     SCHEMES,
     BenchConfiguration,
     build_configurations,
@@ -92,6 +93,14 @@ class BenchArguments:
             "(run_benchmark's untrained_model): the masks' own value."
         },
     )
+    tau_window: str = field(
+        default=DEFAULT_TAU_WINDOW,
+        metadata={
+            "help": "How τ rows feed masks: 'planned' (the step planner sizes each step's mask group from what "
+            "τ keeps, mars_planner=True: masks that do not pay are not fed, so τ accepts other tokens) or "
+            "'fixed' (the paper's window at every step, generate's default)."
+        },
+    )
 
 
 def run_benchmark(
@@ -126,6 +135,7 @@ def run_benchmark(
         args.cpu_kernels,
         untrained_masks=args.untrained_masks,
         compiled=args.compiled,
+        tau_window=args.tau_window,
     )
     if "stock" not in args.schemes:
         raise ValueError(

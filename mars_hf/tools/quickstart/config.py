@@ -189,6 +189,15 @@ class QuickstartConfig:
     thresholds: tuple[float, ...] = dataclasses.field(
         default=QUICKSTART_THRESHOLDS, metadata={"help": "τ values evaluated."}
     )
+    tau_window: str = dataclasses.field(
+        default="planned",
+        metadata={
+            "help": "How the τ rows feed masks (tables and short benchmark): planned (the step planner sizes each "
+            "step's mask group from what τ keeps, mars_planner=True: masks that do not pay are not fed, which "
+            "changes the tokens τ can accept) or fixed (the paper's window W at every step, generate's default).",
+            "choices": ["planned", "fixed"],
+        },
+    )
     verify: bool = dataclasses.field(
         default=True,
         metadata={"help": "Also evaluate verified decoding (mars_acceptance='verify', lossless)."},

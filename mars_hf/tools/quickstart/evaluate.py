@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from mars_hf.evaluation.runs import DecodingRun, format_table, measure_decoding, run_label, summarize_runs
+from mars_hf.tools.bench.configurations import DEFAULT_TAU_WINDOW, tau_feed_kwargs
 from mars_hf.tools.divergence import judge_against_stock
 from mars_hf.tools.quickstart.budget import Deadline, answer_length_that_fits
 
@@ -61,10 +62,19 @@ SUMMARY_COLUMNS = [
 ]
 
 
-def _warm_up(model, tokenizer, ids, thresholds, with_verify: bool) -> None:
+def _warm_up(model, tokenizer, ids, thresholds, with_verify: bool, tau_kwargs: dict) -> None:
     """Pay the first calls' one-off costs (allocations, kernel selection) on a short decode, untimed."""
     short = list(ids)[:8]
-    measure_decoding(model, tokenizer, [short], thresholds, max_new_tokens=4, progress=False, warmup=False)
+    measure_decoding(
+        model,
+        tokenizer,
+        [short],
+        thresholds,
+        max_new_tokens=4,
+        progress=False,
+        warmup=False,
+        mars_kwargs=tau_kwargs,
+    )
     if with_verify:
         measure_decoding(
             model,
@@ -91,6 +101,7 @@ def evaluate_prompts(
     progress: bool = False,
     desc: str = "Evaluating stock, MARS at each τ and verify",
     warm_up: bool = True,
+    tau_window: str = DEFAULT_TAU_WINDOW,
 ) -> dict[str, DecodingRun]:
     """Batch 1: stock ``generate``, MARS at each τ and verified decoding, interleaved prompt by prompt.
 
@@ -98,7 +109,8 @@ def evaluate_prompts(
     decoding proposes every mask as a draft (proposal floor 0) and keeps only what the model's own
     next-token prediction confirms, so its output is the model's greedy output. Prompts are evaluated
     until ``minutes`` would be overrun (at least ``min_prompts``). ``warm_up=False``: the caller has
-    already paid the first calls' one-off costs (see :func:`fit_answer_length`).
+    already paid the first calls' one-off costs (see :func:`fit_answer_length`). ``tau_window``: how the τ rows
+    feed their masks (``mars_hf.tools.bench.configurations.TAU_WINDOWS``).
     """
     from tqdm.auto import tqdm
 
@@ -106,8 +118,9 @@ def evaluate_prompts(
     runs: dict[str, DecodingRun] = {}
     if not eval_ids:
         return runs
+    tau_kwargs = tau_feed_kwargs(tau_window)
     if warm_up:
-        _warm_up(model, tokenizer, eval_ids[0], thresholds, verify)
+        _warm_up(model, tokenizer, eval_ids[0], thresholds, verify, tau_kwargs)
     deadline = Deadline(minutes)
     bar = tqdm(eval_ids, desc=desc, unit="prompt", disable=not progress)
     for index, ids in enumerate(bar):
@@ -121,7 +134,14 @@ def evaluate_prompts(
             break
         started = time.monotonic()
         measured = measure_decoding(
-            model, tokenizer, [ids], thresholds, max_new_tokens=max_new_tokens, progress=False, warmup=False
+            model,
+            tokenizer,
+            [ids],
+            thresholds,
+            max_new_tokens=max_new_tokens,
+            progress=False,
+            warmup=False,
+            mars_kwargs=tau_kwargs,
         )
         if verify:
             verified = measure_decoding(
@@ -161,6 +181,7 @@ def evaluate(
         verify=config.verify,
         max_new_tokens=config.max_new_tokens,
         progress=config.progress,
+        tau_window=config.tau_window,
     )
 
 
@@ -175,6 +196,7 @@ def evaluate_both_batches(
     max_new_tokens: int = 128,
     progress: bool = False,
     desc: str = "Evaluating stock, MARS at each τ and verify at batch 1",
+    tau_window: str = DEFAULT_TAU_WINDOW,
 ) -> tuple[dict[str, DecodingRun], dict[str, DecodingRun], int]:
     """Batch 1, then groups of :data:`BATCH_SIZE` of the prompts batch 1 evaluated, within ``minutes``
     (about :data:`BATCH1_SHARE` / the rest): ``(batch-1 runs, batch-4 runs, answer length)``.
@@ -184,7 +206,7 @@ def evaluate_both_batches(
     (the first n tokens of a greedy answer are the greedy answer of length n).
     """
     deadline = Deadline(minutes)
-    configurations = _configurations(thresholds, verify)
+    configurations = _configurations(thresholds, verify, tau_window)
     work = [([eval_ids[0]], MIN_PROMPTS)] if eval_ids else []
     if len(eval_ids) >= BATCH_SIZE:
         work.append((list(eval_ids[:BATCH_SIZE]), 1))
@@ -202,6 +224,7 @@ def evaluate_both_batches(
         progress=progress,
         desc=desc,
         warm_up=not paced,
+        tau_window=tau_window,
     )
     evaluated = decoded_prompts(batch1)
     batch4 = evaluate_batched(
@@ -213,16 +236,19 @@ def evaluate_both_batches(
         minutes=None if minutes is None else deadline.left() / 60,
         max_new_tokens=length,
         warm_up=not paced,
+        tau_window=tau_window,
     )
     return batch1, batch4, length
 
 
-def _configurations(thresholds: Sequence[float], verify: bool) -> list[tuple[str, float | None, bool]]:
-    """``(label, τ or None for stock, verified)`` for every decoding a section compares."""
-    configurations = [(run_label(None), None, False)]
-    configurations += [(run_label(tau), float(tau), False) for tau in thresholds]
+def _configurations(
+    thresholds: Sequence[float], verify: bool, tau_window: str
+) -> list[tuple[str, float | None, dict]]:
+    """``(label, τ or None for stock, MARS keywords)`` for every decoding a section compares."""
+    configurations = [(run_label(None), None, {})]
+    configurations += [(run_label(tau), float(tau), tau_feed_kwargs(tau_window)) for tau in thresholds]
     if verify:
-        configurations.append((VERIFY_LABEL, 0.0, True))
+        configurations.append((VERIFY_LABEL, 0.0, {"mars_acceptance": "verify"}))
     return configurations
 
 
@@ -234,9 +260,11 @@ def pace(model, tokenizer, rows: Sequence[Sequence[int]], configurations, tokens
     slow side.
     """
     seconds = 0.0
-    for _, tau, verified in configurations:
-        decode_batch(model, tokenizer, rows, tau, max_new_tokens=2, verify=verified)
-        seconds += decode_batch(model, tokenizer, rows, tau, max_new_tokens=tokens, verify=verified)[2]
+    for _, tau, mars_kwargs in configurations:
+        decode_batch(model, tokenizer, rows, tau, max_new_tokens=2, mars_kwargs=mars_kwargs)
+        seconds += decode_batch(model, tokenizer, rows, tau, max_new_tokens=tokens, mars_kwargs=mars_kwargs)[
+            2
+        ]
     return seconds / tokens
 
 
@@ -264,12 +292,18 @@ def fit_answer_length(model, tokenizer, work, configurations, deadline: Deadline
 
 @torch.no_grad()
 def decode_batch(
-    model, tokenizer, rows: Sequence[Sequence[int]], threshold: float | None, *, max_new_tokens, verify=False
+    model,
+    tokenizer,
+    rows: Sequence[Sequence[int]],
+    threshold: float | None,
+    *,
+    max_new_tokens,
+    mars_kwargs=None,
 ):
     """Greedy-decode ``rows`` together (left-padded). Returns ``(outputs per row, batch forwards, seconds)``.
 
     ``threshold`` None is stock ``generate``: one forward per generated column. MARS reports its own
-    forward count (the prompt's included).
+    forward count (the prompt's included); ``mars_kwargs``: its other MARS keywords (verify, τ's feed).
     """
     from mars_hf.evaluation.runs import greedy_generate, greedy_kwargs
     from mars_hf.models.eos import eos_token_ids, pad_token_id, trim_at_eos
@@ -285,8 +319,7 @@ def decode_batch(
     )
     model.eval()
     start = time.perf_counter()
-    extra = {"mars_acceptance": "verify"} if verify else {}
-    sequences, forwards = greedy_generate(model, kwargs, threshold, extra)
+    sequences, forwards = greedy_generate(model, kwargs, threshold, mars_kwargs)
     if forwards is None:  # stock: one forward per generated column
         forwards = sequences.shape[1] - width
     seconds = time.perf_counter() - start
@@ -306,6 +339,7 @@ def evaluate_batched(
     min_groups: int = 1,
     max_new_tokens: int = 128,
     warm_up: bool = True,
+    tau_window: str = DEFAULT_TAU_WINDOW,
 ) -> dict[str, DecodingRun]:
     """Groups of ``batch_size`` prompts decoded together by stock, each τ and verify, interleaved per group.
 
@@ -313,24 +347,26 @@ def evaluate_batched(
     tokens per forward = generated tokens / (rows × batch forwards), as in ``mars-hf bench``: a row
     that ends early idles through the rest of its group's forwards, stock included.
     """
-    configurations = _configurations(thresholds, verify)
+    configurations = _configurations(thresholds, verify, tau_window)
     runs = {label: DecodingRun(label, tau) for label, tau, _ in configurations}
     groups = [
         list(eval_ids[i : i + batch_size]) for i in range(0, len(eval_ids) - batch_size + 1, batch_size)
     ]
     if not groups:
         return {}
-    for _, tau, verified in configurations if warm_up else ():  # warm-up at this batch shape, untimed
-        decode_batch(model, tokenizer, [ids[:8] for ids in groups[0]], tau, max_new_tokens=4, verify=verified)
+    for _, tau, mars_kwargs in configurations if warm_up else ():  # warm-up at this batch shape, untimed
+        decode_batch(
+            model, tokenizer, [ids[:8] for ids in groups[0]], tau, max_new_tokens=4, mars_kwargs=mars_kwargs
+        )
     deadline = Deadline(minutes)
     for index, group in enumerate(groups):
         if index >= min_groups and not deadline.allows_another():
             logger.info("Batch-%d budget reached: %d of %d groups evaluated.", batch_size, index, len(groups))
             break
         started = time.monotonic()
-        for label, tau, verified in configurations:
+        for label, tau, mars_kwargs in configurations:
             outputs, forwards, seconds = decode_batch(
-                model, tokenizer, group, tau, max_new_tokens=max_new_tokens, verify=verified
+                model, tokenizer, group, tau, max_new_tokens=max_new_tokens, mars_kwargs=mars_kwargs
             )
             run = runs[label]
             run.outputs += outputs
@@ -355,6 +391,7 @@ def evaluate_shipped(
     max_new_tokens: int = 128,
     progress: bool = False,
     divergence_reference=None,
+    tau_window: str = DEFAULT_TAU_WINDOW,
 ) -> dict:
     """The shipped model at batch 1 then batch 4 within ``minutes`` (about 60 % / 40 %).
 
@@ -375,6 +412,7 @@ def evaluate_shipped(
         max_new_tokens=max_new_tokens,
         progress=progress,
         desc="Shipped embedded-mars: stock, τ, verify at batch 1",
+        tau_window=tau_window,
     )
     reference = batch1["stock"].outputs
     evaluated = len(reference)

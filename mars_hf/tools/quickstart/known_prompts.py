@@ -94,6 +94,7 @@ def bench_arguments(config: QuickstartConfig, max_new_tokens: int) -> BenchArgum
         cost_repeats=0,
         cpu_kernels=["auto"],
         compiled=config.bench_compile,
+        tau_window=config.tau_window,
     )
 
 

@@ -247,6 +247,7 @@ def shipped_evaluation(config: QuickstartConfig, bf16: bool) -> dict:
         max_new_tokens=config.max_new_tokens,
         progress=config.progress,
         divergence_reference=_float32_copy(folder) if narrower_than_float32(dtype) else None,
+        tau_window=config.tau_window,
     )
     del model
     return {"checkpoint": str(folder), **result, "seconds": time.monotonic() - start}
