@@ -278,3 +278,27 @@ def test_the_servers_kernels_come_from_its_flag(flag, expected):
     model = enable_mars(tiny_model("llama", tokenizer=tok, dtype=torch.float32))
     _, scheduler = build_server(model, tok, config)
     assert config.cpu_kernels == expected and scheduler.engine.decoder.cpu_kernels == expected
+
+
+@pytest.mark.parametrize("flag, planned", [([], True), (["--tau-window", "fixed"], False)])
+def test_the_servers_tau_window_comes_from_its_flag(flag, planned):
+    """`mars-hf serve` plans τ rows' mask groups by default (our command: mars_planner=True), and `--tau-window
+    fixed` feeds the paper's W masks at every step: a served τ = 0 row's plan counts say which ran."""
+    from mars_hf.cli import build_parser
+    from mars_hf.commands.serve import server_config
+    from mars_hf.decoding.decoder import RowSettings
+
+    config = server_config(build_parser().parse_args(["serve", "some-model", *flag]))
+    tok = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tok, dtype=torch.float32))
+    _, scheduler = build_server(model, tok, config)
+    engine = scheduler.engine
+    row = engine.add_row(tok(PROMPTS[0])["input_ids"], RowSettings(threshold=0.0, max_new_tokens=6))
+    finished = False
+    while not finished:
+        finished = any(update.finished for update in engine.step() if update.row_id == row)
+    counts = engine.decoder.plan_counts
+    assert config.tau_window == ("planned" if planned else "fixed")
+    assert ("fixed" not in counts) if planned else (set(counts) == {"fixed"}), counts
+    with pytest.raises(ValueError, match="tau_window"):
+        ServerConfig(tau_window="sometimes")

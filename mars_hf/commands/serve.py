@@ -28,6 +28,7 @@ SERVER_FLAGS = {
     "shutdown_grace": "shutdown_grace_s",
     "max_body_bytes": "max_body_bytes",
     "cpu_kernels": "cpu_kernels",
+    "tau_window": "tau_window",
 }
 CONTROLLER_FLAGS = {"tau_min": "tau_min", "tau_max": "tau_max", "wait_high": "wait_high_s"}
 SECURITY_FLAGS = {
@@ -97,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="On SIGTERM/SIGINT: seconds running requests get to finish (new and queued ones get 503 at once; "
         "those still running after it get a 503, or an SSE error event then [DONE]).",
+    )
+    parser.add_argument(
+        "--tau-window",
+        choices=["planned", "fixed"],
+        help="How rows with τ < 1 feed masks: planned (default: the step planner sizes each step's mask group, "
+        "mars_planner=True; masks that do not pay are not fed, which changes the tokens τ accepts) or fixed (the "
+        "paper's window W at every step).",
     )
     parser.add_argument("--tau-min", type=float, help="Lowest τ the load controller may choose.")
     parser.add_argument(

@@ -127,7 +127,14 @@ class DecoderEngine:
     """
 
     def __init__(
-        self, model, *, max_rows: int = 8, max_length: int = 2048, cache: str = "cursor", cpu_kernels: str = "auto"
+        self,
+        model,
+        *,
+        max_rows: int = 8,
+        max_length: int = 2048,
+        cache: str = "cursor",
+        cpu_kernels: str = "auto",
+        plan_tau: bool = True,
     ):
         mars = model_defaults(model)  # config.mars with enable_mars's overrides
         if "block_size" not in mars or "mask_token_id" not in mars:
@@ -163,6 +170,7 @@ class DecoderEngine:
             cache=cache,
             cpu_kernels=cpu_kernels,
             cost_memory=self.planner_memory,
+            planner=plan_tau,  # τ rows' mask groups sized by the planner (our command's default), or W every step
         )
         self._make_decoder = lambda kv_cache=None: MARSBatchDecoder(
             model,

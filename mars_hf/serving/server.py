@@ -46,6 +46,14 @@ class ServerConfig:
             "packed ones where they measure faster, unlike generate, whose default path is stock."
         },
     )
+    tau_window: str = field(
+        default="planned",
+        metadata={
+            "help": "How rows with τ < 1 feed masks: 'planned' (the step planner sizes each step's mask group from "
+            "what the row keeps and the batch's measured step cost, mars_planner=True: masks that do not pay are "
+            "not fed, so τ accepts other tokens than the paper's window would) or 'fixed' (W masks every step)."
+        },
+    )
     max_queue: int = field(default=64, metadata={"help": "Waiting requests before 429."})
     max_prompt_tokens: int = field(default=1536, metadata={"help": "Longest prompt accepted."})
     max_new_tokens: int = field(default=512, metadata={"help": "Largest max_tokens accepted."})
@@ -65,6 +73,10 @@ class ServerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self):
+        if self.tau_window not in ("planned", "fixed"):
+            raise ValueError(
+                f"`tau_window` (--tau-window) must be 'planned' or 'fixed', got {self.tau_window!r}."
+            )
         limits = ("max_rows", "max_length", "max_queue", "max_prompt_tokens", "max_new_tokens")
         for name in limits + ("default_max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
@@ -141,7 +153,11 @@ def build_server(model_or_engine, tokenizer, config: ServerConfig, *, host: str 
     else:
         positions = cap_to_model_positions(config, model_or_engine)
         engine = DecoderEngine(
-            model_or_engine, max_rows=config.max_rows, max_length=config.max_length, cpu_kernels=config.cpu_kernels
+            model_or_engine,
+            max_rows=config.max_rows,
+            max_length=config.max_length,
+            cpu_kernels=config.cpu_kernels,
+            plan_tau=config.tau_window == "planned",
         )
     controller = TauController(config.controller, slots=engine.max_rows)
     scheduler = Scheduler(engine, controller, ServingMetrics(), max_queue=config.max_queue)
