@@ -480,6 +480,10 @@ def test_the_generate_command_takes_cpu_kernels_and_says_which_ran(
     captured = capsys.readouterr()
     assert captured.out == stock_text
     expected = ran or "stock"  # the default, auto, asks the (forced) measurement
-    assert f"linear layers: {expected} (--cpu-kernels {choice or 'auto'})]" in captured.err
+    # τ = 1 decodes one token per step: no mask group for the planner to size
+    assert (
+        f"linear layers: {expected} (--cpu-kernels {choice or 'auto'}); τ window: fixed (--tau-window)]"
+        in captured.err
+    )
     assert "[path: eager; float32;" in captured.err
     assert bool(decided) == (choice is None)

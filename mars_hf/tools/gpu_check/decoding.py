@@ -28,6 +28,8 @@ class CheckConfiguration(BenchConfiguration):
 
     acceptance: str = "probability"
     layout: str | None = None
+    # the paper's window: the check predicts τ's tokens per forward from the forced acceptance pattern
+    tau_window: str = "fixed"
 
     @property
     def label(self) -> str:
