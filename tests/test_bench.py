@@ -333,6 +333,7 @@ def test_bench_cli_on_a_saved_tiny_model(tmp_path, capsys):
     )
     assert code == 0
     out = capsys.readouterr().out
+    assert "note: τ < 1 rows with a cache feed the masks the step planner expects to pay" in out  # says which
     json_line = next(line for line in out.splitlines() if line.startswith("JSON: "))
     result = json.loads(json_line[len("JSON: ") :])
     mars_rows = [(s, t, la) for s, t, la in [("cursor", 1.0, None), ("cursor", 0.5, None), ("block", 0.5, None),

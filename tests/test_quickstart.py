@@ -112,6 +112,7 @@ def test_quickstart_end_to_end_toy(tiny_model_dir, tmp_path, method, monkeypatch
     assert mars["calibration"]["num_examples"] == 2 == results["training"]["calibration"]["num_examples"]
     assert mars["calibration"]["method"] == "isotonic"
     assert "stock" in summary(results) and "tokens/forward" in summary(results)
+    assert "τ rows: masks fed where the step planner expects them to pay" in summary(results)  # the default
 
     # A rerun reuses the cached self-distillation and reference.
     again = run_quickstart(config)

@@ -221,6 +221,13 @@ def run(args) -> int:
         categories=categories,
         untrained_model=untrained_model,
     )
+    if any(0 <= tau < 1 for tau in args.taus):
+        notes.append(
+            "τ < 1 rows with a cache feed the masks the step planner expects to pay (--tau-window planned, "
+            "mars_planner=True), which changes what τ accepts; --tau-window fixed: the paper's W masks every step"
+            if args.tau_window == "planned"
+            else "τ rows feed the paper's W masks every step (--tau-window fixed)"
+        )
     result["notes"] = notes
     result["dataset"] = args.dataset
     table = format_table(result)

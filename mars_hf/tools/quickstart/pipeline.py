@@ -619,6 +619,17 @@ def summary(results: dict) -> str:
         "difference; batch 4 tokens/forward: tokens / (4 × batch forwards), so rows that end early "
         "lower stock too; vs stock: speed against stock generate at the same batch."
     )
+    planned = results["config"].get("tau_window", "fixed") == "planned"  # results of older releases: fixed
+    header.append(
+        "τ rows: "
+        + (
+            "masks fed where the step planner expects them to pay (mars_planner=True)"
+            if planned
+            else "W masks every step"
+        )
+        + "; --tau-window "
+        + ("fixed for the paper's window." if planned else "planned to let the planner size them.")
+    )
     lines = [*header, "", results_table(results), ""]
     if results.get("bench"):
         lines += [bench_table(results["bench"], results.get("checkpoint")), ""]
