@@ -87,6 +87,14 @@ def test_tau_rows_plan_their_window_unless_fixed():
             assert c.label.endswith("window=fixed") == (feeds and window == "fixed"), c.label
     with pytest.raises(ValueError, match="tau_window"):
         build_configurations([0.9], [4], tau_window="sometimes")
+    # eager rows plan on the measured curve, but a planned τ row on the assumed one (its text never follows timing)
+    from mars_hf.decoding.memory import PlannerMemory
+    from mars_hf.tools.bench.measure import _generate_kwargs
+
+    memory = PlannerMemory()
+    for c in build_configurations([0.9], [4], schemes=["stock", "cursor"], verify_layouts=["auto"]):
+        probed = "mars_cost_probe" in _generate_kwargs(c, "probability", None, None, memory)
+        assert probed == (c.scheme != "stock" and not c.feeds_tau), c.label
 
 
 def test_count_generated_tokens_stops_at_first_eos():

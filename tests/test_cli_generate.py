@@ -339,5 +339,8 @@ def test_tau_rows_plan_their_window_by_default_and_say_so(saved_model, capsys, m
     ):
         assert main(base + extra) == 0
         err = capsys.readouterr().err
-        assert calls.pop().get("mars_planner", False) is planned, extra
+        call = calls.pop()
+        assert call.get("mars_planner", False) is planned, extra
+        # a planned window plans on generate's assumed curve: nothing timed, the same text every run
+        assert ("mars_cost_probe" in call) is not planned, extra
         assert (said in err) if said else ("τ window" not in err), (extra, err)

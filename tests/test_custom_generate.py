@@ -93,22 +93,25 @@ def test_writing_over_an_older_release_removes_its_files(tmp_path):
     assert not (target / "gated_kernel.py").exists()
 
 
-def test_the_rules_seeds_and_calibration_are_the_librarys_own_modules(tmp_path):
-    """custom_generate/rules.py, sampling.py and calibration.py are mars_hf/decoding's own modules, copied verbatim
-    (the acceptance rules' primitives, the keyed draws and the calibrated confidence have one implementation),
-    nothing of those names is kept apart in custom_generate_src/, and the shipped acceptance uses the rules."""
+def test_the_rules_processing_seeds_and_calibration_are_the_librarys_own_modules(tmp_path):
+    """custom_generate/rules.py, processing.py, sampling.py and calibration.py are mars_hf/decoding's own modules,
+    copied verbatim (the acceptance rules' primitives, the logits processors at provisional prefixes, the keyed
+    draws and the calibrated confidence have one implementation), nothing of those names is kept apart in
+    custom_generate_src/, and the shipped acceptance uses the rules and the library's processing."""
     from mars_hf.decoding import calibration as mars_calibration
+    from mars_hf.decoding import processing as mars_processing
     from mars_hf.decoding import rules as mars_rules
 
     target = tmp_path / "custom_generate"
     write_custom_generate(target)
-    assert set(LIBRARY_FILES) == {"rules.py", "sampling.py", "calibration.py"}
-    for module in (mars_sampling, mars_rules, mars_calibration):
+    assert set(LIBRARY_FILES) == {"rules.py", "processing.py", "sampling.py", "calibration.py"}
+    for module in (mars_sampling, mars_rules, mars_processing, mars_calibration):
         name = Path(module.__file__).name
         assert (target / name).read_bytes() == Path(module.__file__).read_bytes(), name
         assert not (SOURCE_DIR / name).exists()
     shipped = (target / "acceptance.py").read_text()
     assert "from .rules import" in shipped and "def confidence" not in shipped
+    assert "from .processing import ScoreProcessing" in shipped and "_by_prefix" not in shipped
     assert "class Calibration" not in shipped
 
 

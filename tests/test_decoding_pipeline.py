@@ -35,6 +35,7 @@ HELPERS = (
     "stats",
     "sampling",
     "rules",
+    "processing",
     "cache",
     "calibration",
     "settings",

@@ -197,14 +197,18 @@ def test_the_scheduler_routes_the_decoders_kernels_once_for_its_whole_loop(monke
     tok = tiny_tokenizer()
     model = enable_mars(tiny_model("llama", tokenizer=tok, dtype=torch.float32))
     installs, install = [], cpu_kernels._install
-    monkeypatch.setattr(cpu_kernels, "_install", lambda linear, *rest: (installs.append(linear), install(linear, *rest))[1])
+    monkeypatch.setattr(
+        cpu_kernels, "_install", lambda linear, *rest: (installs.append(linear), install(linear, *rest))[1]
+    )
     monkeypatch.setattr(cpu_kernels, "use_packed", lambda model, mode="auto": True)
     prompt = tok(PROMPTS[0])["input_ids"]
     ids = torch.tensor([prompt])
     expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     engine = DecoderEngine(model, max_rows=2, max_length=96)  # measures its cost curves on packed kernels
     installs.clear()
-    scheduler = Scheduler(engine, TauController(ControllerConfig(tau_min=1.0, tau_max=1.0, enabled=False), slots=2))
+    scheduler = Scheduler(
+        engine, TauController(ControllerConfig(tau_min=1.0, tau_max=1.0, enabled=False), slots=2)
+    )
     settings = RowSettings(threshold=1.0, max_new_tokens=12, eos_token_ids=(tok.eos_token_id,))
     request = GenerationRequest(list(prompt), settings, pinned=True)
     served = []
@@ -280,10 +284,11 @@ def test_the_servers_kernels_come_from_its_flag(flag, expected):
     assert config.cpu_kernels == expected and scheduler.engine.decoder.cpu_kernels == expected
 
 
-@pytest.mark.parametrize("flag, planned", [([], True), (["--tau-window", "fixed"], False)])
+@pytest.mark.parametrize("flag, planned", [([], False), (["--tau-window", "planned"], True)])
 def test_the_servers_tau_window_comes_from_its_flag(flag, planned):
-    """`mars-hf serve` plans τ rows' mask groups by default (our command: mars_planner=True), and `--tau-window
-    fixed` feeds the paper's W masks at every step: a served τ = 0 row's plan counts say which ran."""
+    """`mars-hf serve` feeds τ rows the paper's W masks at every step by default (a request that pins τ gets the
+    same text whatever is served beside it), and `--tau-window planned` lets the planner size them
+    (mars_planner=True): a served τ = 0 row's plan counts say which ran."""
     from mars_hf.cli import build_parser
     from mars_hf.commands.serve import server_config
     from mars_hf.decoding.decoder import RowSettings

@@ -102,9 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tau-window",
         choices=["planned", "fixed"],
-        help="How rows with τ < 1 feed masks: planned (default: the step planner sizes each step's mask group, "
-        "mars_planner=True; masks that do not pay are not fed, which changes the tokens τ accepts) or fixed (the "
-        "paper's window W at every step).",
+        help="How rows with τ < 1 feed masks: fixed (default: the paper's window W at every step, so a request that "
+        "pins τ gets the same text whatever else is served) or planned (the step planner sizes each step's mask "
+        "group on the batch's measured step cost, mars_planner=True; masks that do not pay are not fed, and τ's "
+        "text then depends on the batch and the timing).",
     )
     parser.add_argument("--tau-min", type=float, help="Lowest τ the load controller may choose.")
     parser.add_argument(

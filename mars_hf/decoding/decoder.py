@@ -15,7 +15,8 @@ One verify step, from ``generate`` to the kept tokens, runs through five modules
 Helpers they call hold no decisions: ``layouts`` (a plan as columns, and packing a step's tensors),
 ``cost_model`` (the measured cost curve), ``memory`` (the caller's ``PlannerMemory``: measured curves and what
 the planner learnt, kept between calls), ``stats`` (what the planner has observed), ``sampling`` (keyed
-noise), ``cache`` (the KV store and commit schemes), ``calibration`` (confidence maps), ``settings``.
+noise), ``rules`` (the rules' primitives), ``processing`` (the logits processors at provisional prefixes),
+``cache`` (the KV store and commit schemes), ``calibration`` (confidence maps), ``settings``.
 
 A server drives the decoder directly (``add_row`` / ``step`` / ``drop_row``). Live rows occupy KV slots
 ``0 … n-1``: a row that leaves is replaced by the last one (one row copy), so memory is bounded by

@@ -3,8 +3,9 @@
 ``model.generate(custom_generate=<repo>, trust_remote_code=True, mars_threshold=...)`` runs
 ``custom_generate/generate.py`` with its sibling modules beside it (transformers resolves the relative import of
 a sibling file both for local folders and Hub repos). The files are ``mars_hf/hub/custom_generate_src/`` and the
-library's own modules, verbatim (``LIBRARY_FILES``): the acceptance rules' primitives (``rules.py``), the seed
-contract (``sampling.py``) and the confidence calibration (``calibration.py``). Together: τ and
+library's own modules, verbatim (``LIBRARY_FILES``): the acceptance rules' primitives (``rules.py``), the logits
+processors at provisional prefixes (``processing.py``), the seed contract (``sampling.py``) and the confidence
+calibration (``calibration.py``). Together: τ and
 verified decoding (greedy and sampled, same seed contract as mars_hf), a cropped ``DynamicCache``, the gated
 adapter in torch; no planner, kernels or probes, so that a reader can audit what ``trust_remote_code`` runs.
 Every shipped file is checked to import only torch, transformers, safetensors, the standard library and the
@@ -23,12 +24,13 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent / "custom_generate_src"
 # The files copied into ``custom_generate/`` (same names there).
 CUSTOM_GENERATE_FILES = (
-    "generate.py", "decoder.py", "acceptance.py", "rules.py", "sampling.py", "calibration.py", "gated_lora.py",
+    "generate.py", "decoder.py", "acceptance.py", "rules.py", "processing.py", "sampling.py", "calibration.py",
+    "gated_lora.py",
 )  # fmt: skip
 # Shipped files that are the library's own modules, copied verbatim (one set of rules, not two copies kept equal).
 LIBRARY_FILES = {
     name: Path(__file__).resolve().parent.parent / "decoding" / name
-    for name in ("rules.py", "sampling.py", "calibration.py")
+    for name in ("rules.py", "processing.py", "sampling.py", "calibration.py")
 }
 # What custom_generate/ may import: transformers checks requirements.txt, Python the rest.
 ALLOWED_IMPORTS = {"torch", "transformers", "safetensors", "__future__"}

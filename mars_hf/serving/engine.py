@@ -134,7 +134,7 @@ class DecoderEngine:
         max_length: int = 2048,
         cache: str = "cursor",
         cpu_kernels: str = "auto",
-        plan_tau: bool = True,
+        plan_tau: bool = False,
     ):
         mars = model_defaults(model)  # config.mars with enable_mars's overrides
         if "block_size" not in mars or "mask_token_id" not in mars:
@@ -170,7 +170,7 @@ class DecoderEngine:
             cache=cache,
             cpu_kernels=cpu_kernels,
             cost_memory=self.planner_memory,
-            planner=plan_tau,  # τ rows' mask groups sized by the planner (our command's default), or W every step
+            planner=plan_tau,  # τ rows' mask groups sized by the planner (`--tau-window planned`), or W every step
         )
         self._make_decoder = lambda kv_cache=None: MARSBatchDecoder(
             model,

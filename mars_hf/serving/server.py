@@ -47,11 +47,12 @@ class ServerConfig:
         },
     )
     tau_window: str = field(
-        default="planned",
+        default="fixed",
         metadata={
-            "help": "How rows with τ < 1 feed masks: 'planned' (the step planner sizes each step's mask group from "
-            "what the row keeps and the batch's measured step cost, mars_planner=True: masks that do not pay are "
-            "not fed, so τ accepts other tokens than the paper's window would) or 'fixed' (W masks every step)."
+            "help": "How rows with τ < 1 feed masks: 'fixed' (W masks every step, the paper's window: a request that "
+            "pins τ gets the same text whatever else is served) or 'planned' (the step planner sizes each step's "
+            "mask group from what the row keeps and the batch's measured step cost, mars_planner=True: masks that do "
+            "not pay are not fed, so τ's text then depends on the batch and the measured costs)."
         },
     )
     max_queue: int = field(default=64, metadata={"help": "Waiting requests before 429."})

@@ -11,52 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .rules import POSITION_FREE_PROCESSORS, choose, confidence, passes, threshold_count, verify_drafts
-
-
-class Processing:
-    """The call's logits processors, applied to predictions whose prefixes differ.
-
-    ``sequences``: the batch's tokens in stock ``generate``'s layout (what processors and stopping criteria
-    call ``input_ids``); the decoder writes accepted and provisional tokens into it.
-    """
-
-    def __init__(self, processors, sequences: torch.Tensor):
-        self.processors = list(processors or [])
-        self.position_free = all(isinstance(p, POSITION_FREE_PROCESSORS) for p in self.processors)
-        self.sequences = sequences
-
-    def __call__(self, scores, rows=(), lengths=(), free_only=False):
-        """``scores[i]`` as the prediction after ``sequences[rows[i], :lengths[i]]`` (``free_only``: only the
-        position-free processors, for drafts, which an exact check makes harmless)."""
-        placeholder = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        for processor in self.processors:
-            if isinstance(processor, POSITION_FREE_PROCESSORS):
-                scores = processor(placeholder, scores)
-            elif not free_only:
-                scores = self._by_prefix(processor, scores, rows, lengths)
-        return scores
-
-    def _by_prefix(self, processor, scores, rows, lengths):
-        """One call per prefix length on the whole buffer (a processor may keep state per batch row)."""
-        out = torch.empty_like(scores)
-        for length in sorted(set(lengths)):
-            members = [i for i, n in enumerate(lengths) if n == length]
-            index = torch.tensor([rows[i] for i in members], device=scores.device)
-            picked = torch.tensor(members, device=scores.device)
-            full = scores.new_zeros((self.sequences.shape[0], scores.shape[-1]))
-            full[index] = scores[picked]
-            out[picked] = processor(self.sequences[:, :length], full)[index]
-        return out
-
-    def write(self, places, tokens) -> None:
-        """Tokens at ``(batch row, column)`` places of the buffer."""
-        if places:
-            rows = torch.tensor([b for b, _ in places], device=self.sequences.device)
-            columns = torch.tensor([c for _, c in places], device=self.sequences.device)
-            self.sequences[rows, columns] = torch.tensor(
-                tokens, dtype=torch.long, device=self.sequences.device
-            )
+from .processing import ScoreProcessing
+from .rules import choose, confidence, passes, threshold_count, verify_drafts
 
 
 def places(row, first: int, count: int):
@@ -71,20 +27,20 @@ def _joined(rows, spans, first_of):
     return [p for row, (_, count) in zip(rows, spans) for p in places(row, first_of(row), count)]
 
 
-def threshold_rule(rows, raw, spans, processing: Processing, metric: str, calibration, max_new: int):
+def threshold_rule(rows, raw, spans, processing: ScoreProcessing, metric: str, calibration, max_new: int):
     """τ: prediction 0 always, then mask predictions left to right while they pass τ (MARS_SPEC §2).
 
     Returns ``(scores, [(tokens kept, in order) per row])``; the caller cuts at EOS / stop criteria.
     """
     if processing.position_free:
-        scores = processing(raw)
+        scores = processing.free(raw)
         tokens = choose(scores, _joined(rows, spans, lambda row: 0))
     else:  # prediction j sees the tokens chosen at 0 … j-1
         scores, tokens = torch.empty_like(raw), torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
         for j in range(max(count for _, count in spans)):
             active = [(row, start + j) for row, (start, count) in zip(rows, spans) if j < count]
             flat = [k for _, k in active]
-            picked = processing(
+            picked = processing.at_prefixes(
                 raw[flat], [row.b for row, _ in active], [row.column + j for row, _ in active]
             )
             noise = None if rows[0].noise is None else [places(row, j, 1)[0] for row, _ in active]
@@ -103,20 +59,20 @@ def threshold_rule(rows, raw, spans, processing: Processing, metric: str, calibr
     return scores, kept
 
 
-def verify_rule(rows, raw, spans, processing: Processing):
+def verify_rule(rows, raw, spans, processing: ScoreProcessing):
     """Check each row's drafts against the model's own choices (MARS_SPEC §6): its argmax, or its keyed draw
     (an exact match either way). Check ``j`` decides the token at ``length + j``.
 
     Returns ``(scores, [(drafts kept, the model's token after them) per row])``.
     """
     if processing.position_free:
-        scores = processing(raw)
+        scores = processing.free(raw)
     else:
         for row in rows:
             processing.write([(row.b, row.column + j) for j in range(len(row.drafts))], row.drafts)
         batch_rows = [row.b for row, (_, count) in zip(rows, spans) for _ in range(count)]
         lengths = [row.column + j for row, (_, count) in zip(rows, spans) for j in range(count)]
-        scores = processing(raw, batch_rows, lengths)
+        scores = processing.at_prefixes(raw, batch_rows, lengths)
     own = choose(scores, _joined(rows, spans, lambda row: 0)).tolist()
     outcome = []
     for row, (start, _) in zip(rows, spans):
@@ -125,12 +81,12 @@ def verify_rule(rows, raw, spans, processing: Processing):
     return scores, outcome
 
 
-def propose_drafts(followers, raw, spans, processing: Processing, calibration, max_new: int) -> None:
+def propose_drafts(followers, raw, spans, processing: ScoreProcessing, calibration, max_new: int) -> None:
     """New drafts from the masks after each follower's kept prefix (``followers``: ``(row, drafts kept, tokens
     kept this step)``); a sampled row's draft at ``t`` is its mask's keyed draw at ``t``. Drafts stop at the first
     whose (calibrated) probability is below the row's proposal floor."""
     rows = [row for row, _, _ in followers]
-    scores = processing(raw, free_only=True)
+    scores = processing.for_drafts(raw)
     if rows[0].noise is not None:
         kept_of = {id(row): kept for row, kept, _ in followers}
         tokens = choose(scores, _joined(rows, spans, lambda row: kept_of[id(row)] + 1))

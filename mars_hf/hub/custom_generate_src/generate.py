@@ -35,10 +35,10 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .acceptance import Processing
 from .calibration import ConfidenceCalibration, calibration_for
 from .decoder import Decoder
 from .gated_lora import attach_checkpoint
+from .processing import ScoreProcessing
 from .rules import ACCEPTANCE_RULES
 from .sampling import draw_seed
 
@@ -206,7 +206,7 @@ def mars_generate(
     pad = _pad_token(generation_config, eos)
     buffer = torch.full((batch_size, prompt_length + max_new + settings.window + 2), pad, dtype=torch.long)
     buffer[:, :prompt_length] = input_ids
-    processing = Processing(logits_processor, buffer.to(input_ids.device))
+    processing = ScoreProcessing(logits_processor, buffer.to(input_ids.device))
     decoder = Decoder(
         model, input_ids, leads, settings, processing, criteria or None, eos, max_new, pad, seed
     )

@@ -112,7 +112,8 @@ def _generate_kwargs(configuration, acceptance, model, cache_length: int | None,
             kwargs["max_cache_len"] = cache_length
         return kwargs
     kwargs = configuration.generate_kwargs(acceptance)
-    if configuration.scheme != "stock" and memory is not None:
+    # a planned τ row plans on the assumed curve: what τ keeps then never depends on the timing (repeats agree)
+    if configuration.scheme != "stock" and memory is not None and not kwargs.get("mars_planner"):
         kwargs["mars_cost_probe"] = memory
     return kwargs
 
