@@ -154,11 +154,13 @@ def test_a_step_is_cut_at_the_first_stop_whichever_kind():
     from types import SimpleNamespace
 
     from mars_hf.decoding.acceptance import StepLogits
+    from mars_hf.decoding.processing import ScoreProcessing
 
     def stop_after_five(buffer, scores):
         return buffer[:, -1] == 5
 
-    row = SimpleNamespace(eos={9}, column=0, batch_index=0, processing=SimpleNamespace(sequences=torch.zeros(1, 8, dtype=torch.long)))
+    processing = ScoreProcessing(None, torch.zeros(1, 8, dtype=torch.long))
+    row = SimpleNamespace(eos={9}, column=0, batch_index=0, processing=processing)
     step = StepLogits(None, None, stopping_criteria=stop_after_five)
     assert step.stops(row, [3, 5, 9, 4]) == ([3, 5], "stop")
     assert step.stops(row, [3, 9, 5, 4]) == ([3, 9], "stop")
