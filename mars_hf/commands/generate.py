@@ -219,11 +219,10 @@ def run(args) -> int:
         # one answer: compile time matters more than a step's (a later process then compiles in about 15 s)
         generate_kwargs.update(compiled_path(device=str(model.device), freezing=False))
         generate_kwargs.pop("mars_cpu_kernels")  # the compiler chooses the kernels
-    elif (
-        not plans_tau
-    ):  # eager: the planner on the step costs measured here (generate times nothing unless asked)
+    elif not plans_tau:
+        # eager: the planner on the step costs measured here (generate times nothing unless asked); a planned τ
+        # window plans on generate's assumed curve instead (nothing timed: the same command gives the same text)
         generate_kwargs["mars_cost_probe"] = True
-    # a planned τ window plans on generate's assumed curve (nothing timed): the same command gives the same text
     with torch.no_grad():
         output = model.generate(**inputs, **generate_kwargs)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
