@@ -85,7 +85,7 @@ class BenchConfiguration:
             kwargs.update(mars_acceptance="verify", mars_layout=self.layout)
         else:
             kwargs.update(mars_threshold=self.tau, mars_acceptance=acceptance)
-            if self.feeds_tau and not one_token_per_step(acceptance, self.tau):
+            if self.feeds_tau:  # τ < 1: never one token per step
                 kwargs.update(tau_feed_kwargs(self.tau_window))
         if self.cache_block is not None:
             kwargs["mars_cache_block"] = self.cache_block
