@@ -269,6 +269,30 @@ def test_the_engine_measures_every_batch_size_at_start_and_never_while_serving(m
         assert tok.decode(tokens, skip_special_tokens=True) == reference(model, tok, prompt, lengths[prompt])
 
 
+def test_a_cost_curve_given_after_start_up_replaces_the_measured_ones(monkeypatch):
+    """The engine measures every bucket's curve at start-up; a curve given afterwards (``decoder.cost_given``,
+    "settable between steps") is the one the next step plans on, for every bucket, not the start-up probe's."""
+    from mars_hf.decoding import cost_model
+    from mars_hf.decoding.cost_model import CostTable
+    from mars_hf.serving.engine import DecoderEngine
+
+    tok = tiny_tokenizer()
+    model = enable_mars(tiny_model("llama", tokenizer=tok))
+    model.generation_config.eos_token_id = tok.eos_token_id
+    steep = {1: 1.0, 2: 5.0, 10: 9.0}
+    monkeypatch.setattr(
+        cost_model, "measure", lambda model, *, batch, **_: CostTable.from_mapping(steep, "measured", batch)
+    )
+    engine = DecoderEngine(model, max_rows=4, max_length=96)
+    planner = engine.decoder.planner
+    assert {planner.cost_table(rows).source for rows in (1, 2, 4)} == {"measured"}
+    engine.decoder.cost_given = {1: 1.0, 12: 1.1, 40: 1.6}
+    for rows in (1, 2, 4):
+        table = planner.cost_table(rows)
+        assert table.source == "given" and table.batch == rows
+        assert table.as_dict() == CostTable.from_mapping({1: 1.0, 12: 1.1, 40: 1.6}, "given", rows).as_dict()
+
+
 @pytest.mark.parametrize("flag, expected", [([], "auto"), (["--cpu-kernels", "stock"], "stock")])
 def test_the_servers_kernels_come_from_its_flag(flag, expected):
     """`mars-hf serve` is our own command: it picks the measured-faster kernels by default ("auto"), unlike

@@ -265,7 +265,10 @@ class MARSBatchDecoder:
 
     @cost_given.setter
     def cost_given(self, table) -> None:
+        # the curves already in use (a server measures them all at start-up) give way to the given one
         self.planner.cost_given = table
+        self.planner.cost_tables.clear()
+        self.planner.unknown_buckets.clear()
 
     def measure_costs(self) -> None:
         """Measure the cost curves of every batch bucket up to ``max_rows`` now into the settings'
