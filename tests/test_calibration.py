@@ -387,7 +387,7 @@ def test_write_calibration_into_an_adapter_folder_refreshes_custom_generate(tmp_
     record = {"method": "isotonic", "offsets": [{"x": [0.5], "y": [0.5]}]}
     write_calibration(tmp_path, record)
     assert json.loads((tmp_path / "mars_config.json").read_text())["calibration"] == record
-    assert "calibration" in (tmp_path / "custom_generate" / "acceptance.py").read_text()
+    assert "calibration" in (tmp_path / "custom_generate" / "decoder.py").read_text()
     with pytest.raises(FileNotFoundError, match="MARS checkpoint"):
         write_calibration(tmp_path / "nothing", record)
 

@@ -97,7 +97,7 @@ def test_the_rules_processing_seeds_and_calibration_are_the_librarys_own_modules
     """custom_generate/rules.py, processing.py, sampling.py and calibration.py are mars_hf/decoding's own modules,
     copied verbatim (the acceptance rules' primitives, the logits processors at provisional prefixes, the keyed
     draws and the calibrated confidence have one implementation), nothing of those names is kept apart in
-    custom_generate_src/, and the shipped acceptance uses the rules and the library's processing."""
+    custom_generate_src/, and the shipped decoder chooses, checks and proposes with the library's processing."""
     from mars_hf.decoding import calibration as mars_calibration
     from mars_hf.decoding import processing as mars_processing
     from mars_hf.decoding import rules as mars_rules
@@ -109,10 +109,13 @@ def test_the_rules_processing_seeds_and_calibration_are_the_librarys_own_modules
         name = Path(module.__file__).name
         assert (target / name).read_bytes() == Path(module.__file__).read_bytes(), name
         assert not (SOURCE_DIR / name).exists()
-    shipped = (target / "acceptance.py").read_text()
-    assert "from .rules import" in shipped and "def confidence" not in shipped
-    assert "from .processing import ScoreProcessing" in shipped and "_by_prefix" not in shipped
-    assert "class Calibration" not in shipped
+    # the rules' loops are the library's ScoreProcessing methods, not a shipped acceptance.py of its own
+    assert not (target / "acceptance.py").exists()
+    shipped = (target / "decoder.py").read_text()
+    assert "from .rules import" in shipped and "def confidence" not in shipped and "def choose" not in shipped
+    for method in ("chosen", "checked", "proposed"):  # what the library's acceptance and drafts run too
+        assert f"self.processing.{method}(" in shipped
+    assert "_by_prefix" not in shipped and "class Calibration" not in shipped
 
 
 # ---------------------------------------------------------------------------------------------- same tokens

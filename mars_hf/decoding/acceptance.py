@@ -29,6 +29,7 @@ from .rules import (  # noqa: F401  (the rules' primitives, re-exported where th
     POSITION_FREE_PROCESSORS,
     choose,
     confidence,
+    confidences,
     one_token_per_step,
     passes,
     threshold_count,
@@ -180,7 +181,6 @@ def _threshold_predictions(step, rows, plans, group, kept_of, anchors):
     verification's token), with their confidences (calibrated where the model has a calibration):
     ``(logits, scores, spans, tokens, confidences)``, the last two as host lists."""
     first = rows[group[0]]
-    processing, metric = first.processing, first.metric
 
     def columns(i):
         plan, kept = plans[i], kept_of[i]
@@ -190,47 +190,17 @@ def _threshold_predictions(step, rows, plans, group, kept_of, anchors):
 
     raw, spans = step.gather_spans(group, columns)
     forced = {start: anchors[i][1] for i, (start, _) in zip(group, spans) if i in anchors}
-    if processing.position_free:
-        scores = processing.free(raw)
-        places = [p for i, (_, count) in zip(group, spans) for p in _places(rows[i], kept_of[i], count)]
-        tokens = choose(scores, places if first.noise is not None else None)
-        for start, token in forced.items():
-            tokens[start] = token
-    else:
-        scores, tokens = _choose_in_order(step, rows, group, spans, raw, processing, kept_of, forced)
-    # one transfer to the host; the §2 rule then runs on W + 1 numbers per row
-    chosen_all, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
-    if step.calibration is not None and metric == "probability":
-        for start, count in spans:  # entry 0 is prediction 0 (always kept), entry k is mask k
-            step.calibration.apply_span(values, start + 1, count - 1, first_offset=1)
+    draws = None if first.noise is None else [_draw(rows[i], kept_of[i]) for i in group]
+    scores, tokens = first.processing.chosen(
+        raw,
+        spans,
+        [rows[i].batch_index for i in group],
+        [rows[i].column + kept_of[i] for i in group],
+        draws,
+        forced,
+    )
+    chosen_all, values = confidences(scores, tokens, first.metric, spans, step.calibration)
     return raw, scores, spans, chosen_all, values
-
-
-def _choose_in_order(step, rows, group, spans, raw, processing, kept_of, forced):
-    """Prefix-dependent processors: prediction ``j`` sees the tokens chosen at ``0 … j-1`` (after the row's
-    kept drafts)."""
-    scores = torch.empty_like(raw)
-    tokens = torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
-    sampled = rows[group[0]].noise is not None
-    for j in range(max(count for _, count in spans)):
-        active = [(i, start + j) for i, (start, count) in zip(group, spans) if j < count]
-        flat = [k for _, k in active]
-        picked = processing.at_prefixes(
-            raw[flat],
-            [rows[i].batch_index for i, _ in active],
-            [rows[i].column + kept_of[i] + j for i, _ in active],
-        )
-        places = [_places(rows[i], kept_of[i] + j, 1)[0] for i, _ in active] if sampled else None
-        chosen = choose(picked, places)
-        for position, k in enumerate(flat):
-            if k in forced:
-                chosen[position] = forced[k]
-        scores[flat] = picked
-        tokens[flat] = chosen
-        step.write(
-            processing, [(rows[i], rows[i].column + kept_of[i] + j) for i, _ in active], chosen.tolist()
-        )
-    return scores, tokens
 
 
 def decide_verify(step: StepLogits, rows, plans, fed, members) -> dict[int, Decision]:
@@ -257,28 +227,17 @@ def check_drafts(step: StepLogits, rows, plans, fed, group) -> dict:
     decides the token at ``len(tokens) + j``: its argmax, or its keyed draw)."""
     first = rows[group[0]]
     raw, spans = step.gather_spans(group, lambda i: plans[i].check_columns)
-    scores = _checks_processed(step, rows, fed, group, spans, raw, first.processing)
-    places = [p for i, (_, count) in zip(group, spans) for p in _places(rows[i], 0, count)]
-    own = choose(scores, places if first.noise is not None else None).tolist()
+    batch_rows, columns = [rows[i].batch_index for i in group], [rows[i].column for i in group]
+    draws = None if first.noise is None else [_draw(rows[i], 0) for i in group]
+    scores, own = first.processing.checked(
+        raw, spans, batch_rows, columns, [fed[i].tokens for i in group], draws
+    )
+    own = own.tolist()
     checked = {}
     for i, (start, count) in zip(group, spans):
         kept = verify_drafts(fed[i].tokens, own[start : start + count])
         checked[i] = (kept, own[start + kept], scores[start : start + count], raw[start : start + count])
     return checked
-
-
-def _checks_processed(step, rows, fed, group, spans, raw, processing):
-    """The checks' scores after the processors; check ``j`` sees the fresh tokens and drafts ``0 … j-1``."""
-    if processing.position_free:
-        return processing.free(raw)
-    for i in group:
-        row = rows[i]
-        step.write(processing, [(row, row.column + j) for j in range(len(fed[i]))], list(fed[i].tokens))
-    batch_rows, lengths = [], []
-    for i, (_, count) in zip(group, spans):
-        batch_rows += [rows[i].batch_index] * count
-        lengths += [rows[i].column + j for j in range(count)]
-    return processing.at_prefixes(raw, batch_rows, lengths)
 
 
 def decide_drafts_then_threshold(step: StepLogits, rows, plans, fed, members) -> dict[int, Decision]:
@@ -292,11 +251,10 @@ def decide_drafts_then_threshold(step: StepLogits, rows, plans, fed, members) ->
     return decide_threshold(step, rows, plans, fed, members, anchors)
 
 
-def _places(row, first: int, count: int) -> list:
-    """``(RowNoise, position)`` of a row's predictions for the tokens at ``len(tokens) + first + k``,
-    ``k < count`` (a greedy row's noise is None; its places are never read)."""
-    base = len(row.tokens) + first
-    return [(row.noise, base + k) for k in range(count)]
+def _draw(row, first: int) -> tuple:
+    """``(RowNoise, position)`` of a row's prediction of the token at ``len(tokens) + first`` (the next ones
+    follow it; a greedy row's noise is None and never read)."""
+    return row.noise, len(row.tokens) + first
 
 
 def _groups(rows, members, key):

@@ -24,7 +24,8 @@ from typing import Protocol
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from .sampling import KeyedNoiseProcessor, keyed_choice, noise_for
+from .rules import proposal_count
+from .sampling import KeyedNoiseProcessor
 
 LOOKUP = "lookup"  # the prompt-lookup source's name in statistics (``MARSGenerateOutput``, serving usage)
 MASKS = "masks"  # the masks' own drafts
@@ -106,38 +107,21 @@ class MaskDrafts:
         raw, spans = self.step.gather_spans(
             [s for s, _ in groups], lambda s: plans[s].group_columns[kept_at[s]]
         )
-        scores = self.processing.for_drafts(raw)
-        if rows[0].noise is not None:
-            # mask j of the group after kept prefix k predicts the token at len(tokens) + k + 1 + j
-            places = [
-                (rows[i].noise, len(rows[i].tokens) + kept[i] + 1 + j)
-                for i, (_, width) in enumerate(spans)
-                for j in range(width)
-            ]
-            tokens = keyed_choice(scores, noise_for(places, scores.shape[-1], scores.device))
-            confidences = torch.softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(1)
-        else:
-            confidences, tokens = torch.softmax(scores, -1).max(-1)
-        tokens, confidences = tokens.tolist(), confidences.tolist()
-        if self.step.calibration is not None:  # draft j of a group is mask j + 1
-            for start, width in spans:
-                self.step.calibration.apply_span(confidences, start, width, first_offset=1)
+        # mask j of the group after kept prefix k predicts the token at len(tokens) + k + 1 + j
+        draws = (
+            None
+            if rows[0].noise is None
+            else [(row.noise, len(row.tokens) + k + 1) for row, k in zip(rows, kept)]
+        )
+        tokens, confidences = self.processing.proposed(raw, spans, draws, self.step.calibration)
         proposals = []
         for i, (start, width) in enumerate(spans):
-            count = _leading_at_least(confidences[start : start + width], rows[i].floor)
+            count = proposal_count(confidences[start : start + width], rows[i].floor)
             count = min(count, max(rooms[i], 0))
             proposals.append(
                 Drafts(tuple(tokens[start : start + count]), tuple(confidences[start : start + count]))
             )
         return proposals
-
-
-def _leading_at_least(confidences: list[float], floor: float) -> int:
-    """How many leading drafts reach the proposal ``floor``."""
-    count = 0
-    while count < len(confidences) and confidences[count] >= floor:
-        count += 1
-    return count
 
 
 class PromptLookup:

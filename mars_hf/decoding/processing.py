@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from .rules import POSITION_FREE_PROCESSORS
+from .rules import POSITION_FREE_PROCESSORS, choose
 
 
 class ScoreProcessing:
@@ -76,12 +76,81 @@ class ScoreProcessing:
             out[picked] = _call_each(processors, self.sequences[:, :length], full)[index]
         return out
 
+    def chosen(self, raw: torch.Tensor, spans, rows: list[int], columns: list[int], draws=None, forced=None):
+        """``(scores, tokens)`` of a step's predictions, processed and chosen as stock decoding would, one after
+        the other: ``spans[i] = (start, count)`` are row ``i``'s entries of ``raw``, and its prediction ``j`` is
+        the token at column ``columns[i] + j`` of batch row ``rows[i]``, seeing the tokens chosen at ``0 … j-1``
+        (written into the buffer). ``draws[i] = (RowNoise, position of prediction 0)`` for sampled rows (None:
+        greedy); ``forced``: ``{entry: token}`` chosen elsewhere (a draft model's kept prefix, §5 with τ)."""
+        forced = forced or {}
+        if self.position_free:
+            scores = self.free(raw)
+            tokens = choose(scores, _places(draws, _every(spans)))
+            for entry, token in forced.items():
+                tokens[entry] = token
+            return scores, tokens
+        scores = torch.empty_like(raw)
+        tokens = torch.zeros(raw.shape[0], dtype=torch.long, device=raw.device)
+        for j in range(max((count for _, count in spans), default=0)):
+            active = [(i, start + j) for i, (start, count) in enumerate(spans) if j < count]
+            entries = [k for _, k in active]
+            where = [(rows[i], columns[i] + j) for i, _ in active]
+            picked = self.at_prefixes(raw[entries], [r for r, _ in where], [c for _, c in where])
+            chosen = choose(picked, _places(draws, [(i, j) for i, _ in active]))
+            for position, entry in enumerate(entries):
+                if entry in forced:
+                    chosen[position] = forced[entry]
+            scores[entries], tokens[entries] = picked, chosen
+            self.write(where, chosen.tolist())
+        return scores, tokens
+
+    def checked(self, raw: torch.Tensor, spans, rows: list[int], columns: list[int], fed, draws=None):
+        """``(scores, the model's own tokens)`` of verification's checks (MARS_SPEC §6): row ``i``'s check ``j``
+        (entry ``spans[i][0] + j`` of ``raw``) predicts the token at column ``columns[i] + j`` of batch row
+        ``rows[i]`` after the fed drafts ``fed[i][:j]`` (written into the buffer here); its own token is the
+        argmax, or the keyed draw of ``draws`` (as in ``chosen``)."""
+        if self.position_free:
+            scores = self.free(raw)
+        else:
+            for i, tokens in enumerate(fed):
+                self.write([(rows[i], columns[i] + j) for j in range(len(tokens))], list(tokens))
+            every = _every(spans)
+            scores = self.at_prefixes(raw, [rows[i] for i, _ in every], [columns[i] + j for i, j in every])
+        return scores, choose(scores, _places(draws, _every(spans)))
+
+    def proposed(self, raw: torch.Tensor, spans, draws=None, calibration=None):
+        """Host lists ``(tokens, confidences)`` of drafts proposed by mask predictions (``spans[i]``: row ``i``'s
+        mask group, one after the other in ``raw``; ``draws`` as in ``chosen``): the argmax or keyed draw after
+        the position-free processors (``for_drafts``), with its probability, calibrated where the model has a
+        calibration (draft j of a group is mask j + 1)."""
+        scores = self.for_drafts(raw)
+        if draws is not None:
+            tokens = choose(scores, _places(draws, _every(spans)))
+            probs = torch.softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(1)
+        else:
+            probs, tokens = torch.softmax(scores, -1).max(-1)
+        tokens, probs = tokens.tolist(), probs.tolist()
+        if calibration is not None:
+            for start, width in spans:
+                calibration.apply_span(probs, start, width, first_offset=1)
+        return tokens, probs
+
     def write(self, places, tokens) -> None:
         """Write provisional tokens at ``(batch row, column)`` places of the token buffer (nothing without one)."""
         if self.sequences is None or not places:
             return
         rows, columns = torch.tensor(places, device=self.sequences.device).T
         self.sequences[rows, columns] = torch.tensor(tokens, dtype=torch.long, device=self.sequences.device)
+
+
+def _every(spans) -> list[tuple[int, int]]:
+    """``(row, prediction)`` of every entry, in order (the spans lie one after the other)."""
+    return [(i, j) for i, (_, count) in enumerate(spans) for j in range(count)]
+
+
+def _places(draws, pairs):
+    """The keyed draws' ``(RowNoise, position)`` of ``(row, prediction)`` pairs; None for greedy rows."""
+    return None if draws is None else [(draws[i][0], draws[i][1] + j) for i, j in pairs]
 
 
 def _call_each(processors, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,17 @@ def confidence(scores: torch.Tensor, tokens: torch.Tensor, metric: str) -> torch
     return (top2[:, 0] - top2[:, 1]).double()
 
 
+def confidences(scores: torch.Tensor, tokens: torch.Tensor, metric: str, spans, calibration=None):
+    """Host lists ``(tokens, confidences)`` in one transfer (the §2 rule then runs on W + 1 numbers per row);
+    with a calibration (probability metric), each span's mask entries are calibrated (entry 0 of a span is
+    prediction 0, always kept; entry k is mask k)."""
+    chosen, values = torch.stack([tokens.double(), confidence(scores, tokens, metric)]).tolist()
+    if calibration is not None and metric == "probability":
+        for start, count in spans:
+            calibration.apply_span(values, start + 1, count - 1, first_offset=1)
+    return [int(t) for t in chosen], values
+
+
 def passes(value: float, tau: float, metric: str) -> bool:
     """p(chosen) >= τ, p1 - p2 >= τ, or H <= τ."""
     return value <= tau if metric == "entropy" else value >= tau
@@ -71,6 +82,14 @@ def threshold_count(passed: list[bool], limit: int) -> int:
     """Prediction 0 always; then predictions while they pass; at most ``limit``."""
     count = min(1, limit)
     while count < limit and passed[count]:
+        count += 1
+    return count
+
+
+def proposal_count(confidences: list[float], floor: float) -> int:
+    """How many leading drafts reach the proposal ``floor`` (verify's τ)."""
+    count = 0
+    while count < len(confidences) and confidences[count] >= floor:
         count += 1
     return count
 

@@ -24,7 +24,7 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent / "custom_generate_src"
 # The files copied into ``custom_generate/`` (same names there).
 CUSTOM_GENERATE_FILES = (
-    "generate.py", "decoder.py", "acceptance.py", "rules.py", "processing.py", "sampling.py", "calibration.py",
+    "generate.py", "decoder.py", "rules.py", "processing.py", "sampling.py", "calibration.py",
     "gated_lora.py",
 )  # fmt: skip
 # Shipped files that are the library's own modules, copied verbatim (one set of rules, not two copies kept equal).

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .acceptance import propose_drafts, threshold_rule, verify_rule
+from .rules import confidences, one_token_per_step, passes, proposal_count, threshold_count, verify_drafts
 from .sampling import RowNoise
 
 
@@ -59,9 +59,9 @@ class Decoder:
         self.attention: torch.Tensor | None = None  # [live rows, cached columns]: 1 = a real cached token
         self.rows: list[Row] = []  # every row, in batch order
         for b, (ids, lead, tau) in enumerate(zip(input_ids.tolist(), leads, settings.thresholds)):
-            one_token = settings.acceptance in ("probability", "margin") and tau is not None and tau >= 1.0
             noise = RowNoise(seed, b) if seed is not None else None
-            self.rows.append(Row(b, ids, lead, tau, 0 if one_token else settings.window, noise))
+            window = 0 if one_token_per_step(settings.acceptance, tau) else settings.window
+            self.rows.append(Row(b, ids, lead, tau, window, noise))
         self.live = [row for row in self.rows if max_new > 0]
         self.num_forwards = 0
         self.score_records: list | None = None  # set to a list to keep (row, start, scores, logits)
@@ -115,30 +115,43 @@ class Decoder:
         which = torch.tensor(pairs, device=logits.device).T
         return logits[which[0], which[1]].float(), spans
 
+    @staticmethod
+    def _draws(rows, firsts):
+        """Each row's keyed draw ``(noise, position of its first prediction)``; None when greedy (all rows share
+        the call's sampling)."""
+        return (
+            None if rows[0].noise is None else [(row.noise, row.length + k) for row, k in zip(rows, firsts)]
+        )
+
     def _threshold(self, rows, masks, logits, first):
-        """τ rows: prediction 0 at the last fresh token, then one per mask."""
+        """τ rows (MARS_SPEC §2): prediction 0 at the last fresh token, always kept, then the masks' predictions
+        left to right while they pass τ."""
         columns = [list(range(len(row.fresh) - 1, len(row.fresh) + m)) for row, m in zip(rows, masks)]
         raw, spans = self._gather(logits, columns, first)
-        s = self.settings
-        scores, kept = threshold_rule(
-            rows, raw, spans, self.processing, s.acceptance, s.calibration, self.max_new
-        )
+        metric, where = self.settings.acceptance, ([row.b for row in rows], [row.column for row in rows])
+        scores, tokens = self.processing.chosen(raw, spans, *where, self._draws(rows, [0] * len(rows)))
+        chosen, values = confidences(scores, tokens, metric, spans, self.settings.calibration)
         results = []
-        for row, tokens, (start, _) in zip(rows, kept, spans):
-            final = self._stops(row, tokens)
+        for row, (start, count) in zip(rows, spans):
+            limit = min(count, self.max_new - len(row.generated))
+            n = threshold_count([passes(v, row.tau, metric) for v in values[start : start + count]], limit)
+            final = self._stops(row, chosen[start : start + n])
             self._record(row, scores[start : start + len(final)], raw[start : start + len(final)])
             results.append((final, len(row.fresh), 0))
         return results
 
     def _verify(self, rows, masks, logits, first):
-        """Verify rows: check last step's drafts (check j at the real token before draft j); rows that kept them
-        all get new drafts from the masks after them."""
+        """Verify rows (MARS_SPEC §6): check last step's drafts (check j at the real token before draft j) against
+        the model's own argmax or keyed draw; rows that kept them all get new drafts from the masks after them."""
         columns = [list(range(len(row.fresh) - 1, len(row.fresh) + len(row.drafts))) for row in rows]
         raw, spans = self._gather(logits, columns, first)
-        scores, outcome = verify_rule(rows, raw, spans, self.processing)
+        where, fed = ([row.b for row in rows], [row.column for row in rows]), [row.drafts for row in rows]
+        scores, own = self.processing.checked(raw, spans, *where, fed, self._draws(rows, [0] * len(rows)))
+        own = own.tolist()
         results, followers, mask_columns = [], [], []
-        for row, (kept, token), (start, _), m in zip(rows, outcome, spans, masks):
-            new = (row.drafts[:kept] + [token])[: self.max_new - len(row.generated)]
+        for row, (start, _), m in zip(rows, spans, masks):
+            kept = verify_drafts(row.drafts, own[start : start + len(row.drafts)])
+            new = (row.drafts[:kept] + [own[start + kept]])[: self.max_new - len(row.generated)]
             final = self._stops(row, new)
             self._record(row, scores[start : start + len(final)], raw[start : start + len(final)])
             committed = min(kept, len(final))
@@ -148,9 +161,14 @@ class Decoder:
                 mask_columns.append(list(range(len(row.fresh) + kept, len(row.fresh) + kept + m)))
             else:
                 row.drafts = []
-        if followers:
+        if followers:  # a sampled row's draft at t is its mask's keyed draw at t
             raw, spans = self._gather(logits, mask_columns, first)
-            propose_drafts(followers, raw, spans, self.processing, self.settings.calibration, self.max_new)
+            draws = self._draws([row for row, _, _ in followers], [kept + 1 for _, kept, _ in followers])
+            tokens, probs = self.processing.proposed(raw, spans, draws, self.settings.calibration)
+            for (row, _, taken), (start, width) in zip(followers, spans):
+                n = proposal_count(probs[start : start + width], row.floor)  # drafts stop below the floor
+                room = self.max_new - len(row.generated) - taken - 1
+                row.drafts = tokens[start : start + min(n, max(room, 0))]
         return results
 
     def _stops(self, row: Row, tokens: list[int]) -> list[int]:
