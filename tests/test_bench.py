@@ -800,7 +800,8 @@ def test_the_compiled_grid_runs_mars_on_the_fast_path_beside_stock_eager_and_sto
         "probability"
     )
     assert verify["cache_implementation"] == "static" and not verify["compile_config"]._compile_all_devices
-    assert verify["compile_config"].options == {"freezing": True}  # a CPU's: prepacked weights
+    assert verify["compile_config"].options == {"freezing": True}  # a CPU's MARS rows: prepacked weights
+    assert stock_compiled["compile_config"].options in (None, {})  # transformers' loop would not freeze
 
 
 def test_a_compiled_row_is_divided_by_mars_off_on_the_compiled_path():

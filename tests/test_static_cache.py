@@ -243,6 +243,50 @@ def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monke
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
+@pytest.mark.slow
+def test_weight_freezing_takes_effect_and_every_call_decodes_on_its_own_cache(monkeypatch):
+    """``compile_config.options={"freezing": True}`` (our commands' CPU config) really freezes: Inductor's freezing
+    compiler runs (Dynamo reads the switch when it traces, so the decoder turns it on around its compiled calls),
+    and freezing makes the weights constants but never the static cache: calls with other prompts and batch sizes
+    (new caches) still equal stock greedy and add no graph."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import compile_fx
+
+    frozen = []
+    freezing_compiler = compile_fx.fw_compiler_freezing
+
+    def spy(*args, **kwargs):
+        # the weights Dynamo made attributes of the graph (not inputs): what freezing folds into constants
+        frozen.append(sum(node.op == "get_attr" for node in kwargs["dynamo_model"].graph.nodes))
+        return freezing_compiler(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "fw_compiler_freezing", spy)
+    torch._dynamo.reset()
+    counters.clear()
+    tokenizer = tiny_tokenizer()
+    mask = tokenizer.mask_token_id
+    base = tiny_model("llama", tokenizer=tokenizer, block_size=2).eval()
+    model = enable_mars(gated(tiny_model("llama", tokenizer=tokenizer, block_size=2).eval(), mask))
+    config = CompileConfig(fullgraph=True, mode=None, options={"freezing": True})
+    for seed, (batch, lengths) in enumerate([(3, (9, 5, 7)), (2, (11, 4)), (3, (6, 8, 3))]):
+        ids, attention = left_padded(batch=batch, seed=seed, lengths=lengths, mask=mask)
+        stock = base.generate(ids, attention_mask=attention, max_new_tokens=10, do_sample=False)
+        for mode in MODES[:2]:
+            out = model.generate(
+                ids,
+                attention_mask=attention,
+                cache_implementation="static",
+                compile_config=config,
+                max_cache_len=64,
+                max_new_tokens=10,
+                do_sample=False,
+                **mode,
+            )
+            assert torch.equal(out, stock), (lengths, mode)
+        assert frozen and min(frozen) > 0, frozen
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one per step width, as unfrozen
+
+
 # ------------------------------------------------------------------------------ everything that works elsewhere
 
 
@@ -347,7 +391,7 @@ def test_stopping_criteria_and_streamers_on_the_static_cache(trained):
 
 def test_the_static_cache_leaves_the_kernels_to_the_compiler():
     """``mars_cpu_kernels="packed"`` packs the eager path's linears; on the fast path the compiler picks the
-    kernels (Inductor's weight freezing refuses linears already packed), so the linears stay stock there."""
+    kernels (the packed linears are the eager path's; Inductor emits its own), so the linears stay stock there."""
     from mars_hf.decoding.cpu_kernels import last_kernels
 
     tokenizer = tiny_tokenizer()

@@ -263,7 +263,9 @@ class MARSStaticLayer(MARSCacheLayer):
         self.is_initialized = True
         rows = max(self.max_rows or 0, self.plan.first + key_states.shape[0])
         self._allocate(rows, self.capacity_hint, key_states, value_states)
-        if not torch.compiler.is_compiling():  # stable addresses let CUDA graphs reuse the buffers
+        # Stable addresses let CUDA graphs reuse the buffers. Not on a CPU (no graphs to replay): there Inductor's
+        # weight freezing would make a static-address buffer a constant of the graph, one call's cache for all.
+        if self.device.type != "cpu" and not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(self._key_buffer)
             torch._dynamo.mark_static_address(self._value_buffer)
 

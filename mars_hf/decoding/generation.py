@@ -331,7 +331,7 @@ def _static_feed(model, settings: MARSDecodingSettings, assistant: bool) -> MARS
     (``cost_model.columns_nearly_free``: an accelerator, a CPU computing bf16 natively) the fixed linear feed, every
     step at the full width; elsewhere verify's planner chooses between a plain step and a full one on the
     assumed or given curve read at those widths (``cost_model.static_steps_curve``). The compiler picks the
-    kernels (Inductor's freezing refuses linears already packed by ``cpu_kernels``)."""
+    kernels (``cpu_kernels``' packed linears are the eager path's; Inductor emits its own)."""
     if settings.cost_memory is not None:
         raise ValueError(
             "`mars_cost_probe` measures eager steps of every width, but a static cache's steps run at one column or "
@@ -484,7 +484,20 @@ def compiled_forward(model, generation_config):
             "Offloaded models are not compiled (as in transformers); decoding eager on the static cache."
         )
         return None
-    return model.get_compiled_call(config)
+    call = model.get_compiled_call(config)
+    return _with_freezing(call) if config is not None and (config.options or {}).get("freezing") else call
+
+
+def _with_freezing(call):
+    """``call`` run with Inductor's weight freezing on, as ``compile_config.options={"freezing": True}`` asks: Dynamo
+    reads the switch when it traces a forward (it then makes the parameters constants that Inductor prepacks),
+    before the backend applies the config's options, so given as an option alone it never took effect."""
+
+    def frozen_call(*args, **kwargs):
+        with torch._inductor.config.patch(freezing=True):
+            return call(*args, **kwargs)
+
+    return frozen_call
 
 
 def _row_settings(

@@ -95,17 +95,18 @@ class BenchConfiguration:
 
 def fast_compile_config(device: str = "cpu", stock: bool = False, freezing: bool = True):
     """The ``CompileConfig`` our commands decode with: Inductor, ``fullgraph`` (a graph break fails loudly instead
-    of falling back); on an accelerator transformers' default mode (CUDA graphs). On a CPU with weight freezing
-    where the steps are timed (decoding runs without gradients, so the weights are constants Inductor prepacks:
-    up to about 10 % faster steps here), without it where the compile is (``freezing=False``, `mars-hf generate`):
-    freezing bypasses AOTAutograd's cache, so every process compiled for about 50 s, where without it a later
-    process compiles a step from the on-disk caches in about 15 s (docs/lab/fast_path_log.md). MARS compiles on
-    any device when given a config; stock ``generate`` on a CPU only with the config's own switch for that
-    (``_compile_all_devices``), which ``stock`` sets."""
+    of falling back); on an accelerator transformers' default mode (CUDA graphs). On a CPU MARS decodes with weight
+    freezing where the steps are timed (decoding runs without gradients, so the weights are constants Inductor
+    prepacks: a step of SmolLM2 in bf16 about 1.4× faster here, docs/lab/fast_path_log.md), without it where the
+    compile is (``freezing=False``, `mars-hf generate`): freezing bypasses AOTAutograd's on-disk cache, so every
+    process compiles anew. Stock ``generate`` gets no freezing (``stock``): in transformers' own loop the option never
+    reaches the traced graph, and set globally it would freeze transformers' static cache (its buffers have static
+    addresses) into the graph. MARS compiles on any device when given a config; stock ``generate`` on a CPU only with
+    the config's own switch for that (``_compile_all_devices``), which ``stock`` sets."""
     from transformers import CompileConfig
 
     if str(device).split(":")[0] == "cpu":
-        options = {"freezing": True} if freezing else {}
+        options = {"freezing": True} if freezing and not stock else {}
         config = CompileConfig(fullgraph=True, mode=None, options=options)
     else:
         config = CompileConfig(fullgraph=True)
