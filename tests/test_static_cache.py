@@ -183,6 +183,19 @@ def test_gated_adapter_on_the_static_cache_keeps_the_base_model_greedy():
         assert torch.equal(out, stock), mode
 
 
+def fresh_compile_pair():
+    """The mask token, a tiny base model and the same model with a random mask-gated adapter, with Dynamo's
+    compiled graphs and counters reset."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    tokenizer = tiny_tokenizer()
+    mask = tokenizer.mask_token_id
+    base = tiny_model("llama", tokenizer=tokenizer, block_size=2).eval()
+    return mask, base, enable_mars(gated(tiny_model("llama", tokenizer=tokenizer, block_size=2).eval(), mask))
+
+
 @pytest.mark.slow
 def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monkeypatch):
     """τ = 1 and verify through the compiled forward (Inductor, as ``compile_config`` asks) on a gated model equal
@@ -191,12 +204,7 @@ def test_compiled_static_decoding_equals_stock_and_compiles_once_per_width(monke
     gated adapters since they feed no mask; the full step for verify)."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
-    tokenizer = tiny_tokenizer()
-    mask = tokenizer.mask_token_id
-    base = tiny_model("llama", tokenizer=tokenizer, block_size=2).eval()
-    model = enable_mars(gated(tiny_model("llama", tokenizer=tokenizer, block_size=2).eval(), mask))
+    mask, base, model = fresh_compile_pair()
     config = CompileConfig(fullgraph=True)  # a graph break fails the test
     # the traced gate: real positions bit-equal to the base model, masks adapted
     ids = torch.tensor([[5, 9, 11, 7, mask, mask]])
@@ -261,12 +269,7 @@ def test_weight_freezing_takes_effect_and_every_call_decodes_on_its_own_cache(mo
         return freezing_compiler(*args, **kwargs)
 
     monkeypatch.setattr(compile_fx, "fw_compiler_freezing", spy)
-    torch._dynamo.reset()
-    counters.clear()
-    tokenizer = tiny_tokenizer()
-    mask = tokenizer.mask_token_id
-    base = tiny_model("llama", tokenizer=tokenizer, block_size=2).eval()
-    model = enable_mars(gated(tiny_model("llama", tokenizer=tokenizer, block_size=2).eval(), mask))
+    mask, base, model = fresh_compile_pair()
     config = CompileConfig(fullgraph=True, mode=None, options={"freezing": True})
     for seed, (batch, lengths) in enumerate([(3, (9, 5, 7)), (2, (11, 4)), (3, (6, 8, 3))]):
         ids, attention = left_padded(batch=batch, seed=seed, lengths=lengths, mask=mask)
