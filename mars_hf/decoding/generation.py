@@ -491,7 +491,8 @@ def compiled_forward(model, generation_config):
 def _with_freezing(call):
     """``call`` run with Inductor's weight freezing on, as ``compile_config.options={"freezing": True}`` asks: Dynamo
     reads the switch when it traces a forward (it then makes the parameters constants that Inductor prepacks),
-    before the backend applies the config's options, so given as an option alone it never took effect."""
+    before the backend applies the config's options, so given as an option alone it never took effect. The switch
+    is Inductor's process-wide config, set for the length of each call: a thread compiling at the same time sees it."""
 
     def frozen_call(*args, **kwargs):
         with torch._inductor.config.patch(freezing=True):
