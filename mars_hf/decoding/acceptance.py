@@ -162,7 +162,7 @@ def decide_threshold(
         metric = rows[group[0]].metric
         for i, (start, count) in zip(group, spans):
             row, kept = rows[i], kept_of[i]
-            chosen = [int(t) for t in chosen_all[start : start + count]]
+            chosen = chosen_all[start : start + count]
             passed = [passes(v, row.tau, metric) for v in values[start : start + count]]
             n = threshold_count(passed, min(count, row.settings.max_new_tokens - row.generated - kept))
             final, reason = step.stops(row, list(fed[i].tokens[:kept]) + chosen[:n])
